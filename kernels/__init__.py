@@ -1,0 +1,1 @@
+"""Kernels: each op has a pure-JAX reference beside its Pallas kernels."""
