@@ -1,0 +1,253 @@
+"""Grouped matmul on Hopper with Pallas Mosaic GPU (wgmma + TMA pipelines), forward and backward.
+
+Layout: rows of `lhs [M, K]` are sorted by group; `group_sizes [G]` says how many rows each group
+owns (empty groups allowed, rows past the total are zero in the output).
+
+gmm  (forward and dlhs): one program per (N block, M block). It walks the groups that overlap its
+     block of rows (usually one; two or more only at group boundaries), runs a K-pipeline of
+     wgmma against that group's weights and keeps only the rows of that group (row mask on the
+     accumulator). Each output row belongs to exactly one group, so the masked merge is exact
+     and the whole [bm, bn] tile leaves with one TMA store; no ragged stores are needed.
+tgmm (drhs): one program per (N block, K block, group). It pipelines over the M blocks that
+     overlap the group, zeroes the rows of `dout` outside the group in the boundary blocks and
+     accumulates lhs_blk^T @ dout_blk into a [bk, bn] tile of out[g].
+
+Group metadata (offsets, first/last group of every M block) is computed by XLA outside the
+kernel. M, N and K are padded to block multiples outside the kernel (zero padding changes
+nothing). Operands must be 16-bit floats (bf16/f16, the wgmma types with transposed operands);
+accumulation is f32. On CPU the same kernels run in the Mosaic GPU interpreter (`interpret=True`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """Tile sizes: bm rows x bn columns of output, bk of contraction; `stages` TMA buffers."""
+
+    bm: int = 128
+    bn: int = 128
+    bk: int = 64
+    stages: int = 4
+
+    def __post_init__(self):
+        for name in ("bm", "bn", "bk"):
+            v = getattr(self, name)
+            if v % 64:
+                raise ValueError(f"Blocks.{name}={v} must be a multiple of 64 (wgmma tiles)")
+        if self.stages < 2:
+            raise ValueError(f"Blocks.stages={self.stages} must be >= 2 (one wgmma in flight)")
+
+
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def _pad_to(x, axis, multiple):
+    pad = (-x.shape[axis]) % multiple
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def _offsets(group_sizes):
+    """[G + 1] int32 start row of every group, then the total."""
+    gs = group_sizes.astype(jnp.int32)
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(gs, dtype=jnp.int32)])
+
+
+def _block_groups(offsets, num_m_blocks, bm):
+    """First and one-past-last group overlapping each M block (empty groups inside are skipped
+    by the kernel): [num_m_blocks] int32 each."""
+    row0 = jnp.arange(num_m_blocks, dtype=jnp.int32) * bm
+    first = jnp.searchsorted(offsets[1:], row0, side="right").astype(jnp.int32)
+    last = jnp.searchsorted(offsets[:-1], row0 + bm, side="left").astype(jnp.int32)
+    return first, last
+
+
+def _params(interpret):
+    return plgpu.InterpretGPUParams() if interpret else None
+
+
+def _check_dtypes(*xs):
+    for x in xs:
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"pallas_gpu gmm needs bf16/f16 operands, got {x.dtype}")
+
+
+def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, blocks=Blocks(), interpret=False,
+        out_dtype=None):
+    """lhs [M, K] x rhs [G, K, N] (or [G, N, K] with transpose_rhs) -> [M, N] by group."""
+    _check_dtypes(lhs, rhs)
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    m, k = lhs.shape
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
+    lhs_p = _pad_to(_pad_to(lhs, 0, bm), 1, bk)
+    rhs_p = _pad_to(_pad_to(rhs, 1, bn if transpose_rhs else bk), 2, bk if transpose_rhs else bn)
+    mp, kp = lhs_p.shape
+    np_ = rhs_p.shape[1] if transpose_rhs else rhs_p.shape[2]
+    num_m, num_n, num_k = mp // bm, np_ // bn, kp // bk
+    offsets = _offsets(group_sizes)
+    first, last = _block_groups(offsets, num_m, bm)
+
+    def body(off_ref, first_ref, last_ref, lhs_ref, rhs_ref, out_ref, o_smem):
+        nb = jax.lax.axis_index("n")
+        mb = jax.lax.axis_index("m")
+        row0 = mb * bm
+        o_smem[...] = jnp.zeros((bm, bn), out_dtype)
+
+        def one_group(g, carry):
+            start, end = off_ref[g], off_ref[g + 1]
+
+            @pl.when(end > start)
+            def _():
+                def acc_scope(acc_ref):
+                    def step(_, lhs_smem, rhs_smem):
+                        b = rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
+                        plgpu.wgmma(acc_ref, lhs_smem, b)
+                        plgpu.wgmma_wait(1)
+
+                    rhs_block = (bn, bk) if transpose_rhs else (bk, bn)
+                    rhs_index = (lambda kk: (nb, kk)) if transpose_rhs else (lambda kk: (kk, nb))
+                    plgpu.emit_pipeline(
+                        step,
+                        grid=(num_k,),
+                        in_specs=[
+                            plgpu.BlockSpec((bm, bk), lambda kk: (mb, kk), delay_release=1),
+                            plgpu.BlockSpec(rhs_block, rhs_index, delay_release=1),
+                        ],
+                        max_concurrent_steps=blocks.stages,
+                    )(lhs_ref, rhs_ref.at[g])
+                    plgpu.wgmma_wait(0)
+                    return acc_ref[...]
+
+                acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
+                rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bm, bn), 0)
+                keep = (rows >= start) & (rows < end)
+                o_smem[...] = jnp.where(keep, acc.astype(out_dtype), o_smem[...])
+
+            return carry
+
+        jax.lax.fori_loop(first_ref[mb], last_ref[mb], one_group, 0)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(row0, bm), pl.ds(nb * bn, bn)])
+        plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        scratch_types=[plgpu.SMEM((bm, bn), out_dtype)],
+        grid=(num_n, num_m),
+        grid_names=("n", "m"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=_params(interpret),
+    )
+    out = kernel(offsets, first, last, lhs_p, rhs_p)
+    return out[:m, :n]
+
+
+def tgmm(lhs, dout, group_sizes, *, blocks=Blocks(), interpret=False, out_dtype=None):
+    """lhs [M, K], dout [M, N] -> [G, K, N], out[g] = lhs[rows_g]^T @ dout[rows_g]."""
+    _check_dtypes(lhs, dout)
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    m, k = lhs.shape
+    n = dout.shape[1]
+    g_count = group_sizes.shape[0]
+    bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
+    lhs_p = _pad_to(_pad_to(lhs, 0, bm), 1, bk)
+    dout_p = _pad_to(_pad_to(dout, 0, bm), 1, bn)
+    kp, np_ = lhs_p.shape[1], dout_p.shape[1]
+    num_k, num_n = kp // bk, np_ // bn
+    offsets = _offsets(group_sizes)
+
+    def body(off_ref, lhs_ref, dout_ref, out_ref, o_smem):
+        nb = jax.lax.axis_index("n")
+        kb = jax.lax.axis_index("k")
+        g = jax.lax.axis_index("g")
+        start, end = off_ref[g], off_ref[g + 1]
+        mb0 = start // bm
+        num_steps = (end + bm - 1) // bm - mb0
+
+        @pl.when(end <= start)
+        def _():
+            o_smem[...] = jnp.zeros((bk, bn), out_dtype)
+
+        @pl.when(end > start)
+        def _():
+            def acc_scope(acc_ref):
+                def step(idx, lhs_smem, dout_smem):
+                    row0 = (mb0 + idx[0]) * bm
+
+                    @pl.when((row0 < start) | (row0 + bm > end))
+                    def _():
+                        rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bm, bn), 0)
+                        keep = (rows >= start) & (rows < end)
+                        dout_smem[...] = jnp.where(keep, dout_smem[...], 0).astype(dout_smem.dtype)
+                        plgpu.commit_smem()
+
+                    plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), dout_smem)
+                    plgpu.wgmma_wait(1)
+
+                plgpu.emit_pipeline(
+                    step,
+                    grid=(num_steps,),
+                    in_specs=[
+                        plgpu.BlockSpec((bm, bk), lambda i: (mb0 + i, kb), delay_release=1),
+                        plgpu.BlockSpec((bm, bn), lambda i: (mb0 + i, nb), delay_release=1),
+                    ],
+                    max_concurrent_steps=blocks.stages,
+                )(lhs_ref, dout_ref)
+                plgpu.wgmma_wait(0)
+                return acc_ref[...]
+
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((bk, bn)))
+            o_smem[...] = acc.astype(out_dtype)
+
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[g, pl.ds(kb * bk, bk), pl.ds(nb * bn, bn)])
+        plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((g_count, kp, np_), out_dtype),
+        scratch_types=[plgpu.SMEM((bk, bn), out_dtype)],
+        grid=(num_n, num_k, g_count),
+        grid_names=("n", "k", "g"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=_params(interpret),
+    )
+    out = kernel(offsets, lhs_p, dout_p)
+    return out[:, :k, :n]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def gmm_vjp(lhs, rhs, group_sizes, blocks=Blocks(), interpret=False):
+    """Differentiable gmm: dlhs = gmm(dout, rhs^T), drhs = tgmm(lhs, dout), both kernels."""
+    return gmm(lhs, rhs, group_sizes, blocks=blocks, interpret=interpret)
+
+
+def _gmm_fwd(lhs, rhs, group_sizes, blocks, interpret):
+    out = gmm(lhs, rhs, group_sizes, blocks=blocks, interpret=interpret)
+    return out, (lhs, rhs, group_sizes)
+
+
+def _gmm_bwd(blocks, interpret, res, dout):
+    lhs, rhs, group_sizes = res
+    dout = dout.astype(lhs.dtype)
+    dlhs = gmm(dout, rhs, group_sizes, transpose_rhs=True, blocks=blocks, interpret=interpret)
+    drhs = tgmm(lhs, dout, group_sizes, blocks=blocks, interpret=interpret, out_dtype=rhs.dtype)
+    return dlhs, drhs, np.zeros(group_sizes.shape, jax.dtypes.float0)
+
+
+gmm_vjp.defvjp(_gmm_fwd, _gmm_bwd)

@@ -1,0 +1,130 @@
+"""Grouped matmul: the Pallas Mosaic GPU kernels (interpreted on CPU) against `ragged_dot`,
+forward and both gradients, with empty groups, ragged sizes and rows past the total."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.gmm import gmm, resolve_impl, tgmm
+from kernels.gmm import pallas_gpu, reference
+from kernels.testing import assert_close
+
+BLOCKS = pallas_gpu.Blocks(bm=64, bn=64, bk=64, stages=2)
+
+# (M, K, N, group_sizes): empty first/middle/last groups, a group spanning several M blocks,
+# a 1-row group, rows past sum(group_sizes), K and N that are not block multiples.
+CASES = [
+    (150, 128, 64, [40, 0, 70, 1, 30]),
+    (96, 80, 72, [0, 96, 0]),
+    (130, 64, 128, [0, 0, 7, 64, 0, 50, 0]),
+]
+
+
+def _inputs(rng, m, k, n, sizes, dtype=jnp.bfloat16):
+    lhs = jnp.asarray(rng.normal(size=(m, k)), dtype)
+    rhs = jnp.asarray(rng.normal(size=(len(sizes), k, n)), dtype)
+    return lhs, rhs, jnp.asarray(sizes, jnp.int32)
+
+
+def _numpy_gmm(lhs, rhs, sizes):
+    lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
+    out = np.zeros((lhs.shape[0], rhs.shape[2]))
+    start = 0
+    for g, size in enumerate(sizes):
+        out[start:start + size] = lhs[start:start + size] @ rhs[g]
+        start += size
+    return out
+
+
+@pytest.mark.parametrize("m,k,n,sizes", CASES)
+def test_reference_matches_numpy(rng, m, k, n, sizes):
+    lhs, rhs, gs = _inputs(rng, m, k, n, sizes, jnp.float32)
+    assert_close("ref", _numpy_gmm(lhs, rhs, sizes), reference.gmm(lhs, rhs, gs), 1e-5)
+
+
+@pytest.mark.parametrize("m,k,n,sizes", CASES)
+def test_pallas_forward(rng, m, k, n, sizes):
+    lhs, rhs, gs = _inputs(rng, m, k, n, sizes)
+    out = pallas_gpu.gmm(lhs, rhs, gs, blocks=BLOCKS, interpret=True)
+    assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+    assert_close("gmm", _numpy_gmm(lhs, rhs, sizes), out, 5e-3)
+    out_t = pallas_gpu.gmm(lhs, jnp.swapaxes(rhs, 1, 2), gs, transpose_rhs=True, blocks=BLOCKS,
+                           interpret=True)
+    np.testing.assert_array_equal(np.asarray(out_t, np.float32), np.asarray(out, np.float32))
+
+
+@pytest.mark.parametrize("m,k,n,sizes", CASES[:2])
+def test_pallas_tgmm(rng, m, k, n, sizes):
+    lhs, _, gs = _inputs(rng, m, k, n, sizes)
+    dout = jnp.asarray(rng.normal(size=(m, n)), jnp.bfloat16)
+    out = pallas_gpu.tgmm(lhs, dout, gs, blocks=BLOCKS, interpret=True)
+    assert out.shape == (len(sizes), k, n)
+    assert_close("tgmm", reference.tgmm(lhs.astype(jnp.float32), dout.astype(jnp.float32), gs),
+                 out, 5e-3)
+    empty = [g for g, s in enumerate(sizes) if s == 0]
+    assert not np.any(np.asarray(out[np.asarray(empty, int)], np.float32))
+
+
+def test_pallas_gradients_match_ragged_dot(rng):
+    m, k, n, sizes = CASES[0]
+    lhs, rhs, gs = _inputs(rng, m, k, n, sizes)
+    w = jnp.asarray(rng.normal(size=(m, n)), jnp.float32)
+
+    def loss(fn, a, b):
+        return jnp.sum(fn(a, b).astype(jnp.float32) * w)
+
+    pallas = lambda a, b: pallas_gpu.gmm_vjp(a, b, gs, BLOCKS, True)  # noqa: E731
+    ragged = lambda a, b: reference.gmm(a, b, gs)  # noqa: E731
+    got = jax.jit(jax.grad(lambda a, b: loss(pallas, a, b), argnums=(0, 1)))(lhs, rhs)
+    want = jax.grad(lambda a, b: loss(ragged, a, b), argnums=(0, 1))(
+        lhs.astype(jnp.float32), rhs.astype(jnp.float32))
+    assert_close("dlhs", want[0], got[0], 1e-2)
+    assert_close("drhs", want[1], got[1], 1e-2)
+    assert got[0].dtype == lhs.dtype and got[1].dtype == rhs.dtype
+    # rows past sum(group_sizes) get no gradient
+    assert not np.any(np.asarray(got[0][sum(sizes):], np.float32))
+
+
+def test_public_api_impls_agree(rng):
+    m, k, n, sizes = CASES[2]
+    lhs, rhs, gs = _inputs(rng, m, k, n, sizes)
+    a = gmm(lhs, rhs, gs, impl="pallas_gpu", blocks=BLOCKS)
+    b = gmm(lhs, rhs, gs, impl="ragged_dot")
+    assert_close("api", np.asarray(b, np.float32), np.asarray(a, np.float32), 5e-3)
+    dout = jnp.asarray(rng.normal(size=(m, n)), jnp.bfloat16)
+    assert_close("api_t", np.asarray(tgmm(lhs, dout, gs, impl="ragged_dot"), np.float32),
+                 np.asarray(tgmm(lhs, dout, gs, impl="pallas_gpu", blocks=BLOCKS), np.float32),
+                 5e-3)
+    assert resolve_impl("auto", jnp.bfloat16) == "ragged_dot"  # CPU: no Hopper
+
+
+def test_bad_input_raises(rng):
+    lhs, rhs, gs = _inputs(rng, 8, 16, 8, [4, 4])
+    with pytest.raises(ValueError, match="Unknown impl"):
+        gmm(lhs, rhs, gs, impl="triton")
+    with pytest.raises(ValueError, match="shape mismatch"):
+        gmm(lhs, rhs[:, :8], gs)
+    with pytest.raises(ValueError, match="group_sizes"):
+        gmm(lhs, rhs, gs.astype(jnp.float32))
+    with pytest.raises(ValueError, match="bf16/f16"):
+        pallas_gpu.gmm(lhs.astype(jnp.float32), rhs.astype(jnp.float32), gs, interpret=True)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        pallas_gpu.Blocks(bm=48)
+
+
+@pytest.mark.gpu
+def test_compiled_kernels_on_gpu(rng):
+    """The compiled Mosaic GPU kernels (default blocks) against ragged_dot, fwd and grads."""
+    m, k, n, sizes = 1000, 256, 384, [300, 0, 1, 450, 0, 200]
+    lhs, rhs, gs = _inputs(rng, m, k, n, sizes)
+    w = jnp.asarray(rng.normal(size=(m, n)), jnp.float32)
+
+    def loss(impl, a, b):
+        return jnp.sum(gmm(a, b, gs, impl=impl).astype(jnp.float32) * w)
+
+    for out, want in zip(jax.grad(lambda a, b: loss("pallas_gpu", a, b), (0, 1))(lhs, rhs),
+                         jax.grad(lambda a, b: loss("ragged_dot", a, b), (0, 1))(lhs, rhs)):
+        assert_close("gpu_grad", np.asarray(want, np.float32), np.asarray(out, np.float32), 1e-2)
+    assert_close("gpu_fwd", np.asarray(gmm(lhs, rhs, gs, impl="ragged_dot"), np.float32),
+                 np.asarray(gmm(lhs, rhs, gs, impl="pallas_gpu"), np.float32), 5e-3)
