@@ -1,0 +1,85 @@
+"""Pieces shared by the mixers: settings parsing into frozen configs, the cache dtype rule,
+activation constraints and the float32 XLA attention used by softmax attention and MLA."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from kimi_jax.sharding import constrain
+
+BTD = ("act_batch", "act_len", "act_embed")
+BTHD = ("act_batch", "act_len", "act_heads", "act_kv")
+CACHE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+class MixerConfig:
+    """Mixin for the frozen config dataclasses: parsing from a settings dict, and checks."""
+
+    @classmethod
+    def from_settings(cls, settings):
+        settings = {} if settings is None else dict(settings)
+        allowed = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(k for k in settings if k not in allowed)
+        if unknown:
+            raise ValueError(f"Unknown settings {unknown} for {cls.__name__}; expected a subset of {allowed}")
+        return cls(**settings)
+
+    def _check_positive(self, *names, allow_none=()):
+        for name in names:
+            v = getattr(self, name)
+            if v is None and name in allow_none:
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{type(self).__name__}.{name} must be a positive int; got {v!r}")
+
+    def _check_choice(self, name, choices):
+        v = getattr(self, name)
+        if v not in choices:
+            raise ValueError(f"Unknown {type(self).__name__}.{name}={v!r}; expected one of {list(choices)}")
+
+    def cache_itemsize(self) -> int:
+        """Bytes per cached value: the `cache_dtype` setting, or bfloat16 (the serving dtype of
+        the released models) when it follows the compute dtype (None)."""
+        return jnp.dtype(self.cache_dtype or "bfloat16").itemsize
+
+    def resolve_cache_dtype(self, compute_dtype):
+        return jnp.dtype(self.cache_dtype) if self.cache_dtype else jnp.dtype(compute_dtype)
+
+
+def constrain_btd(x):
+    return constrain(x, BTD)
+
+
+def constrain_heads(x):
+    return constrain(x, BTHD)
+
+
+def causal_mask(segment_ids, T: int, batch_size: int):
+    """[B, 1, T, T] bool: causal, and within one packed document when segment_ids [B, T] is given."""
+    mask = jnp.tril(jnp.ones((T, T), bool))[None, None]
+    if segment_ids is not None:
+        if segment_ids.shape != (batch_size, T):
+            raise ValueError(f"segment_ids must be [B, T] = {(batch_size, T)}; got {segment_ids.shape}")
+        mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    return jnp.broadcast_to(mask, (batch_size, 1, T, T))
+
+
+def xla_attention(q, k, v, mask, scale: float):
+    """Softmax attention in float32 logits: q [B, T, H, Dk]; k [B, S, G, Dk]; v [B, S, G, Dv]
+    with H a multiple of G (GQA); mask broadcastable to [B, H, T, S]. Returns [B, T, H, Dv]."""
+    B, T, H, Dk = q.shape
+    G = k.shape[2]
+    if H % G or k.shape[-1] != Dk or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"xla_attention: q {q.shape}, k {k.shape}, v {v.shape} do not fit")
+    qg = q.reshape(B, T, G, H // G, Dk)
+    logits = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32) * scale
+    m = mask.reshape(mask.shape[0], -1, 1, *mask.shape[-2:]) if mask.shape[1] == 1 else mask.reshape(
+        mask.shape[0], G, H // G, *mask.shape[-2:]
+    )
+    logits = jnp.where(m, logits, jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bgrts,bsgd->btgrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(B, T, H, v.shape[-1]).astype(v.dtype)

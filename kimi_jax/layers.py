@@ -1,0 +1,229 @@
+"""Basic layers shared by every mixer and block: Linear (DenseGeneral), RMSNorm, gated RMSNorm,
+Embed, the causal short depthwise convolution with its decode cache, and RoPE.
+
+Every parameter is made by `param`, which attaches logical axis names (see `kimi_jax.sharding`).
+Compute dtype (`dtype`) and parameter dtype (`param_dtype`) are separate: parameters are stored
+in `param_dtype` and cast to `dtype` at use; norms and RoPE compute in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Shape = Sequence[int]
+
+
+def _mesh_active() -> bool:
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh is not None and not mesh.empty
+
+
+def param(rngs: nnx.Rngs, init, shape: Shape, names: Sequence[str | None], param_dtype) -> nnx.Param:
+    """An `nnx.Param` of `shape` carrying logical axis `names` (one per dimension).
+
+    The value is sharded eagerly only when a mesh is active (then the logical rules of the
+    context apply); without a mesh (tests, `nnx.eval_shape` on one host) the names are metadata.
+    """
+    shape, names = tuple(int(s) for s in shape), tuple(names)
+    if len(names) != len(shape):
+        raise ValueError(f"param needs one logical name per dimension; got shape={shape}, names={names}")
+    value = init(rngs.params(), shape, param_dtype)
+    return nnx.Param(value, out_sharding=names, eager_sharding=_mesh_active())
+
+
+def _as_tuple(x) -> tuple[int, ...]:
+    return (int(x),) if isinstance(x, int) else tuple(int(v) for v in x)
+
+
+class Linear(nnx.Module):
+    """DenseGeneral: contracts the trailing `in_features` axes of x with a kernel
+    [*in_features, *out_features]; `axes` names every kernel axis, in order."""
+
+    def __init__(
+        self,
+        in_features: int | Shape,
+        out_features: int | Shape,
+        *,
+        axes: Sequence[str | None],
+        use_bias: bool = False,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        kernel_init=None,
+        rngs: nnx.Rngs,
+    ):
+        self.in_features, self.out_features = _as_tuple(in_features), _as_tuple(out_features)
+        n_in, n_out = len(self.in_features), len(self.out_features)
+        if len(axes) != n_in + n_out:
+            raise ValueError(
+                f"Linear axes must name {n_in}+{n_out} kernel axes; got axes={tuple(axes)} for "
+                f"in_features={self.in_features}, out_features={self.out_features}"
+            )
+        if kernel_init is None:  # fan-in scaling over all contracted axes
+            kernel_init = nnx.initializers.variance_scaling(
+                1.0, "fan_in", "truncated_normal", in_axis=tuple(range(n_in)), out_axis=tuple(range(n_in, n_in + n_out))
+            )
+        self.dtype = dtype
+        self.kernel = param(rngs, kernel_init, self.in_features + self.out_features, axes, param_dtype)
+        self.bias = (
+            param(rngs, nnx.initializers.zeros, self.out_features, tuple(axes)[n_in:], param_dtype) if use_bias else None
+        )
+
+    def __call__(self, x):
+        """x [..., *in_features] -> [..., *out_features] in the compute dtype."""
+        n_in = len(self.in_features)
+        if tuple(x.shape[x.ndim - n_in :]) != self.in_features:
+            raise ValueError(f"Linear expects x [..., {self.in_features}]; got x.shape={x.shape}")
+        y = jnp.tensordot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), axes=n_in)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+def rms_normalize(x, eps: float):
+    """x / sqrt(mean(x^2) + eps) over the last axis, in float32."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis with a learned scale (init 1); computes in float32."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-5, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.dim, self.eps, self.dtype = int(dim), float(eps), dtype
+        self.scale = param(rngs, nnx.initializers.ones, (self.dim,), ("norm",), param_dtype)
+
+    def __call__(self, x):
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"RMSNorm({self.dim}) got x.shape={x.shape}")
+        return (rms_normalize(x, self.eps) * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+class GatedRMSNorm(RMSNorm):
+    """Per-head output norm of the recurrent mixers: RMSNorm(o) * w * sigmoid(gate), with one
+    weight [V] shared by all heads (fla's FusedRMSNormGated with activation="sigmoid")."""
+
+    def __call__(self, x, gate=None):
+        """x [..., V]; gate None or [..., V] (raw, before the sigmoid)."""
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"GatedRMSNorm({self.dim}) got x.shape={x.shape}")
+        y = rms_normalize(x, self.eps) * self.scale[...].astype(jnp.float32)
+        if gate is not None:
+            if gate.shape != x.shape:
+                raise ValueError(f"gate must match x: gate.shape={gate.shape}, x.shape={x.shape}")
+            y = y * jax.nn.sigmoid(gate.astype(jnp.float32))
+        return y.astype(self.dtype)
+
+
+class Embed(nnx.Module):
+    """Token embedding [vocab, embed]; `attend` gives tied logits."""
+
+    def __init__(self, vocab_size: int, dim: int, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.vocab_size, self.dim, self.dtype = int(vocab_size), int(dim), dtype
+        self.embedding = param(rngs, nnx.initializers.normal(1.0), (self.vocab_size, self.dim), ("vocab", "embed"), param_dtype)
+
+    def __call__(self, tokens):
+        """tokens [...] int -> [..., D] in the compute dtype."""
+        if not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"Embed expects integer tokens; got dtype {tokens.dtype}")
+        return jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+
+    def attend(self, x):
+        """x [..., D] -> logits [..., vocab] in float32."""
+        return jnp.einsum("...d,vd->...v", x.astype(self.dtype), self.embedding[...].astype(self.dtype)).astype(
+            jnp.float32
+        )
+
+
+class ShortConv(nnx.Module):
+    """Causal depthwise convolution of width W over time, then SiLU (fla ShortConvolution).
+
+    Weight [W, *channels]; the last tap multiplies the current token. Packed documents do not
+    see each other: taps reaching into an earlier segment read zero. The decode cache holds the
+    previous W-1 pre-activation inputs [B, W-1, *channels].
+    """
+
+    def __init__(
+        self,
+        channels: int | Shape,
+        *,
+        kernel_size: int = 4,
+        axes: Sequence[str | None],
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        self.channels = _as_tuple(channels)
+        if kernel_size < 1:
+            raise ValueError(f"ShortConv kernel_size must be >= 1; got {kernel_size}")
+        self.kernel_size, self.dtype = int(kernel_size), dtype
+        bound = kernel_size**-0.5  # PyTorch Conv1d default for a depthwise filter (fan_in = W)
+        init = lambda key, shape, dt: jax.random.uniform(key, shape, dt, -bound, bound)
+        self.weight = param(rngs, init, (self.kernel_size,) + self.channels, ("conv",) + tuple(axes), param_dtype)
+
+    def __call__(self, x, segment_ids=None):
+        """x [B, T, *channels] -> SiLU(conv(x)) of the same shape."""
+        if tuple(x.shape[2:]) != self.channels:
+            raise ValueError(f"ShortConv expects x [B, T, {self.channels}]; got x.shape={x.shape}")
+        B, T = x.shape[:2]
+        W = self.kernel_size
+        x = x.astype(self.dtype)
+        w = self.weight[...].astype(self.dtype)
+        xp = jnp.pad(x, [(0, 0), (W - 1, 0)] + [(0, 0)] * len(self.channels))
+        if segment_ids is not None:
+            if segment_ids.shape != (B, T):
+                raise ValueError(f"segment_ids must be [B, T] = {(B, T)}; got {segment_ids.shape}")
+            sp = jnp.pad(segment_ids, [(0, 0), (W - 1, 0)], constant_values=-1)
+        y = jnp.zeros_like(x)
+        for i in range(W):  # tap i reads the token W-1-i steps back
+            tap = xp[:, i : i + T]
+            if segment_ids is not None:
+                same = (sp[:, i : i + T] == segment_ids).reshape((B, T) + (1,) * len(self.channels))
+                tap = jnp.where(same, tap, 0)
+            y = y + tap * w[i]
+        return jax.nn.silu(y)
+
+    def init_cache(self, batch_size: int, dtype):
+        return jnp.zeros((batch_size, self.kernel_size - 1) + self.channels, dtype)
+
+    def step(self, x, cache):
+        """x [B, *channels] (one token), cache [B, W-1, *channels] -> (y [B, *channels], cache)."""
+        if tuple(x.shape[1:]) != self.channels or cache.shape[0] != x.shape[0]:
+            raise ValueError(f"ShortConv.step: x.shape={x.shape}, cache.shape={cache.shape}, channels={self.channels}")
+        window = jnp.concatenate([cache.astype(self.dtype), x.astype(self.dtype)[:, None]], axis=1)  # [B, W, ...]
+        y = jnp.einsum("bw...,w...->b...", window, self.weight[...].astype(self.dtype))
+        return jax.nn.silu(y), window[:, 1:].astype(cache.dtype)
+
+
+def segment_positions(segment_ids, T: int, batch_size: int):
+    """[B, T] int32 positions that restart at 0 where a new packed document begins."""
+    idx = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (batch_size, T))
+    if segment_ids is None:
+        return idx
+    starts = jnp.concatenate(
+        [jnp.ones((batch_size, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+    )
+    return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+
+
+def apply_rope(x, positions, theta: float):
+    """Rotary embedding (rotate-half form) on x [B, T, H, D] at positions [B, T]; D even."""
+    D = x.shape[-1]
+    if D % 2:
+        raise ValueError(f"RoPE needs an even head dim; got x.shape={x.shape}")
+    if positions.shape != x.shape[:2]:
+        raise ValueError(f"positions must be [B, T] = {x.shape[:2]}; got {positions.shape}")
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))  # [D/2]
+    ang = positions.astype(jnp.float32)[..., None, None] * inv_freq  # [B, T, 1, D/2]
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def l2_normalize(x, eps: float = 1e-6):
+    """x * rsqrt(sum(x^2) + eps) over the last axis (fla's qk l2norm), computed in float32."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
