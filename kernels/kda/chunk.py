@@ -1,0 +1,227 @@
+"""Chunked delta rule (KDA / Gated DeltaNet / DeltaNet) in pure JAX, with a hand-written backward.
+
+Per chunk of C = 64 tokens with incoming state S_n [K, V] (see `chunk_intra.prep` for the pieces):
+    Ai = (I + L)^{-1},  w = Ai kgam,  u = Ai bv                (WY / UT form, all chunks at once)
+    v'_n = u_n - w_n S_n                                        (the corrected values)
+    S_{n+1} = Diag(decay_n) S_n + kg_n^T v'_n                   (`lax.scan` over chunks: the only serial part)
+    o_n = qg_n S_n + Aqk_n v'_n                                 (all chunks at once)
+Linear attention is the same with L = 0, w = 0, u = v (`delta=False`, used by `linear_chunk.py`).
+
+The backward (`jax.custom_vjp`) keeps only the per-chunk states S_n ([N, B, H, K, V], O(T K V / 64)
+per head) and the inputs; it recomputes the intra-chunk pieces, runs one reverse `lax.scan` for the
+state gradients, inverts (I + L) by hand (dL = -Ai^T dAi Ai^T), and pulls the rest back through
+`chunk_intra.prep` with `jax.vjp` (batched einsums, no scan).
+
+Matmul operands are in the input dtype (bfloat16 for bf16 inputs) with float32 accumulation; the
+cumsum, the triangular inverse and the carried states are float32 (float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kernels.kda.chunk_intra import (
+    CHUNK,
+    SAFE_LOWER_BOUND,
+    from_chunks,
+    prep,
+    segment_counts,
+    to_chunks,
+    unit_lower_inverse,
+)
+from kernels.kda.validate import segment_starts, state_dtype
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+class _Numerics:
+    """Compute dtype (matmul operands), state dtype and precisions for one input dtype."""
+
+    def __init__(self, dtype):
+        self.sdt = state_dtype(dtype)
+        self.cd = jnp.dtype(dtype)
+        low = self.cd in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        self.prec = None if low else _HI  # full float32 matmuls for float32 inputs (no TF32)
+        self.fine = None if low else _HI  # the small [C, C] products around the inverse
+
+    def mm(self, spec, x, y, dtype=None):
+        cd = self.cd if dtype is None else dtype
+        return jnp.einsum(spec, x.astype(cd), y.astype(cd), preferred_element_type=self.sdt, precision=self.prec)
+
+    def mm_fine(self, spec, x, y):
+        return jnp.einsum(spec, x.astype(self.sdt), y.astype(self.sdt), precision=self.fine)
+
+
+def _prep(nm, q, k, v, g, beta, counts, scale, bounded, delta):
+    # float16 cannot hold the anchored factors of the bounded path (up to e^75): score in float32.
+    mm = nm.mm if nm.cd != jnp.dtype(jnp.float16) else functools.partial(nm.mm, dtype=jnp.float32)
+    return prep(q, k, v, g, beta, counts, scale=scale, bounded=bounded, delta=delta, mm=mm)
+
+
+def _wy(nm, P):
+    """Ai = (I + L)^{-1}, w = Ai kgam [.., C, K], u = Ai bv [.., C, V]."""
+    Ai = unit_lower_inverse(P["L"], nm.fine)
+    w = nm.mm("...rc,...ck->...rk", Ai, P["kgam"])
+    u = nm.mm("...rc,...cv->...rv", Ai, P["bv"])
+    return Ai, w, u
+
+
+def _state_scan(nm, h0, w, u, kg, decay):
+    """Serial pass over chunks. Returns (incoming states [N, B, H, K, V] in the compute dtype,
+    corrected values v' [N, B, H, C, V] in the compute dtype, final state in the state dtype)."""
+
+    def body(S, x):
+        w_n, u_n, kg_n, d_n = x
+        S_c = S.astype(nm.cd)
+        if w_n is None:
+            vn = u_n
+        else:
+            vn = (u_n - nm.mm("bhck,bhkv->bhcv", w_n, S_c)).astype(nm.cd)
+        S = d_n[..., None] * S + nm.mm("bhck,bhcv->bhkv", kg_n, vn)
+        return S, (S_c, vn)
+
+    S, (states, vn) = jax.lax.scan(body, h0, (w, u, kg, decay))
+    return states, vn, S
+
+
+def _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta):
+    nm = _Numerics(q.dtype)
+    P = _prep(nm, q, k, v, g, beta, counts, scale, bounded, delta)
+    if delta:
+        _, w, u = _wy(nm, P)
+    else:
+        w, u = None, v.astype(nm.cd)
+    states, vn, S = _state_scan(nm, h0, w, u, P["kg"], P["decay"])
+    o = nm.mm("nbhck,nbhkv->nbhcv", P["qg"], states) + nm.mm("nbhrc,nbhcv->nbhrv", P["Aqk"], vn)
+    return o, S, states
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def chunk_core(q, k, v, g, beta, h0, counts, scale, bounded, delta):
+    """Chunked arrays in, (o [N, B, H, C, V] float32, final state [B, H, K, V]) out.
+
+    q, k [N, B, H, C, K] and v [N, B, H, C, V] in one dtype; g [N, B, H, C, K] and beta [N, B, H, C]
+    in the state dtype; h0 [B, H, K, V] state dtype; counts [N, B, 1, C] int32 or None."""
+    o, S, _ = _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta)
+    return o, S
+
+
+def _core_fwd(q, k, v, g, beta, h0, counts, scale, bounded, delta):
+    o, S, states = _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta)
+    return (o, S), (q, k, v, g, beta, counts, states)
+
+
+def _core_bwd(scale, bounded, delta, res, cts):
+    q, k, v, g, beta, counts, states = res
+    do, dS_final = cts
+    nm = _Numerics(q.dtype)
+    P, pull = jax.vjp(lambda *a: _prep(nm, *a, counts, scale, bounded, delta), q, k, v, g, beta)
+    if delta:
+        Ai, w, u = _wy(nm, P)
+        vn = (u - nm.mm("nbhck,nbhkv->nbhcv", w, states)).astype(nm.cd)
+    else:
+        w, vn = None, v.astype(nm.cd)
+    do = do.astype(nm.cd)
+    # Output o = qg S + Aqk v'.
+    dAqk = nm.mm("nbhrv,nbhcv->nbhrc", do, vn)
+    dqg = nm.mm("nbhcv,nbhkv->nbhck", do, states)
+    dvn_intra = nm.mm("nbhrc,nbhrv->nbhcv", P["Aqk"], do)
+    dS_out = nm.mm("nbhck,nbhcv->nbhkv", P["qg"], do)
+    dhs, dvn, dh0 = _grad_scan(nm, dS_final.astype(nm.sdt), w, P["kg"], P["decay"], dS_out, dvn_intra)
+    # State update S_{n+1} = decay S_n + kg^T v'.
+    ct = dict(
+        qg=dqg,
+        Aqk=dAqk,
+        kg=nm.mm("nbhcv,nbhkv->nbhck", vn, dhs),
+        decay=jnp.sum(states.astype(nm.sdt) * dhs, axis=-1),
+    )
+    if delta:
+        # v' = u - w S_n; u = Ai bv; w = Ai kgam; Ai = (I + L)^{-1}.
+        dw = -nm.mm("nbhcv,nbhkv->nbhck", dvn, states)
+        dAi = nm.mm("nbhrv,nbhcv->nbhrc", dvn, P["bv"]) + nm.mm("nbhrk,nbhck->nbhrc", dw, P["kgam"])
+        ct["bv"] = nm.mm("nbhrc,nbhrv->nbhcv", Ai, dvn)
+        ct["kgam"] = nm.mm("nbhrc,nbhrk->nbhck", Ai, dw)
+        ct["L"] = -nm.mm_fine("nbhsr,nbhsc->nbhrc", Ai, nm.mm_fine("nbhsm,nbhcm->nbhsc", dAi, Ai))
+    dq, dk, dv, dg, dbeta = pull(ct)
+    if not delta:
+        dv = dv + dvn.astype(dv.dtype)
+    return dq, dk, dv, dg, dbeta, dh0, None
+
+
+def _grad_scan(nm, dS, w, kg, decay, dS_out, dvn_intra):
+    """Reverse pass over chunks. dS: gradient of the final state. Returns (gradients of the
+    outgoing states [N, B, H, K, V], of v' [N, B, H, C, V], of the initial state)."""
+
+    def body(dS, x):
+        w_n, kg_n, d_n, dSo_n, dvi_n = x
+        dvn = dvi_n + nm.mm("bhck,bhkv->bhcv", kg_n, dS.astype(nm.cd))
+        dS_prev = d_n[..., None] * dS + dSo_n
+        if w_n is not None:
+            dS_prev = dS_prev - nm.mm("bhck,bhcv->bhkv", w_n, dvn.astype(nm.cd))
+        return dS_prev, (dS, dvn)
+
+    dh0, (dhs, dvn) = jax.lax.scan(body, dS, (w, kg, decay, dS_out, dvn_intra), reverse=True)
+    return dhs, dvn, dh0
+
+
+chunk_core.defvjp(_core_fwd, _core_bwd)
+
+
+def run_chunked(q, k, v, g, beta, *, scale, initial_state, segment_ids, bounded, delta):
+    """Pad T to a multiple of 64 (g = 0, beta = 0, q = k = v = 0 leave the state unchanged), chunk,
+    run `chunk_core`, un-chunk. Canonical-form inputs; returns (o [B, T, H, V] in v's dtype, S)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    sdt = state_dtype(q.dtype)
+    N = -(-T // CHUNK)
+    pad = N * CHUNK - T
+
+    def chunked(x, dtype):
+        x = x.astype(dtype)
+        if pad:
+            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return to_chunks(x)
+
+    h0 = jnp.zeros((B, H, K, V), sdt) if initial_state is None else initial_state.astype(sdt)
+    starts = segment_starts(segment_ids, T)
+    counts = None
+    if starts is not None:
+        counts = segment_counts(jnp.pad(starts, [(0, 0), (0, pad)]))
+    o, S = chunk_core(
+        chunked(q, q.dtype),
+        chunked(k, q.dtype),
+        chunked(v, q.dtype),
+        chunked(g, sdt),
+        chunked(beta, sdt),
+        h0,
+        counts,
+        float(scale),
+        bool(bounded),
+        bool(delta),
+    )
+    return from_chunks(o)[:, :T].astype(v.dtype), S
+
+
+def use_bounded_path(lower_bound, dtype) -> bool:
+    """The all-matmul diagonal tiles are exact only when g >= -5 (and not in float16)."""
+    return lower_bound is not None and float(lower_bound) >= SAFE_LOWER_BOUND and jnp.dtype(dtype) != jnp.float16
+
+
+def kda_impl(q, k, v, g, beta, *, scale, initial_state, segment_ids, lower_bound=None, output_final_state=True):
+    """Canonical-form chunked KDA: see `kernels.kda.kda` for the contract."""
+    del output_final_state  # the final state is a by-product of the scan
+    return run_chunked(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        segment_ids=segment_ids,
+        bounded=use_bounded_path(lower_bound, q.dtype),
+        delta=True,
+    )

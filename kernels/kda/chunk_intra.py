@@ -1,0 +1,166 @@
+"""Intra-chunk pieces of the chunked delta rule, batched over every chunk at once.
+
+Chunked arrays are `[N, B, H, C, D]` (chunk index first, so `lax.scan` slices it for free), with
+C = 64 tokens per chunk and 16-token sub-chunks (tiles). `G` is the chunk-local inclusive cumsum of
+the log-decay g <= 0, so G is non-increasing inside a chunk.
+
+Stability: the decay between tokens r >= c, exp(G_r - G_c), is never formed by dividing out a whole
+chunk's decay. For tile i (rows r in [16i, 16i+16)) the anchor is its first row a = 16i:
+    exp(G_r - G_c) = exp(G_r - G_a) * exp(G_a - G_c),
+both factors <= 1 for c < a. The diagonal tiles (c in the same tile) are either computed pair by
+pair, exp(G_r - G_c) with r >= c (exact for any g <= 0, e.g. g = -1000), or, when the caller
+bounds g >= -5 (`bounded`), with the same anchor: exp(G_a - G_c) <= exp(15 * 5) ~ 4e32 fits float32
+and bfloat16, so the whole row tile is one matmul (the K3 "safe gate" all-matmul path).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+CHUNK = 64
+TILE = 16
+# The bounded (all-matmul) path needs exp(-(TILE - 1) * lower_bound) to fit in float32.
+SAFE_LOWER_BOUND = -5.0
+
+
+def to_chunks(x, C: int = CHUNK):
+    """[B, T, H, ...] with T % C == 0 -> [N, B, H, C, ...]."""
+    B, T, H = x.shape[:3]
+    x = x.reshape(B, T // C, C, H, *x.shape[3:])
+    return jnp.moveaxis(x, (1, 3), (0, 2))
+
+
+def from_chunks(x):
+    """[N, B, H, C, ...] -> [B, N * C, H, ...]."""
+    N, B, H, C = x.shape[:4]
+    x = jnp.moveaxis(x, (0, 2), (1, 3))
+    return x.reshape(B, N * C, H, *x.shape[4:])
+
+
+def segment_counts(starts, C: int = CHUNK):
+    """starts [B, T] bool (T % C == 0) -> [N, B, 1, C] int32: resets seen so far inside the chunk.
+
+    Tokens r, c of one chunk belong to the same sequence iff their counts are equal; count 0 means
+    the token still continues the sequence of the chunk's incoming state."""
+    B, T = starts.shape
+    s = jnp.moveaxis(starts.reshape(B, T // C, C), 1, 0).astype(jnp.int32)
+    return jnp.cumsum(s, axis=-1)[:, :, None, :]
+
+
+def _tri(C: int, strict: bool):
+    r = jnp.arange(C)
+    return (r[:, None] > r[None, :]) if strict else (r[:, None] >= r[None, :])
+
+
+def decayed_scores(rows, k, G, *, bounded: bool, mm):
+    """For each a in `rows`: A[r, c] = sum_d a_r[d] k_c[d] exp(G_r[d] - G_c[d]) for r >= c.
+
+    rows: list of [..., C, K]; k, G [..., C, K]. Returns a list of [..., C, C]; entries with r < c
+    are finite but meaningless (callers mask them). `mm(spec, x, y)` is the matmul used for the
+    anchored products (operands cast to the compute dtype, float32 accumulation)."""
+    *lead, C, K = G.shape
+    nt = C // TILE
+    Gt = G.reshape(*lead, nt, TILE, K)
+    Ga = Gt[..., :1, :]  # [..., nt, 1, K] the anchor of each row tile
+    # Column side for row tile i: k_c exp(G_a(i) - G_c), kept for c < 16 i (exact path) or c < 16 (i + 1).
+    col = jnp.arange(C)
+    limit = (jnp.arange(nt) + (1 if bounded else 0)) * TILE
+    keep = (col[None, :] < limit[:, None])[:, :, None]  # [nt, C, 1]
+    expo = Ga - G[..., None, :, :]  # [..., nt, C, K]
+    k_hat = k[..., None, :, :] * jnp.exp(jnp.where(keep, expo, -jnp.inf))
+    row_decay = jnp.exp(Gt - Ga)  # [..., nt, TILE, K], <= 1
+    out = []
+    for a in rows:
+        a_hat = a.reshape(*lead, nt, TILE, K) * row_decay
+        s = mm("...ird,...icd->...irc", a_hat, k_hat).reshape(*lead, C, C)
+        if not bounded:
+            s = s + _diag_tiles(a, k, Gt)
+        out.append(s)
+    return out
+
+
+def _diag_tiles(a, k, Gt):
+    """Diagonal 16x16 tiles pair by pair: exp(G_r - G_c) with r >= c only (exact for any g <= 0)."""
+    *lead, nt, T, K = Gt.shape
+    at = a.reshape(*lead, nt, T, K)
+    kt = k.reshape(*lead, nt, T, K)
+    diff = Gt[..., :, None, :] - Gt[..., None, :, :]  # [..., nt, T, T, K]
+    e = jnp.exp(jnp.where(_tri(T, False)[:, :, None], diff, -jnp.inf))
+    d = jnp.sum(at[..., :, None, :].astype(e.dtype) * kt[..., None, :, :].astype(e.dtype) * e, axis=-1)
+    eye = jnp.eye(nt, dtype=d.dtype)
+    full = d[..., :, :, None, :] * eye[:, None, :, None]  # [..., nt, T, nt, T]
+    return full.reshape(*lead, nt * T, nt * T)
+
+
+def prep(q, k, v, g, beta, counts, *, scale: float, bounded: bool, delta: bool, mm):
+    """Everything that depends on the inputs only (not on the carried state), all chunks at once.
+
+    q, k, g [N, B, H, C, K]; v [N, B, H, C, V]; beta [N, B, H, C]; counts [N, B, 1, C] or None.
+    Returns a dict (state dtype):
+      qg   [.., C, K]  scale * q * exp(G), zero after a reset    (output from the incoming state)
+      kg   [.., C, K]  k * exp(G_last - G), zero before a reset  (write into the outgoing state)
+      decay [.., K]    exp(G_last), zero if the chunk has a reset (incoming -> outgoing state)
+      Aqk  [.., C, C]  scale * q_r . (k_c exp(G_r - G_c)), r >= c, same sequence
+    and for the delta rule also
+      L    [.., C, C]  beta_r k_r . (k_c exp(G_r - G_c)), r > c, same sequence
+      kgam [.., C, K]  beta * k * exp(G), zero after a reset
+      bv   [.., C, V]  beta * v
+    Differentiable by `jax.vjp` (used by the backward pass)."""
+    sdt = g.dtype
+    G = jnp.cumsum(g, axis=-2)
+    G_last = G[..., -1, :]
+    gam = jnp.exp(G)
+    C = G.shape[-2]
+    qf, kf = q.astype(sdt), k.astype(sdt)
+    if counts is None:
+        z = tail = same = None
+    else:
+        z = (counts == 0)[..., None]  # [N, B, 1, C, 1]
+        tail = (counts == counts[..., -1:])[..., None]
+        same = counts[..., :, None] == counts[..., None, :]  # [N, B, 1, C, C]
+
+    def keep(x, m):
+        return x if m is None else jnp.where(m, x, 0)
+
+    rows = [qf * scale, kf] if delta else [qf * scale]
+    scores = decayed_scores(rows, kf, G, bounded=bounded, mm=mm)
+    incl = _tri(C, False) if same is None else _tri(C, False) & same
+    out = dict(
+        qg=keep(qf * scale * gam, z),
+        kg=keep(kf * jnp.exp(G_last[..., None, :] - G), tail),
+        decay=keep(jnp.exp(G_last), None if z is None else z[..., -1, :]),
+        Aqk=jnp.where(incl, scores[0], 0),
+    )
+    if delta:
+        strict = _tri(C, True) if same is None else _tri(C, True) & same
+        out["L"] = jnp.where(strict, beta[..., None] * scores[1], 0)
+        out["kgam"] = keep(beta[..., None] * kf * gam, z)
+        out["bv"] = beta[..., None] * v.astype(sdt)
+    return out
+
+
+def unit_lower_inverse(L, precision):
+    """(I + L)^{-1} for strictly lower-triangular L [..., C, C], C a multiple of 16.
+
+    Diagonal 16x16 tiles by forward substitution, then block rows merged with matmuls:
+    Ai[i, :i] = -X_ii L[i, :i] Ai[:i, :i]. All in L's dtype (float32 or float64)."""
+    *lead, C, _ = L.shape
+    nt = C // TILE
+    mm = functools.partial(jnp.einsum, precision=precision)
+    Lt = L.reshape(*lead, nt, TILE, nt, TILE)
+    Ld = jnp.stack([Lt[..., i, :, i, :] for i in range(nt)], axis=-3)  # [..., nt, T, T]
+    X = jnp.broadcast_to(jnp.eye(TILE, dtype=L.dtype), Ld.shape)
+    for i in range(1, TILE):
+        row = -mm("...m,...mj->...j", Ld[..., i, :], X)  # rows m >= i of X are still e_m, L[i, m>=i] = 0
+        X = X.at[..., i, :].add(row)
+    Ai = X[..., :1, :, :].reshape(*lead, TILE, TILE)
+    for i in range(1, nt):
+        n = i * TILE
+        Xi = X[..., i, :, :]
+        blk = -mm("...rs,...sc->...rc", Xi, mm("...sm,...mc->...sc", L[..., n : n + TILE, :n], Ai))
+        top = jnp.concatenate([Ai, jnp.zeros((*lead, n, TILE), L.dtype)], axis=-1)
+        Ai = jnp.concatenate([top, jnp.concatenate([blk, Xi], axis=-1)], axis=-2)
+    return Ai
