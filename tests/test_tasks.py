@@ -1,6 +1,8 @@
 """Task generators against hand-worked examples: positions, labels and which positions are
 scored, plus the invariants each task definition promises."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -100,3 +102,167 @@ def test_mqar_bad_settings_raise(settings):
 def test_unknown_task_raises():
     with pytest.raises(ValueError, match="Unknown task"):
         make_task("nope")
+
+
+# ------------------------------------------------------------------------------- Kimi tasks
+
+def test_palindrome_hand_example():
+    b = make_task("palindrome", seq_len=8, vocab_size=10).generate(0, 50)
+    x, y, m = b["inputs"], b["targets"], b["loss_mask"]
+    data = x[:, :4]
+    assert ((data >= 2) & (data < 10)).all() and (x[:, 4] == 1).all()
+    np.testing.assert_array_equal(x[:, 5:], data[:, ::-1][:, :3])       # xn .. x2
+    np.testing.assert_array_equal(m[0], [0, 0, 0, 0, 1, 1, 1, 1])
+    np.testing.assert_array_equal(y[:, 4:], data[:, ::-1])              # SEP->xn .. x2->x1
+
+
+def test_mqar_kimi_queries_after_separator():
+    task = make_task("mqar_kimi", seq_len=16, vocab_size=32)             # K = 5
+    b = task.generate(0, 20)
+    x, y, m = b["inputs"], b["targets"], b["loss_mask"]
+    assert task.num_kv_pairs == 5 and (x[:, 10] == 1).all()
+    np.testing.assert_array_equal(np.flatnonzero(m[0]), np.arange(11, 16))
+    for i in range(20):
+        keys, values = x[i, 0:10:2], x[i, 1:10:2]
+        assert ((keys >= 2) & (keys < 17)).all() and ((values >= 17) & (values < 32)).all()
+        assert sorted(x[i, 11:]) == sorted(keys)                          # each key once
+        lookup = dict(zip(keys, values))
+        assert [lookup[k] for k in x[i, 11:]] == list(y[i, 11:])
+
+
+def test_stack_pops_return_the_top_of_their_stack():
+    task = make_task("stack", seq_len=300, vocab_size=20, num_stacks=3)
+    b = task.generate(0, 10)
+    x, y, m = b["inputs"], b["targets"], b["loss_mask"]
+    assert m.sum() > 50
+    for i in range(10):
+        stacks = {s: [] for s in range(3, 6)}
+        for j in range(0, 300 - 2, 3):
+            op, sid, val = x[i, j:j + 3]
+            assert op in (1, 2) and 3 <= sid < 6 and 6 <= val < 20
+            assert m[i, j + 1] == (op == 2)
+            if op == 1:
+                stacks[sid].append(val)
+            else:
+                assert stacks[sid].pop() == val == y[i, j + 1]
+
+
+def test_stack_hand_sequence_from_layout():
+    # With one stack and pop_prob 1, ops alternate PUSH a, POP a, PUSH b, POP b, ...
+    b = make_task("stack", seq_len=12, vocab_size=8, num_stacks=1, pop_prob=1.0).generate(0, 1)
+    x, m = b["inputs"][0], b["loss_mask"][0]
+    assert list(x[[0, 3, 6, 9]]) == [1, 2, 1, 2] and (x[[1, 4, 7, 10]] == 3).all()
+    assert x[2] == x[5] and x[8] == x[11]
+    np.testing.assert_array_equal(np.flatnonzero(m), [4, 10])
+
+
+# ----------------------------------------------------------------------------- Mamba tasks
+
+def test_selective_copying_hand_example():
+    b = make_task("selective_copying", seq_len=12, num_tokens=3, vocab_size=6).generate(0, 30)
+    x, y, m = b["inputs"], b["targets"], b["loss_mask"]
+    for i in range(30):
+        region = x[i, :9]
+        data = region[region != 0]
+        assert len(data) == 3 and ((data >= 2) & (data < 6)).all()
+        assert x[i, 9] == 1
+        np.testing.assert_array_equal(x[i, 10:], data[:2])
+        np.testing.assert_array_equal(y[i, 9:], data)
+        np.testing.assert_array_equal(np.flatnonzero(m[i]), [9, 10, 11])
+
+
+@pytest.mark.parametrize("num_triggers", [1, 3])
+def test_induction_heads_answer_follows_every_trigger(num_triggers):
+    L = 2 * num_triggers + 2  # tightest length: pairs must tile without overlap
+    b = make_task("induction_heads", seq_len=L, vocab_size=5,
+                  num_triggers=num_triggers).generate(0, 200)
+    x, y, m = b["inputs"], b["targets"], b["loss_mask"]
+    assert (m.sum(1) == 1).all() and m[:, -1].all() and (x[:, -1] == 0).all()
+    for i in range(200):
+        trig = np.flatnonzero(x[i, :-1] == 0)
+        assert len(trig) == num_triggers
+        assert (x[i, trig + 1] == y[i, -1]).all() and y[i, -1] != 0
+    b2 = make_task("induction_heads", seq_len=64, vocab_size=16).generate(0, 500)
+    first = np.argmax(b2["inputs"] == 0, axis=1)
+    assert first.min() < 8 and first.max() > 50                         # trigger anywhere
+
+
+# --------------------------------------------------------------------------- text tasks
+
+from kimi_jax.tasks.niah import VARIANTS  # noqa: E402
+from kimi_jax.tasks.text import decode, fill, score_generation  # noqa: E402
+
+
+def test_fill_is_exact():
+    assert fill(["aaa", "bb", "cccc"], 6) == ["aaa", "bb"]
+    assert fill(["aaa", "bb", "cccc"], 8) == ["aaa", "bb", "c"]
+    assert fill(["aaa", "bb", "cccc"], 7) == ["aaa", "bb "]
+    assert fill(["aaaaa"], 3) == ["aaa"]
+    assert " ".join(fill(["x" * 9] * 5, 37)) == " ".join(["x" * 9] * 3) + " " + "x" * 7
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_niah_prompt_needles_and_answer(variant):
+    task = make_task(variant, seq_len=1024)
+    hay, ktype, vtype, n_keys, n_values, n_queries = VARIANTS[variant]
+    b = task.generate(7, 3)
+    texts = task.texts(7, 3)
+    for i, (prompt, answer) in enumerate(texts):
+        full = decode(np.append(b["inputs"][i], b["targets"][i, -1]))
+        assert full == prompt + answer and len(prompt) == task.prompt_len
+        np.testing.assert_array_equal(np.flatnonzero(b["loss_mask"][i]),
+                                      np.arange(task.prompt_len - 1, 1024))
+        refs = task.references(answer)
+        assert len(refs) == n_values * n_queries
+        value_len = 7 if vtype == "numbers" else 36
+        assert all(len(r) == value_len for r in refs)
+        # Each answer value sits in exactly one needle, whose key is among the queried keys.
+        for r in refs:
+            hits = re.findall(f"One of the special magic {vtype} for (\\S+) is: {r}\\.", prompt)
+            assert len(hits) == 1 and prompt.count(r) == 1
+            assert hits[0] in prompt.split("\nWhat ")[1]                     # a queried key
+        needles = prompt.count("One of the special magic")
+        if hay == "needle":
+            assert needles > 5
+        else:
+            assert needles == n_keys * n_values
+        assert (hay == "noise") == ("The grass is green." in prompt)
+        question = prompt[prompt.index("\nWhat"):]
+        assert question.endswith(" is" if n_values * n_queries == 1 else " are")
+
+
+def test_niah_too_short_raises():
+    with pytest.raises(ValueError, match="too short"):
+        make_task("niah_multiquery", seq_len=300)
+
+
+def test_phonebook_lookup():
+    task = make_task("phonebook", seq_len=400)
+    for prompt, answer in task.texts(0, 20):
+        assert len(prompt) + len(answer) == 401
+        book, shots, query = prompt.strip("\n").split("\n\n")
+        entries = dict(line.split(": ") for line in book.split("\n"))
+        assert len(entries) == len(book.split("\n")) >= 3                 # distinct names
+        assert all(len(v) == 10 and v[0] in "6789" and v.isdigit() for v in entries.values())
+        assert all(s.split(": ")[0] in entries for s in shots.split("\n"))
+        assert query.endswith(":") and answer == " " + entries[query[:-1]]
+
+
+def test_score_generation():
+    assert score_generation(" 1234567", " 1234567", ["1234567"]) == (1.0, 1.0)
+    assert score_generation(" 1234568", " 1234567", ["1234567"]) == (0.0, 0.0)
+    assert score_generation(" 2, 1, 3", " 1, 2, 3", ["1", "2", "3"]) == (0.0, 1.0)
+    assert score_generation(" AB-cd", " ab-cd", ["ab-cd"]) == (0.0, 1.0)
+    assert score_generation(" 1, 9", " 1, 2", ["1", "2"]) == (0.0, 0.5)
+
+
+def test_every_registered_task_generates_deterministically():
+    from kimi_jax.tasks import TASKS
+    small = {"mqar": {}, "phonebook": dict(seq_len=400)}
+    for name in TASKS:
+        settings = small.get(name, dict(seq_len=1024) if name.startswith("niah") else dict(seq_len=64))
+        task = make_task(name, **settings)
+        a, b = task.generate(5, 3), task.generate(5, 3)
+        for k in ("inputs", "targets", "loss_mask"):
+            np.testing.assert_array_equal(a[k], b[k])
+        assert a["loss_mask"].any(), name
