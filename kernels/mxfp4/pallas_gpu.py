@@ -1,0 +1,130 @@
+"""Grouped matmul with MXFP4 expert weights, dequantised on the fly (Pallas Mosaic GPU, forward).
+
+    x [M, K] (rows sorted by group), packed u8 [G, N, K/2], scales u8 [G, N, K/32],
+    group_sizes [G] -> [M, N],  out[m] = x[m] @ dequantize(W[group(m)])^T.
+
+The weights stay packed in HBM (4.25 bits each) and travel packed through TMA. Each pipeline
+step decodes a [bn, bk/2] byte tile in registers into two bf16 tiles, the even and the odd
+input columns (low and high nibbles), multiplied by their E8M0 scales, and runs two wgmmas
+against the matching even/odd halves of the activations (split once by XLA, a cheap pass over
+activations). Splitting K this way avoids interleaving nibbles in registers; a contraction does
+not care about the order of K. Group handling (row masks, one TMA store per output tile) follows
+`kernels/gmm/pallas_gpu.py`. On CPU it runs in the Mosaic GPU interpreter (`interpret=True`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels.gmm.pallas_gpu import _block_groups, _offsets, _pad_to
+from kernels.mxfp4.format import BLOCK, SCALE_BIAS, SCALE_NAN
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """bm x bn output tile, bk input columns per step (bk/32 scale bytes: >= 16 for TMA)."""
+
+    bm: int = 64
+    bn: int = 64
+    bk: int = 512
+    stages: int = 2
+
+    def __post_init__(self):
+        if self.bm % 64 or self.bn % 64 or self.bk % (2 * BLOCK) or self.bk < 2 * BLOCK:
+            raise ValueError(f"Blocks {self}: bm, bn must be multiples of 64 and bk of 64")
+
+
+def _decode(codes):
+    """E2M1 codes u8 (0..15) -> f32 by arithmetic (no table lookup in registers)."""
+    c = codes.astype(jnp.int32)
+    e = ((c >> 1) & 3).astype(jnp.float32)
+    m = (c & 1).astype(jnp.float32)
+    mag = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * jnp.exp2(e - 1.0))
+    return jnp.where((c & 8) != 0, -mag, mag)
+
+
+def _scale(s):
+    s = s.astype(jnp.int32)
+    return jnp.where(s == SCALE_NAN, jnp.nan, jnp.exp2((s - SCALE_BIAS).astype(jnp.float32)))
+
+
+def gmm(x, packed, scales, group_sizes, *, blocks=Blocks(), interpret=False):
+    """Grouped x @ dequantize(W[g])^T with W packed; x bf16/f16 [M, K] -> [M, N] in x's dtype."""
+    if x.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"pallas_gpu mxfp4 gmm needs bf16/f16 activations, got {x.dtype}")
+    m, k = x.shape
+    g_count, n, _ = packed.shape
+    bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
+    kh, ks = bk // 2, bk // BLOCK
+    x_p = _pad_to(_pad_to(x, 0, bm), 1, bk)
+    x_lo, x_hi = x_p[:, 0::2], x_p[:, 1::2]
+    packed_p = _pad_to(_pad_to(packed, 1, bn), 2, kh)
+    scales_p = _pad_to(_pad_to(scales, 1, bn), 2, ks)
+    mp, np_ = x_p.shape[0], packed_p.shape[1]
+    num_m, num_n, num_k = mp // bm, np_ // bn, x_p.shape[1] // bk
+    offsets = _offsets(group_sizes)
+    first, last = _block_groups(offsets, num_m, bm)
+    dtype = x.dtype
+
+    def body(off_ref, first_ref, last_ref, xlo_ref, xhi_ref, p_ref, s_ref, out_ref, o_smem,
+             w_smem):
+        nb = jax.lax.axis_index("n")
+        mb = jax.lax.axis_index("m")
+        row0 = mb * bm
+        o_smem[...] = jnp.zeros((bm, bn), dtype)
+
+        def one_group(g, carry):
+            start, end = off_ref[g], off_ref[g + 1]
+
+            @pl.when(end > start)
+            def _():
+                def acc_scope(acc_ref):
+                    def step(_, xlo_smem, xhi_smem, p_smem, s_smem):
+                        codes = p_smem[...]
+                        factor = jnp.repeat(_scale(s_smem[...]), BLOCK // 2, axis=1)
+                        for half, x_smem in ((codes & 15, xlo_smem), (codes >> 4, xhi_smem)):
+                            w_smem[...] = (_decode(half) * factor).astype(dtype)
+                            plgpu.commit_smem()
+                            plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0)))
+                            plgpu.wgmma_wait(0)
+
+                    plgpu.emit_pipeline(
+                        step,
+                        grid=(num_k,),
+                        in_specs=[
+                            plgpu.BlockSpec((bm, kh), lambda kk: (mb, kk)),
+                            plgpu.BlockSpec((bm, kh), lambda kk: (mb, kk)),
+                            plgpu.BlockSpec((bn, kh), lambda kk: (nb, kk)),
+                            plgpu.BlockSpec((bn, ks), lambda kk: (nb, kk)),
+                        ],
+                        max_concurrent_steps=blocks.stages,
+                    )(xlo_ref, xhi_ref, p_ref.at[g], s_ref.at[g])
+                    return acc_ref[...]
+
+                acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
+                rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bm, bn), 0)
+                keep = (rows >= start) & (rows < end)
+                o_smem[...] = jnp.where(keep, acc.astype(dtype), o_smem[...])
+
+            return carry
+
+        jax.lax.fori_loop(first_ref[mb], last_ref[mb], one_group, 0)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(row0, bm), pl.ds(nb * bn, bn)])
+        plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((mp, np_), dtype),
+        scratch_types=[plgpu.SMEM((bm, bn), dtype), plgpu.SMEM((bn, kh), dtype)],
+        grid=(num_n, num_m),
+        grid_names=("n", "m"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    return kernel(offsets, first, last, x_lo, x_hi, packed_p, scales_p)[:m, :n]
