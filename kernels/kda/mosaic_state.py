@@ -1,0 +1,148 @@
+"""Mosaic GPU kernel for the inter-chunk stage of chunked KDA: state recurrence + output.
+
+One program per (batch*head, V-block) walks the chunks in order with the state
+S [K, BV] in float32 registers (a wgmma accumulator). Per chunk n, with the chunk tensors
+of `pallas_gpu_prep.prepare` (C = 64 rows):
+
+    V' = U_n + Wneg_n S                     [C, BV]   (Wneg = -W)
+    O_n = QG_n S + A_n V'                   [C, BV]   (scale folded into QG and A)
+    S  <- Diag(d_n) S + KGT_n V'            [K, BV]
+
+All three products run on the tensor cores (wgmma, operands in SMEM, f32 accumulation).
+The chunk tensors stream in by TMA, double-buffered: chunk n+1 loads while chunk n computes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+C = 64  # chunk length (rows of every wgmma's M side except the state update)
+
+
+def smem_transforms(minor: int, dtype) -> tuple:
+    """Tiling + swizzle for a 2D SMEM tile used as a wgmma operand or TMA target."""
+    bits = jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(minor * bits)
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def _smem(shape, dtype):
+    return plgpu.SMEM(shape, dtype, transforms=smem_transforms(shape[-1], dtype))
+
+
+def _mm(fn, shape):
+    """Run `fn(acc)` on a fresh zeroed f32 wgmma accumulator of `shape`; return its value."""
+    return pl.run_scoped(fn, plgpu.ACC(shape, jnp.float32))
+
+
+def _body(qg_ref, wn_ref, kgt_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *scratch, NT, K, BV, dt):
+    (qg_s, wn_s, kgt_s, u_s, a_s, d_s, s_s, vn_s, o_s, h_s, bars, h_bar) = scratch
+    bh = lax.axis_index("bh")
+    v0 = lax.axis_index("v") * BV
+    vs = pl.ds(v0, BV)
+    ins = ((qg_ref, qg_s, None), (wn_ref, wn_s, None), (kgt_ref, kgt_s, None), (u_ref, u_s, vs), (a_ref, a_s, None), (d_ref, d_s, None))
+
+    def issue(n, slot):
+        for i, (src, dst, cols) in enumerate(ins):
+            src = src.at[bh, n] if cols is None else src.at[bh, n, :, cols]
+            plgpu.copy_gmem_to_smem(src, dst.at[slot], bars.at[2 * i + slot])
+
+    issue(0, 0)
+    plgpu.copy_gmem_to_smem(h0_ref.at[bh, :, vs], h_s, h_bar.at[0])
+    plgpu.barrier_wait(h_bar.at[0])
+    S = plgpu.load(h_s, layout=plgpu.Layout.WGMMA)
+
+    def step(n, S):
+        slot = lax.rem(n, 2)
+
+        @pl.when(n + 1 < NT)
+        def _prefetch():
+            issue(n + 1, 1 - slot)
+
+        for i in range(len(ins)):
+            plgpu.barrier_wait(bars.at[2 * i + slot])
+        s_s[...] = S.astype(dt)
+        plgpu.commit_smem()
+
+        u = plgpu.load(u_s.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+
+        def vnew_mm(acc):
+            plgpu.wgmma(acc, wn_s.at[slot], s_s)
+            return acc[...]
+
+        vnew = u + _mm(vnew_mm, (C, BV))
+        vn_s[...] = vnew.astype(dt)
+        plgpu.commit_smem()
+
+        def out_mm(acc):
+            plgpu.wgmma(acc, qg_s.at[slot], s_s)
+            plgpu.wgmma(acc, a_s.at[slot], vn_s)
+            return acc[...]
+
+        o = _mm(out_mm, (C, BV))
+        d = plgpu.load(d_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
+        S = S * lax.broadcast_in_dim(d, S.shape, [0])
+
+        def state_mm(acc):
+            plgpu.wgmma(acc, kgt_s.at[slot], vn_s)
+            return acc[...]
+
+        S = S + _mm(state_mm, (K, BV))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_s free again
+        o_s[...] = o.astype(o_s.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s, o_ref.at[bh, n, :, vs])
+        return S
+
+    S = lax.fori_loop(0, NT, step, S)
+    h_s[...] = S
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(h_s, ht_ref.at[bh, :, vs])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def state_output(qg, wn, kgt, u, a, d, h0, *, out_dtype, interpret=False):
+    """Run the inter-chunk kernel.
+
+    qg, wn [BH, NT, C, K]; kgt [BH, NT, K, C]; u [BH, NT, C, V]; a [BH, NT, C, C] (one operand
+    dtype, bf16 on GPU); d [BH, NT, K] f32; h0 [BH, K, V] f32.
+    Returns (o [BH, NT, C, V] out_dtype, final state [BH, K, V] f32).
+    `interpret`: run under the Mosaic GPU interpreter (CPU tests).
+    """
+    BH, NT, Cc, K = qg.shape
+    V = u.shape[-1]
+    if Cc != C or K % 64 or V % 64:
+        raise ValueError(f"state_output needs C={C} and K, V multiples of 64; got C={Cc}, K={K}, V={V}")
+    dt = qg.dtype
+    BV = 64
+    scratch = [
+        _smem((2, C, K), dt),
+        _smem((2, C, K), dt),
+        _smem((2, K, C), dt),
+        _smem((2, C, BV), dt),
+        _smem((2, C, C), dt),
+        plgpu.SMEM((2, K), jnp.float32),
+        _smem((K, BV), dt),
+        _smem((C, BV), dt),
+        plgpu.SMEM((C, BV), out_dtype),
+        plgpu.SMEM((K, BV), jnp.float32),
+        plgpu.Barrier(num_barriers=6 * 2, num_arrivals=1),
+        plgpu.Barrier(num_barriers=1),
+    ]
+    out_type = (jax.ShapeDtypeStruct((BH, NT, C, V), out_dtype), jax.ShapeDtypeStruct((BH, K, V), jnp.float32))
+    body = functools.partial(_body, NT=NT, K=K, BV=BV, dt=dt)
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(BH, V // BV),
+        grid_names=("bh", "v"),
+        compiler_params=plgpu.CompilerParams(approx_math=False),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(qg, wn, kgt, u, a, d, h0)

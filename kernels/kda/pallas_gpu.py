@@ -1,0 +1,209 @@
+"""impl="pallas_gpu": chunked KDA / Gated DeltaNet / DeltaNet with Mosaic GPU kernels (Hopper).
+
+Forward: the intra-chunk stage (decayed q k^T and k k^T, the unit-triangular inverse, w, u;
+`pallas_gpu_prep.prepare`) runs chunk-parallel in XLA, exact for any gate g <= 0; the
+inter-chunk stage (state recurrence + output, the serial part) is a Mosaic GPU kernel
+(`mosaic_state.state_output`: TMA double-buffering, three wgmma products per chunk, the
+state in f32 registers). The state kernel's grid is (B*H, V/64) and it loops over chunks
+inside, so any T runs (1,048,576 tokens and more) with no grid limit.
+
+Backward: recomputes through the float32 plain-JAX chunked path (`prepare` +
+`scan_state_output`) under `jax.vjp`; there is no Pallas backward kernel yet.
+
+Decode: `kda_step_impl` runs `mosaic_decode.decode_step` (state read once, written once).
+
+Supported by the kernels: K, V in {64, 128}; bf16/fp16 q, k, v on a Hopper GPU (float32 gates,
+states and accumulation). Anything else falls back to impl="chunk" with a logged reason.
+On a machine without a GPU, `impl="pallas_gpu"` (explicitly requested, e.g. by tests) runs the
+same kernels under the Mosaic GPU interpreter, where float32 inputs are also accepted.
+
+Sharding: under a mesh (`jax.set_mesh`), inputs are split over the batch axes and the head
+axis named by `kimi_jax.sharding`'s act_batch / act_heads rules and the kernels run per shard
+inside `jax.shard_map` (XLA cannot partition a custom call). Sequence sharding is not supported.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from kernels.kda import mosaic_decode, mosaic_state
+from kernels.kda.pallas_gpu_prep import chunked_reference, prepare, unchunk
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_DIMS = (64, 128)
+_warned: set = set()
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        log.warning("kda impl='pallas_gpu' falls back to 'chunk': %s", reason)
+
+
+@functools.cache
+def _device_kind() -> str:
+    """'hopper', 'cpu' (interpret mode) or 'other'."""
+    d = jax.devices()[0]
+    if d.platform == "cpu":
+        return "cpu"
+    if d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9."):
+        return "hopper"
+    return "other"
+
+
+def unsupported_reason(K: int, V: int, dtype, interpret: bool) -> str | None:
+    """Why the kernels cannot take this call (None when they can)."""
+    if not interpret and _device_kind() != "hopper":
+        return f"no Hopper GPU (device kind {_device_kind()!r})"
+    if K not in SUPPORTED_DIMS or V not in SUPPORTED_DIMS:
+        return f"K={K}, V={V} (kernels take K, V in {SUPPORTED_DIMS})"
+    allowed = (jnp.bfloat16, jnp.float16) + ((jnp.float32,) if interpret else ())
+    if not any(jnp.dtype(dtype) == jnp.dtype(d) for d in allowed):
+        return f"dtype {jnp.dtype(dtype).name} (kernels take bf16/fp16 q, k, v)"
+    return None
+
+
+def _fallback_impl():
+    """The chunk impl, or this module's plain-JAX chunked path if `kernels.kda.chunk` is absent."""
+    try:
+        return importlib.import_module("kernels.kda.chunk").kda_impl
+    except ImportError:
+        return _plain_kda_impl
+
+
+def _plain_kda_impl(q, k, v, g, beta, *, scale, initial_state, segment_ids, lower_bound=None, output_final_state=True):
+    del lower_bound, output_final_state
+    o, S = chunked_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids)
+    return o.astype(v.dtype), S
+
+
+def _kernel_forward(q, k, v, g, beta, h0, seg, scale, interpret):
+    """Prepare chunk tensors in XLA, run the Mosaic GPU state kernel: (o [B,T,H,V], S [B,H,K,V])."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    p = prepare(q, k, v, g, beta, scale=scale, segment_ids=seg)
+    NT = p["qg"].shape[2]
+    dt = q.dtype if jnp.dtype(q.dtype).itemsize == 2 else jnp.float32
+    flat = lambda x: x.reshape(B * H, NT, *x.shape[3:])
+    op = lambda x: flat(x).astype(dt)
+    o, S = mosaic_state.state_output(
+        op(p["qg"]),
+        op(-p["w"]),
+        op(jnp.swapaxes(p["kg"], -1, -2)),
+        op(p["u"]),
+        op(p["a"]),
+        flat(p["d"]),
+        h0.reshape(B * H, K, V),
+        out_dtype=v.dtype,
+        interpret=interpret,
+    )
+    return unchunk(o.reshape(B, H, NT, -1, V), T), S.reshape(B, H, K, V)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _kda(q, k, v, g, beta, h0, seg, scale, interpret):
+    return _kernel_forward(q, k, v, g, beta, h0, seg, scale, interpret)
+
+
+def _kda_fwd(q, k, v, g, beta, h0, seg, scale, interpret):
+    out = _kernel_forward(q, k, v, g, beta, h0, seg, scale, interpret)
+    return out, (q, k, v, g, beta, h0, seg)
+
+
+def _kda_bwd(scale, interpret, res, cts):
+    """Recompute through the float32 plain-JAX chunked path and pull the cotangents back."""
+    del interpret
+    q, k, v, g, beta, h0, seg = res
+    do, dS = cts
+
+    def f(q, k, v, g, beta, h0):
+        return chunked_reference(q, k, v, g, beta, scale=scale, initial_state=h0, segment_ids=seg)
+
+    _, pull = jax.vjp(f, q, k, v, g, beta, h0)
+    grads = pull((do.astype(jnp.float32), dS.astype(jnp.float32)))
+    return (*grads, None)
+
+
+_kda.defvjp(_kda_fwd, _kda_bwd)
+
+
+def _run(q, k, v, g, beta, h0, seg, *, scale, interpret):
+    if h0 is None:
+        h0 = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
+    return _kda(q, k, v, g, beta, h0.astype(jnp.float32), seg, scale, interpret)
+
+
+def _shard_specs(q):
+    """(mesh, spec for [B,T,H,*], spec for [B,H,K,V], spec for [B,T], spec for [B,T,H]) or None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or mesh.size == 1:
+        return None
+    from jax.sharding import PartitionSpec as P
+
+    from kimi_jax.sharding import spec_for_shape
+
+    b, _, h, _ = spec_for_shape(("act_batch", None, "act_heads", None), q.shape, mesh)
+    if b is None and h is None:
+        return None
+    return mesh, P(b, None, h, None), P(b, h, None, None), P(b, None), P(b, None, h)
+
+
+def kda_impl(
+    q, k, v, g, beta, *, scale, initial_state, segment_ids, lower_bound=None, output_final_state=True, interpret=None
+):
+    """Canonical-form KDA on Mosaic GPU kernels; see `kernels.kda.kda` for the contract.
+
+    `lower_bound` is accepted but not needed: the intra-chunk stage is exact for any g <= 0.
+    `interpret` None means: the Mosaic GPU interpreter on a CPU-only machine, compiled on a GPU.
+    """
+    del lower_bound, output_final_state
+    if interpret is None:
+        interpret = _device_kind() == "cpu"
+    reason = unsupported_reason(q.shape[-1], v.shape[-1], q.dtype, interpret)
+    if reason is not None:
+        _warn_once(reason)
+        return _fallback_impl()(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids, output_final_state=True
+        )
+    run = functools.partial(_run, scale=scale, interpret=interpret)
+    specs = _shard_specs(q)
+    if specs is None:
+        return run(q, k, v, g, beta, initial_state, segment_ids)
+    mesh, x4, s4, s2, s3 = specs
+    h0_spec = None if initial_state is None else s4
+    seg_spec = None if segment_ids is None else s2
+    sharded = jax.shard_map(
+        run, mesh=mesh, in_specs=(x4, x4, x4, x4, s3, h0_spec, seg_spec), out_specs=(x4, s4), check_vma=False
+    )
+    return sharded(q, k, v, g, beta, initial_state, segment_ids)
+
+
+def kda_step_impl(state, q, k, v, g, beta, scale, *, interpret=None):
+    """One decoding step on the Mosaic GPU decode kernel.
+
+    state [B, H, K, V]; q, k, g [B, H, K]; v [B, H, V]; beta [B, H] (all float; g, beta
+    canonical as in `kernels.kda.kda_step`). Returns (o [B, H, V] float32, new state float32).
+    Unsupported shapes or devices fall back to the plain-JAX step with a logged reason.
+    """
+    B, H, K = q.shape
+    V = v.shape[-1]
+    if interpret is None:
+        interpret = _device_kind() == "cpu"
+    reason = unsupported_reason(K, V, jnp.bfloat16, interpret)
+    f32 = lambda x: x.astype(jnp.float32)
+    if reason is not None:
+        _warn_once(f"kda_step: {reason}")
+        from kernels.kda.naive import delta_step
+
+        return delta_step(f32(state), f32(q), f32(k), f32(v), f32(g), f32(beta), scale)
+    vecs = jnp.stack([f32(g), f32(k), f32(beta)[..., None] * f32(k), f32(q) * scale], axis=2)
+    o, S = mosaic_decode.decode_step(
+        f32(state).reshape(B * H, K, V), vecs.reshape(B * H, 4, K), f32(v).reshape(B * H, V), interpret=interpret
+    )
+    return o.reshape(B, H, V), S.reshape(B, H, K, V)
