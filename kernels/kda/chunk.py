@@ -170,6 +170,7 @@ def _grad_scan(nm, dS, w, kg, decay, dS_out, dvn_intra):
 chunk_core.defvjp(_core_fwd, _core_bwd)
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "bounded", "delta"))
 def run_chunked(q, k, v, g, beta, *, scale, initial_state, segment_ids, bounded, delta):
     """Pad T to a multiple of 64 (g = 0, beta = 0, q = k = v = 0 leave the state unchanged), chunk,
     run `chunk_core`, un-chunk. Canonical-form inputs; returns (o [B, T, H, V] in v's dtype, S)."""
@@ -198,9 +199,9 @@ def run_chunked(q, k, v, g, beta, *, scale, initial_state, segment_ids, bounded,
         chunked(beta, sdt),
         h0,
         counts,
-        float(scale),
-        bool(bounded),
-        bool(delta),
+        scale,
+        bounded,
+        delta,
     )
     return from_chunks(o)[:, :T].astype(v.dtype), S
 
@@ -219,7 +220,7 @@ def kda_impl(q, k, v, g, beta, *, scale, initial_state, segment_ids, lower_bound
         v,
         g,
         beta,
-        scale=scale,
+        scale=float(scale),
         initial_state=initial_state,
         segment_ids=segment_ids,
         bounded=use_bounded_path(lower_bound, q.dtype),

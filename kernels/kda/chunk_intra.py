@@ -152,10 +152,12 @@ def unit_lower_inverse(L, precision):
     mm = functools.partial(jnp.einsum, precision=precision)
     Lt = L.reshape(*lead, nt, TILE, nt, TILE)
     Ld = jnp.stack([Lt[..., i, :, i, :] for i in range(nt)], axis=-3)  # [..., nt, T, T]
-    X = jnp.broadcast_to(jnp.eye(TILE, dtype=L.dtype), Ld.shape)
-    for i in range(1, TILE):
-        row = -mm("...m,...mj->...j", Ld[..., i, :], X)  # rows m >= i of X are still e_m, L[i, m>=i] = 0
-        X = X.at[..., i, :].add(row)
+
+    def substitute(i, X):  # X[i] = e_i - L[i] X: rows m >= i of X are still e_m and L[i, m >= i] = 0
+        row = jax.lax.dynamic_index_in_dim(Ld, i, axis=-2, keepdims=False)
+        return X.at[..., i, :].add(-mm("...m,...mj->...j", row, X))
+
+    X = jax.lax.fori_loop(1, TILE, substitute, jnp.broadcast_to(jnp.eye(TILE, dtype=L.dtype), Ld.shape))
     Ai = X[..., :1, :, :].reshape(*lead, TILE, TILE)
     for i in range(1, nt):
         n = i * TILE

@@ -18,5 +18,5 @@ def linear_attention_impl(q, k, v, g, *, scale, initial_state, segment_ids, outp
     del output_final_state
     beta = jnp.ones(q.shape[:3], state_dtype(q.dtype))  # unused without the delta
     return run_chunked(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids, bounded=False, delta=False
+        q, k, v, g, beta, scale=float(scale), initial_state=initial_state, segment_ids=segment_ids, bounded=False, delta=False
     )

@@ -1,0 +1,161 @@
+"""The chunked KDA (`impl="chunk"`) against the float64 oracle and the token-serial naive impl:
+outputs, final states and all gradients, float32 and bfloat16, exact and bounded (lower_bound=-5)
+paths, packed-document resets, extreme gates, state continuity, and numerical gradient checks."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from kernels.kda import kda
+from kernels.testing import assert_close
+from tests.oracle import delta_rule_np
+
+F32_TOL = dict(o=1e-5, S=1e-5, dq=1e-5, dk=1e-5, dv=1e-5, dg=1e-5, dbeta=1e-5, dh0=1e-5)
+BF16_TOL = dict(o=0.005, S=0.005, dq=0.008, dk=0.008, dv=0.008, dg=0.02, dbeta=0.02, dh0=0.008)
+GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+def make_inputs(rng, B, T, H, K, V, gate="channel", lower=-1.0, seg=None, g_fill=None):
+    """Unit-norm keys, beta in [0, 1], g in [lower, 0] per channel / per head / None.
+
+    seg: None, "random" (resets w.p. 0.1) or "edge" (a mid-chunk reset and length-1 segments)."""
+    q = rng.standard_normal((B, T, H, K)).astype(np.float32)
+    k = rng.standard_normal((B, T, H, K)).astype(np.float32)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((B, T, H, V)).astype(np.float32)
+    shape = {"none": None, "head": (B, T, H), "channel": (B, T, H, K)}[gate]
+    g = None if shape is None else (lower * rng.uniform(0, 1, shape)).astype(np.float32)
+    if g_fill is not None:
+        g = np.where(rng.uniform(size=g.shape) < g_fill[1], g_fill[0], g).astype(np.float32)
+    beta = rng.uniform(0, 1, (B, T, H)).astype(np.float32)
+    h0 = rng.standard_normal((B, H, K, V)).astype(np.float32)
+    segment_ids = None
+    if seg == "random":
+        segment_ids = np.cumsum(rng.uniform(size=(B, T)) < 0.1, axis=1).astype(np.int32)
+    elif seg == "edge":
+        starts = np.zeros((B, T), bool)
+        for t in (5, 30, 31, 32, 64, 65, 100):  # mid-chunk, length-1 runs, at and right after a chunk edge
+            if t < T:
+                starts[:, t] = True
+        segment_ids = np.cumsum(starts, axis=1).astype(np.int32) % 3  # ids may repeat: a change is what counts
+    return q, k, v, g, beta, h0, segment_ids
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "lower_bound", "has_seg"))
+def _fwd_bwd(q, k, v, g, beta, h0, seg, do, dS, *, impl, lower_bound, has_seg):
+    """(o, S) and the gradients of <o, do> + <S, dS> w.r.t. q, k, v, g, beta, h0."""
+
+    def run(q, k, v, g, beta, h0):
+        return kda(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=h0,
+            segment_ids=seg if has_seg else None,
+            lower_bound=lower_bound,
+            output_final_state=True,
+            impl=impl,
+        )
+
+    (o, S), vjp = jax.vjp(run, q, k, v, g, beta, h0)
+    return o, S, vjp((do.astype(o.dtype), dS.astype(S.dtype)))
+
+
+def compare(rng, inputs, tol, lower_bound=None, dtype=jnp.float32):
+    """chunk in `dtype` vs naive in float32 on the same (rounded) inputs; all outputs and grads."""
+    q, k, v, g, beta, h0, seg = inputs
+    cast = lambda x: jnp.asarray(x, dtype)
+    qc, kc, vc = cast(q), cast(k), cast(v)
+    up = lambda x: jnp.asarray(x, jnp.float32)
+    do = rng.standard_normal(q.shape[:3] + (v.shape[-1],)).astype(np.float32)
+    dS = rng.standard_normal(h0.shape).astype(np.float32)
+    common = dict(lower_bound=lower_bound, has_seg=seg is not None)
+    seg_j = jnp.zeros(q.shape[:2], jnp.int32) if seg is None else jnp.asarray(seg)
+    ref = _fwd_bwd(up(qc), up(kc), up(vc), g, beta, h0, seg_j, do, dS, impl="naive", **common)
+    out = _fwd_bwd(qc, kc, vc, g, beta, h0, seg_j, do, dS, impl="chunk", **common)
+    assert out[0].dtype == dtype and out[1].dtype == jnp.float32
+    assert_close("o", ref[0], out[0], tol["o"])
+    assert_close("S", ref[1], out[1], tol["S"])
+    for name, r, x in zip(GRADS, ref[2], out[2]):
+        if r is None:
+            continue
+        assert_close(name, r, x, tol[name])
+    return ref, out
+
+
+CASES = [
+    # (B, T, H, K, V, gate, seg, lower_bound)
+    (1, 1000, 1, 16, 16, "channel", None, None),
+    (2, 65, 2, 128, 64, "head", None, -5.0),
+    (2, 63, 1, 60, 100, "none", "edge", None),
+    (1, 130, 2, 64, 128, "channel", "edge", -5.0),
+    (2, 1, 2, 16, 60, "channel", None, None),
+]
+
+
+@pytest.mark.parametrize("B, T, H, K, V, gate, seg, lb", CASES)
+def test_chunk_matches_naive_float32(rng, B, T, H, K, V, gate, seg, lb):
+    inputs = make_inputs(rng, B, T, H, K, V, gate, lower=-5.0 if lb else -1.0, seg=seg)
+    compare(rng, inputs, F32_TOL, lower_bound=lb)
+
+
+@pytest.mark.parametrize("T, gate, seg", [(1, "head", None), (64, "channel", "random"), (63, "none", None)])
+def test_chunk_matches_oracle(rng, T, gate, seg):
+    q, k, v, g, beta, h0, segment_ids = make_inputs(rng, 2, T, 2, 32, 24, gate, seg=seg)
+    o_ref, S_ref = delta_rule_np(q, k, v, g, beta, initial_state=h0, segment_ids=segment_ids)
+    o, S = kda(q, k, v, g, beta, initial_state=h0, segment_ids=segment_ids, output_final_state=True, impl="chunk")
+    assert_close("o", o_ref, o, 1e-5)
+    assert_close("S", S_ref, S, 1e-5)
+
+
+@pytest.mark.parametrize("lb, gate, seg", [(-5.0, "channel", "random"), (None, "head", "edge")])
+def test_chunk_bfloat16(rng, lb, gate, seg):
+    inputs = make_inputs(rng, 2, 200, 2, 64, 64, gate, lower=-5.0, seg=seg)
+    compare(rng, inputs, BF16_TOL, lower_bound=lb, dtype=jnp.bfloat16)
+
+
+def test_extreme_gate_stays_finite(rng):
+    """g = -1000 on random channels (a hard reset of those channels) on the exact path."""
+    inputs = make_inputs(rng, 1, 150, 2, 32, 32, "channel", seg="random", g_fill=(-1000.0, 0.05))
+    # float32 cumsums of -1000s round at ~1e-4 of the decay; FLA's kernels share that limit.
+    tol = {name: 1e-3 for name in F32_TOL}
+    _, out = compare(rng, inputs, tol)
+    for x in (out[0], out[1], *out[2]):
+        assert np.all(np.isfinite(np.asarray(x)))
+
+
+def test_state_continuity(rng):
+    """Two halves chained through the final state equal the whole sequence (bounded path)."""
+    q, k, v, g, beta, h0, seg = make_inputs(rng, 2, 150, 2, 32, 16, "channel", lower=-5.0, seg="random")
+    seg[:, 71:] -= (seg[:, 71] - seg[:, 70])[:, None]  # no reset exactly at the split (invisible to the 2nd call)
+    run = functools.partial(kda, output_final_state=True, impl="chunk", lower_bound=-5.0)
+    o, S = run(q, k, v, g, beta, initial_state=h0, segment_ids=seg)
+    a, b = slice(0, 71), slice(71, None)
+    o1, S1 = run(q[:, a], k[:, a], v[:, a], g[:, a], beta[:, a], initial_state=h0, segment_ids=seg[:, a])
+    o2, S2 = run(q[:, b], k[:, b], v[:, b], g[:, b], beta[:, b], initial_state=S1, segment_ids=seg[:, b])
+    assert_close("o", o, jnp.concatenate([o1, o2], axis=1), 1e-5)
+    assert_close("S", S, S2, 1e-5)
+
+
+@pytest.mark.parametrize("lb", [None, -5.0])
+def test_check_grads_float64(lb):
+    """Numerical vs analytic gradients of the custom VJP on tiny float64 shapes with resets."""
+    rng = np.random.default_rng(1)
+    with jax.enable_x64(True):
+        q, k, v, g, beta, h0, _ = make_inputs(rng, 1, 70, 1, 4, 3, "channel", lower=-2.0)
+        seg = np.cumsum(np.isin(np.arange(70), [3, 40, 41]), dtype=np.int32)[None]
+        f64 = lambda x: jnp.asarray(x, jnp.float64)
+
+        def f(q, k, v, g, beta, h0):
+            o, S = kda(q, k, v, g, beta, initial_state=h0, segment_ids=seg, output_final_state=True,
+                       lower_bound=lb, impl="chunk")
+            return jnp.concatenate([o.ravel(), S.ravel()])
+
+        args = [f64(x) for x in (q, k, v, np.clip(g, -2.0, -0.01), beta, h0)]
+        check_grads(f, args, order=1, modes=("rev",), eps=1e-5, atol=1e-6, rtol=1e-6)
