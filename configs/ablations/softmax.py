@@ -1,0 +1,13 @@
+"""Mixer ablation: softmax, at the width and depth shared by every file in this folder.
+
+    python train.py --config configs/ablations/softmax.py:d_model=128 --workdir workdirs/ablations/softmax
+    python -m kimi_jax.summary --config configs/ablations/softmax.py
+
+Args: d_model (64), num_layers (4), vocab_size (8192, the MQAR vocabulary), num_heads (0 = d_model // 32).
+"""
+
+from configs.model_presets import ablation_config
+
+
+def get_config(arg=None):
+    return ablation_config("softmax", arg)

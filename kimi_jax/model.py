@@ -1,0 +1,141 @@
+"""The decoder: embedding -> blocks (token mixer + dense MLP or MoE, pre-norm, plain or block
+attention residuals) -> final norm -> untied head. Built from a `ModelConfig`.
+
+    model = build_model(config, rngs=nnx.Rngs(0))                 # reads config.model
+    logits = model(tokens [B, T])                                 # [B, T, vocab] float32
+    logits, aux = model(tokens, return_aux=True)                  # aux: see `AUX_KEYS`
+    cache = model.init_cache(batch_size, max_len)
+    logits, cache = model.decode_step(tokens [B, 1], cache)       # equals the full forward
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from kimi_jax.attention import build_mixer
+from kimi_jax.attn_res import AttnResRead, make_stream
+from kimi_jax.config import ModelConfig
+from kimi_jax.ffn import MLP
+from kimi_jax.layers import Embed, Linear, RMSNorm
+from kimi_jax.moe import STAT_KEYS, MoE
+from kimi_jax.sharding import constrain
+
+# aux keys: aux_loss [] (sum over MoE layers), moe_load [L, E] (fraction of routed pairs per
+# expert), moe_max_over_mean [L], moe_load_entropy [L] (normalised to [0, 1]),
+# moe_bias_target [L, E] (quantile balancing's next bias; zeros for other methods).
+AUX_KEYS = ("aux_loss",) + tuple(f"moe_{k}" for k in STAT_KEYS if k != "aux_loss")
+
+
+class Block(nnx.Module):
+    """One decoder layer: mixer and FFN sublayers, each read from the residual stream and
+    pre-normed; AttnRes read sites exist when `config.residual == "attn_res"`."""
+
+    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        d, eps = config.d_model, config.norm_eps
+        kw = dict(dtype=config.compute_dtype, param_dtype=config.weight_dtype, rngs=rngs)
+        name = config.layer_mixers[layer]
+        self.layer, self.mixer_name = layer, name
+        self.mixer_norm = RMSNorm(d, eps=eps, **kw)
+        self.mixer = build_mixer(name, config.settings(name), d, **kw)
+        self.ffn_norm = RMSNorm(d, eps=eps, **kw)
+        act = dict(activation=config.activation, situ_beta=config.situ_beta,
+                   situ_linear_beta=config.situ_linear_beta)
+        if config.is_moe(layer):
+            self.ffn = MoE(d, config.moe, norm_eps=eps, **act, **kw)
+        else:
+            self.ffn = MLP(d, config.dense_hidden, **act, **kw)
+        attn_res = config.residual == "attn_res"
+        self.mixer_read = AttnResRead(d, eps=eps, **kw) if attn_res else None
+        self.ffn_read = AttnResRead(d, eps=eps, **kw) if attn_res else None
+
+    def __call__(self, stream, *, segment_ids=None, cache=None):
+        """Advance `stream` by this layer; returns (new mixer cache or None, MoE stats or None)."""
+        x = self.mixer_norm(stream.before_mixer(self.mixer_read, self.layer))
+        if cache is None:
+            y, cache = self.mixer(x, segment_ids=segment_ids), None
+        else:
+            y, cache = self.mixer.decode(x, cache)
+        stream.add(y)
+        x = self.ffn_norm(stream.before_ffn(self.ffn_read))
+        y, stats = self.ffn(x) if isinstance(self.ffn, MoE) else (self.ffn(x), None)
+        stream.add(y)
+        return cache, stats
+
+
+class Model(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        d = config.d_model
+        kw = dict(dtype=config.compute_dtype, param_dtype=config.weight_dtype, rngs=rngs)
+        self.embed = Embed(config.vocab_size, d, **kw)
+        self.blocks = nnx.List([Block(config, i, rngs=rngs) for i in range(config.num_layers)])
+        self.final_read = (AttnResRead(d, eps=config.norm_eps, **kw)
+                           if config.residual == "attn_res" else None)
+        self.norm = RMSNorm(d, eps=config.norm_eps, **kw)
+        self.head = Linear(d, config.vocab_size, axes=("embed", "vocab"), **kw)
+
+    def __call__(self, tokens, segment_ids=None, *, return_aux: bool = False):
+        """tokens [B, T] int -> logits [B, T, vocab] float32 (and aux with return_aux)."""
+        self._check_tokens(tokens)
+        stream = self._stream(tokens)
+        stats = []
+        for block in self.blocks:
+            _, s = block(stream, segment_ids=segment_ids)
+            stats.append(s)
+        logits = self._logits(stream)
+        return (logits, collect_aux(stats)) if return_aux else logits
+
+    def init_cache(self, batch_size: int, max_len: int):
+        """Per-layer mixer caches (a list, one entry per layer)."""
+        return [block.mixer.init_cache(batch_size, max_len) for block in self.blocks]
+
+    def decode_step(self, tokens, cache):
+        """tokens [B, 1] -> (logits [B, 1, vocab] float32, cache)."""
+        self._check_tokens(tokens)
+        if tokens.shape[1] != 1:
+            raise ValueError(f"decode_step takes one token per row, tokens [B, 1]; got {tokens.shape}")
+        if len(cache) != len(self.blocks):
+            raise ValueError(f"cache has {len(cache)} layers; the model has {len(self.blocks)}")
+        stream = self._stream(tokens)
+        new_cache = [block(stream, cache=c)[0] for block, c in zip(self.blocks, cache)]
+        return self._logits(stream), new_cache
+
+    def moe_layers(self) -> list[MoE]:
+        """MoE layers in layer order (the order of aux's per-layer statistics)."""
+        return [b.ffn for b in self.blocks if isinstance(b.ffn, MoE)]
+
+    def _check_tokens(self, tokens):
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"tokens must be [B, T] integers; got shape {tokens.shape}, "
+                             f"dtype {tokens.dtype}")
+
+    def _stream(self, tokens):
+        h = constrain(self.embed(tokens), ("act_batch", "act_len", "act_embed"))
+        return make_stream(self.config.residual, h, self.config.attn_res_block_size)
+
+    def _logits(self, stream):
+        h = self.norm(stream.final(self.final_read))
+        logits = self.head(h).astype(jnp.float32)
+        return constrain(logits, ("act_batch", "act_len", "act_vocab"))
+
+
+def collect_aux(stats) -> dict:
+    """Stack per-MoE-layer statistics into the aux dict (`AUX_KEYS`)."""
+    stats = [s for s in stats if s is not None]
+    if not stats:
+        aux = {f"moe_{k}": jnp.zeros((0, 0) if k in ("load", "bias_target") else (0,), jnp.float32)
+               for k in STAT_KEYS if k != "aux_loss"}
+        aux["aux_loss"] = jnp.zeros((), jnp.float32)
+        return aux
+    aux = {f"moe_{k}": jnp.stack([s[k] for s in stats]) for k in STAT_KEYS if k != "aux_loss"}
+    aux["aux_loss"] = sum(s["aux_loss"] for s in stats)
+    return aux
+
+
+def build_model(config, *, rngs: nnx.Rngs) -> Model:
+    """Model from the full config (reads `config.model`), a ConfigDict/dict, or a ModelConfig."""
+    if not isinstance(config, ModelConfig):
+        model_cfg = config["model"] if "model" in config else config
+        config = ModelConfig.from_config_dict(model_cfg)
+    return Model(config, rngs=rngs)

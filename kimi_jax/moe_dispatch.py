@@ -1,0 +1,116 @@
+"""Routed-expert computation and the token dispatch strategies, resolved by name in `dispatch_fn`.
+
+Every strategy has the signature
+    fn(x [N, D], expert_idx [N, k] int32, weights [N, k] float32, experts: ExpertWeights,
+       activation) -> y [N, D] (float32)
+and computes y_n = sum_j weights[n, j] * Expert_{expert_idx[n, j]}(x_n).
+
+- "dense": the reference. Every expert runs on every token and the combine weights mask it
+  ([N, E, F] memory); exact and simple, for tests and tiny models.
+- "ragged": dropless. The N*k (token, expert) pairs are sorted by expert, the expert FFN runs as a
+  grouped matmul over (sorted tokens, group sizes) with `jax.lax.ragged_dot`, and the outputs are
+  un-permuted and weighted. `grouped_ffn` is the piece a Pallas grouped matmul or an
+  expert-parallel all-to-all wrapper replaces (pass `matmul=`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class ExpertWeights(NamedTuple):
+    """Stacked SwiGLU-style expert weights: gate, up [E, D, F]; down [E, F, D]."""
+
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+
+
+def grouped_ffn(x_sorted, group_sizes, w: ExpertWeights, activation,
+                *, matmul: Callable = jax.lax.ragged_dot):
+    """Expert FFN over tokens sorted by expert.
+
+    x_sorted [M, D] (rows of expert e are contiguous, experts in order), group_sizes [E] int32
+    (sum <= M; trailing rows beyond the sum give zeros), w: ExpertWeights -> [M, D] in x's dtype.
+    `matmul(lhs [M, K], rhs [E, K, N], group_sizes [E]) -> [M, N]` is the grouped matmul.
+    """
+    dtype = x_sorted.dtype
+    gate = matmul(x_sorted, w.gate.astype(dtype), group_sizes)
+    up = matmul(x_sorted, w.up.astype(dtype), group_sizes)
+    h = activation(gate, up).astype(dtype)
+    return matmul(h, w.down.astype(dtype), group_sizes)
+
+
+def sort_by_expert(expert_idx, num_experts: int):
+    """Sort the N*k (token, expert) pairs by expert.
+
+    expert_idx [N, k] -> (order [N*k] (indices into the flattened pairs), token [N*k] (token of
+    each sorted pair), group_sizes [E] int32).
+    """
+    flat = expert_idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // expert_idx.shape[1]
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return order, token, group_sizes
+
+
+def combine_sorted(y_sorted, order, weights):
+    """Undo the sort and sum each token's k expert outputs with its weights.
+
+    y_sorted [N*k, D], order [N*k], weights [N, k] -> [N, D] float32.
+    """
+    N, k = weights.shape
+    inverse = jnp.argsort(order)
+    y = y_sorted[inverse].reshape(N, k, -1).astype(jnp.float32)
+    return jnp.einsum("nkd,nk->nd", y, weights.astype(jnp.float32))
+
+
+def ragged_dispatch(x, expert_idx, weights, experts: ExpertWeights, activation,
+                    *, matmul: Callable = jax.lax.ragged_dot):
+    """Dropless sort + grouped matmul + un-sort (see module docstring)."""
+    _check(x, expert_idx, weights, experts)
+    order, token, group_sizes = sort_by_expert(expert_idx, experts.gate.shape[0])
+    y_sorted = grouped_ffn(x[token], group_sizes, experts, activation, matmul=matmul)
+    return combine_sorted(y_sorted, order, weights)
+
+
+def dense_dispatch(x, expert_idx, weights, experts: ExpertWeights, activation):
+    """Reference: every expert on every token, masked by the [N, E] combine weights."""
+    _check(x, expert_idx, weights, experts)
+    E = experts.gate.shape[0]
+    dtype = x.dtype
+    combine = jnp.zeros((x.shape[0], E), jnp.float32)
+    combine = combine.at[jnp.arange(x.shape[0])[:, None], expert_idx].add(weights.astype(jnp.float32))
+    gate = jnp.einsum("nd,edf->nef", x, experts.gate.astype(dtype))
+    up = jnp.einsum("nd,edf->nef", x, experts.up.astype(dtype))
+    h = activation(gate, up).astype(dtype)
+    y = jnp.einsum("nef,efd->ned", h, experts.down.astype(dtype)).astype(jnp.float32)
+    return jnp.einsum("ned,ne->nd", y, combine)
+
+
+def _check(x, expert_idx, weights, experts: ExpertWeights) -> None:
+    E, D, F = experts.gate.shape
+    if x.ndim != 2 or x.shape[1] != D:
+        raise ValueError(f"dispatch expects x [N, {D}]; got x.shape={x.shape}")
+    if expert_idx.shape != weights.shape or expert_idx.shape[0] != x.shape[0]:
+        raise ValueError(f"expert_idx and weights must both be [N={x.shape[0]}, k]; got "
+                         f"{expert_idx.shape} and {weights.shape}")
+    if experts.up.shape != (E, D, F) or experts.down.shape != (E, F, D):
+        raise ValueError(f"expert weights must be gate/up [E, D, F], down [E, F, D]; got "
+                         f"{experts.gate.shape}, {experts.up.shape}, {experts.down.shape}")
+
+
+DISPATCH = {
+    "dense": dense_dispatch,
+    "ragged": ragged_dispatch,
+}
+
+
+def dispatch_fn(name: str):
+    """The one place a dispatch name is resolved."""
+    if name not in DISPATCH:
+        raise ValueError(f"Unknown dispatch={name!r}; expected one of {sorted(DISPATCH)}")
+    return DISPATCH[name]

@@ -1,0 +1,203 @@
+"""MoE: dispatch strategies agree (outputs and gradients), routing semantics, and the three
+load-balancing methods (quantile balancing, DeepSeek's bias update, the sequence-wise loss)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kimi_jax import moe_balance
+from kimi_jax.config import MoEConfig
+from kimi_jax.ffn import glu_activation, situ_glu
+from kimi_jax.moe import MoE, RouterBias, apply_balancing
+from kimi_jax.moe_dispatch import DISPATCH, ExpertWeights, dispatch_fn
+
+
+def _experts(key, E=6, D=8, F=12):
+    k1, k2, k3 = jax.random.split(key, 3)
+    return ExpertWeights(jax.random.normal(k1, (E, D, F)) / D**0.5,
+                         jax.random.normal(k2, (E, D, F)) / D**0.5,
+                         jax.random.normal(k3, (E, F, D)) / F**0.5)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "situ"])
+def test_dense_and_ragged_dispatch_agree_with_gradients(activation):
+    key = jax.random.key(0)
+    N, E, k, D = 10, 6, 2, 8
+    x = jax.random.normal(jax.random.fold_in(key, 1), (N, D))
+    # Few tokens, experts 4 and 5 never chosen: empty groups must work.
+    idx = jax.random.randint(jax.random.fold_in(key, 2), (N, k), 0, 4)
+    idx = idx.at[:, 1].set((idx[:, 0] + 1) % 4)
+    w = jax.random.uniform(jax.random.fold_in(key, 3), (N, k))
+    experts = _experts(jax.random.fold_in(key, 4), E, D)
+    act = glu_activation(activation)
+
+    def loss(name, x, w, experts):
+        y = dispatch_fn(name)(x, idx, w, experts, act)
+        return jnp.sum(jnp.sin(y)), y
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(1, 2, 3), has_aux=True), static_argnums=0)
+    (_, y_dense), g_dense = grad("dense", x, w, experts)
+    (_, y_ragged), g_ragged = grad("ragged", x, w, experts)
+    np.testing.assert_allclose(y_ragged, y_dense, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g_dense), jax.tree.leaves(g_ragged)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+    # And the reference itself against a per-token loop.
+    for n in range(N):
+        ref = sum(float(w[n, j]) * _expert_np(x[n], experts, int(idx[n, j]), act) for j in range(k))
+        np.testing.assert_allclose(y_dense[n], ref, rtol=1e-5, atol=1e-5)
+
+
+def _expert_np(x, w: ExpertWeights, e, act):
+    h = act(x @ w.gate[e], x @ w.up[e])
+    return np.asarray(h @ w.down[e])
+
+
+def test_latent_moe_module_dispatches_agree_and_routes_with_unbiased_weights():
+    cfg = MoEConfig(num_experts=8, top_k=2, expert_hidden=16, num_shared_experts=2,
+                    latent_dim=12, routed_scaling_factor=2.5, dispatch="dense")
+    dense = MoE(24, cfg, activation="situ", rngs=nnx.Rngs(0))
+    ragged = MoE(24, dataclasses.replace(cfg, dispatch="ragged"), activation="situ", rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 5, 24))
+    y_d, _ = dense(x)
+    y_r, _ = ragged(x)
+    np.testing.assert_allclose(y_r, y_d, rtol=1e-5, atol=1e-5)
+
+    def loss(m, x):
+        return jnp.sum(m(x)[0] ** 2)
+
+    g_d = nnx.jit(nnx.grad(loss))(dense, x)
+    g_r = nnx.jit(nnx.grad(loss))(ragged, x)
+    for a, b in zip(jax.tree.leaves(g_d), jax.tree.leaves(g_r)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+
+    # A huge bias on expert 3 forces its selection but not its weight (selection only).
+    dense.router.bias[...] = jnp.zeros(8).at[3].set(100.0)
+    flat = x.reshape(10, 24)
+    scores, idx, _ = dense.router(flat, 2)
+    assert bool(jnp.all(idx[:, 0] == 3))
+    assert isinstance(dense.router.bias, RouterBias) and not isinstance(dense.router.bias, nnx.Param)
+    assert len(nnx.state(dense, nnx.Param).flat_state()) > 0
+    assert "bias" not in str(nnx.state(dense.router, nnx.Param))
+
+
+def test_routing_weights_are_renormalised_unbiased_scores():
+    cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=8, routed_scaling_factor=2.0,
+                    dispatch="dense", latent_dim=0)
+    m = MoE(6, cfg, rngs=nnx.Rngs(0))
+    m.router.bias[...] = jnp.array([0.0, 5.0, 0.0, 0.0])
+    # Identity experts are hard to build; instead check the combine weights through dispatch.
+    seen = {}
+
+    def spy(x, idx, w, experts, act):
+        seen.update(idx=idx, w=w)
+        return DISPATCH["dense"](x, idx, w, experts, act)
+
+    DISPATCH["spy"] = spy
+    try:
+        m.cfg = dataclasses.replace(cfg, dispatch="spy")
+        x = jax.random.normal(jax.random.key(0), (1, 3, 6))
+        m(x)
+    finally:
+        del DISPATCH["spy"]
+    scores = jax.nn.sigmoid(x.reshape(3, 6) @ m.router.proj.kernel[...])
+    assert bool(jnp.all(seen["idx"][:, 0] == 1))
+    s = jnp.take_along_axis(scores, seen["idx"], axis=1)
+    np.testing.assert_allclose(seen["w"], 2.0 * s / s.sum(1, keepdims=True), rtol=1e-6)
+
+
+def test_unknown_dispatch_and_balancing_raise():
+    with pytest.raises(ValueError, match="Unknown moe.dispatch='nope'"):
+        MoEConfig(num_experts=4, top_k=2, expert_hidden=8, dispatch="nope")
+    with pytest.raises(ValueError, match="Unknown moe.balancing"):
+        MoEConfig(num_experts=4, top_k=2, expert_hidden=8, balancing="loss")
+    with pytest.raises(ValueError, match="top_k=5 exceeds"):
+        MoEConfig(num_experts=4, top_k=5, expert_hidden=8)
+    with pytest.raises(ValueError, match="Unknown dispatch='x'"):
+        dispatch_fn("x")
+
+
+def _skewed_scores(step, N=2048, E=16):
+    key = jax.random.fold_in(jax.random.key(7), step)
+    skew = jnp.linspace(-3.0, 3.0, E)
+    return jax.nn.sigmoid(jax.random.normal(key, (N, E)) + skew)
+
+
+def test_quantile_balancing_balances_a_skewed_router_in_a_few_updates():
+    E, k = 16, 2
+    bias = jnp.zeros(E)
+    ratios = []
+
+    @jax.jit
+    def step(s, bias):  # route with the current bias, then estimate the next one
+        values, idx = jax.lax.top_k(s + bias, k + 1)
+        ratio = moe_balance.load_metrics(moe_balance.expert_load(idx[:, :k], E))[0]
+        return ratio, moe_balance.quantile_bias(s, values[:, k], bias, k, num_bins=1000)
+
+    for i in range(6):
+        ratio, bias = step(_skewed_scores(i, E=E), bias)  # a fresh batch each step, same skew
+        ratios.append(float(ratio))
+        assert abs(float(bias.mean())) < 1e-5  # mean-centred
+    assert ratios[0] > 4.0, ratios  # badly skewed before
+    assert max(ratios[3:]) < 1.3, ratios  # near balance after a few updates (batch noise ~5%)
+    s = _skewed_scores(99, E=E)  # on one batch the fixed point is balanced
+    for _ in range(6):
+        ratio, bias = step(s, bias)
+    assert float(ratio) < 1.1, float(ratio)
+
+
+def test_apply_balancing_through_the_module():
+    E = 8
+    cfg = MoEConfig(num_experts=E, top_k=2, expert_hidden=8, balancing="quantile")
+    m = MoE(4, cfg, rngs=nnx.Rngs(0))
+    kernel = jax.random.normal(jax.random.key(9), (4, E))
+    m.router.proj.kernel[...] = kernel.at[0].set(jnp.linspace(-3, 3, E))  # x[..., 0] = 1: a skew
+    forward = nnx.jit(lambda m, x: m(x)[1])
+    ratios = []
+    for step in range(6):
+        x = jax.random.normal(jax.random.key(step), (4, 256, 4)).at[..., 0].set(1.0)
+        stats = forward(m, x)
+        ratios.append(float(stats["max_over_mean"]))
+        aux = {"moe_load": stats["load"][None], "moe_bias_target": stats["bias_target"][None]}
+        apply_balancing(m, aux)
+    assert ratios[0] > 2.5 and max(ratios[3:]) < 1.3, ratios
+
+
+def test_deepseek_bias_update_moves_biases_towards_balance():
+    load = jnp.array([0.5, 0.1, 0.2, 0.2])
+    new = moe_balance.aux_free_update(jnp.zeros(4), load, 1e-3)
+    np.testing.assert_allclose(new, [-1e-3, 1e-3, 1e-3, 1e-3])
+    cfg = MoEConfig(num_experts=4, top_k=1, expert_hidden=8, balancing="aux_free", balance_rate=0.01)
+    m = MoE(4, cfg, rngs=nnx.Rngs(0))
+    apply_balancing(m, {"moe_load": load[None], "moe_bias_target": jnp.zeros((1, 4))})
+    np.testing.assert_allclose(m.router.bias[...], [-0.01, 0.01, 0.01, 0.01])
+    with pytest.raises(ValueError, match="statistics for 2 MoE layers"):
+        apply_balancing(m, {"moe_load": jnp.zeros((2, 4)), "moe_bias_target": jnp.zeros((2, 4))})
+
+
+def test_sequence_aux_loss_matches_hand_computation():
+    scores = jnp.array([[[0.9, 0.5, 0.1], [0.2, 0.8, 0.6]]])  # B=1, T=2, E=3
+    idx = jnp.array([[[0], [1]]])  # k=1
+    # f_i = E / (k T) * count_i = 1.5 * [1, 1, 0]; P_i = mean_t s_ti / sum_j s_tj.
+    p = (np.array([0.9, 0.5, 0.1]) / 1.5 + np.array([0.2, 0.8, 0.6]) / 1.6) / 2
+    expected = 0.01 * (1.5 * p[0] + 1.5 * p[1])
+    got = moe_balance.sequence_aux_loss(scores, idx, top_k=1, coef=0.01)
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    # The module returns it (with a gradient to the router) only for balancing="aux_loss".
+    cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=8, balancing="aux_loss", aux_loss_coef=0.1)
+    m = MoE(4, cfg, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(0), (2, 3, 4))
+    grads = nnx.grad(lambda m: m(x)[1]["aux_loss"])(m)
+    assert float(jnp.abs(grads.router.proj.kernel[...]).sum()) > 0
+
+
+def test_situ_glu_bounds_and_limit():
+    g = jnp.linspace(-50, 50, 101)
+    out = situ_glu(g, g)
+    assert float(jnp.abs(out).max()) <= 100.0
+    small = jnp.linspace(-0.5, 0.5, 11)
+    big = situ_glu(small, small, beta=1e6, linear_beta=1e6)
+    np.testing.assert_allclose(big, jax.nn.silu(small) * small, rtol=1e-5, atol=1e-7)
