@@ -3,7 +3,7 @@
 Layout: rows of `lhs [M, K]` are sorted by group; `group_sizes [G]` says how many rows each group
 owns (empty groups allowed, rows past the total are zero in the output).
 
-gmm  (forward and dlhs): one program per (N block, M block). It walks the groups that overlap its
+gmm  (forward and dlhs): one program per (M block, N block). It walks the groups that overlap its
      block of rows (usually one; two or more only at group boundaries), runs a K-pipeline of
      wgmma against that group's weights and keeps only the rows of that group (row mask on the
      accumulator). Each output row belongs to exactly one group, so the masked merge is exact
@@ -148,8 +148,8 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, blocks=Blocks(), interpre
         body,
         out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
         scratch_types=[plgpu.SMEM((bm, bn), out_dtype)],
-        grid=(num_n, num_m),
-        grid_names=("n", "m"),
+        grid=(num_m, num_n),  # the long M axis first: CUDA caps the other grid axes at 65535
+        grid_names=("m", "n"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_params(interpret),
     )

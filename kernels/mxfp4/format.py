@@ -21,6 +21,8 @@ spec leaves room, applied identically by the NumPy oracle in the tests:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,3 +84,35 @@ def dequantize(packed, scales, dtype=jnp.float32):
     # to zero on platforms that flush denormals.
     out = jnp.where(s == SCALE_NAN, jnp.nan, jnp.ldexp(values, s - SCALE_BIAS))
     return out.reshape(*packed.shape[:-1], k).astype(dtype)
+
+
+class MXFP4Weight(NamedTuple):
+    """A stacked weight [G, K, N] (contraction K) kept as MXFP4 blocks along K.
+
+    packed u8 [G, N, K/2], scales u8 [G, N, K/32] (the K3 [out, in] layout). `shape` is the
+    logical [G, K, N] of the float weight it replaces and `astype` returns it unchanged, so code
+    written for float expert weights can carry it to a matmul that reads packed weights.
+    """
+
+    packed: jax.Array
+    scales: jax.Array
+
+    @classmethod
+    def from_dense(cls, w):
+        """w [G, K, N] float -> MXFP4Weight."""
+        if w.ndim != 3:
+            raise ValueError(f"MXFP4Weight.from_dense expects [G, K, N], got {w.shape}")
+        return cls(*quantize(jnp.swapaxes(w, 1, 2)))
+
+    @property
+    def shape(self):
+        g, n, kh = self.packed.shape
+        return (g, 2 * kh, n)
+
+    def astype(self, dtype):
+        del dtype
+        return self
+
+    def dequantize(self, dtype=jnp.float32):
+        """-> [G, K, N] in `dtype`."""
+        return jnp.swapaxes(dequantize(self.packed, self.scales, dtype), 1, 2)

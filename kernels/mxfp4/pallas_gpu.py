@@ -122,8 +122,8 @@ def gmm(x, packed, scales, group_sizes, *, blocks=Blocks(), interpret=False):
         body,
         out_type=jax.ShapeDtypeStruct((mp, np_), dtype),
         scratch_types=[plgpu.SMEM((bm, bn), dtype), plgpu.SMEM((bn, kh), dtype)],
-        grid=(num_n, num_m),
-        grid_names=("n", "m"),
+        grid=(num_m, num_n),  # the long M axis first: CUDA caps the other grid axes at 65535
+        grid_names=("m", "n"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
