@@ -171,20 +171,20 @@ class ShortConv(nnx.Module):
         B, T = x.shape[:2]
         W = self.kernel_size
         x = x.astype(self.dtype)
-        w = self.weight[...].astype(self.dtype)
+        w = self.weight[...].astype(self.dtype).astype(jnp.float32)  # taps accumulate in float32
         xp = jnp.pad(x, [(0, 0), (W - 1, 0)] + [(0, 0)] * len(self.channels))
         if segment_ids is not None:
             if segment_ids.shape != (B, T):
                 raise ValueError(f"segment_ids must be [B, T] = {(B, T)}; got {segment_ids.shape}")
             sp = jnp.pad(segment_ids, [(0, 0), (W - 1, 0)], constant_values=-1)
-        y = jnp.zeros_like(x)
+        y = jnp.zeros(x.shape, jnp.float32)
         for i in range(W):  # tap i reads the token W-1-i steps back
             tap = xp[:, i : i + T]
             if segment_ids is not None:
                 same = (sp[:, i : i + T] == segment_ids).reshape((B, T) + (1,) * len(self.channels))
                 tap = jnp.where(same, tap, 0)
-            y = y + tap * w[i]
-        return jax.nn.silu(y)
+            y = y + tap.astype(jnp.float32) * w[i]
+        return jax.nn.silu(y).astype(self.dtype)
 
     def init_cache(self, batch_size: int, dtype):
         return jnp.zeros((batch_size, self.kernel_size - 1) + self.channels, dtype)
@@ -194,8 +194,9 @@ class ShortConv(nnx.Module):
         if tuple(x.shape[1:]) != self.channels or cache.shape[0] != x.shape[0]:
             raise ValueError(f"ShortConv.step: x.shape={x.shape}, cache.shape={cache.shape}, channels={self.channels}")
         window = jnp.concatenate([cache.astype(self.dtype), x.astype(self.dtype)[:, None]], axis=1)  # [B, W, ...]
-        y = jnp.einsum("bw...,w...->b...", window, self.weight[...].astype(self.dtype))
-        return jax.nn.silu(y), window[:, 1:].astype(cache.dtype)
+        w = self.weight[...].astype(self.dtype)
+        y = jnp.einsum("bw...,w...->b...", window, w, preferred_element_type=jnp.float32)
+        return jax.nn.silu(y).astype(self.dtype), window[:, 1:].astype(cache.dtype)
 
 
 def segment_positions(segment_ids, T: int, batch_size: int):
