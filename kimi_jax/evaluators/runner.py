@@ -1,0 +1,101 @@
+"""Jitted model calls for evaluation: full forward, greedy generation through `decode_step`
+(prefill by scanning the prompt into the cache) and timed decode steps.
+
+The model is split once into (graphdef, state); every call jits over the state so a model loaded
+with any sharding runs without copies. Shapes [B, T] change per task setting and recompile."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kimi_jax.evaluators.scoring import score_logits
+
+
+class ModelRunner:
+    def __init__(self, model):
+        self.graphdef, self.state = nnx.split(model)
+        self._score = jax.jit(self._score_impl)
+        self._generate = jax.jit(self._generate_impl, static_argnums=(2,))
+        self._prefill = jax.jit(self._prefill_impl)
+        self._step = jax.jit(self._step_impl)
+
+    def _model(self, state):
+        return nnx.merge(self.graphdef, state)
+
+    # -------------------------------------------------------------------------- forward
+    def _score_impl(self, state, inputs, targets, loss_mask):
+        return score_logits(self._model(state)(inputs), targets, loss_mask)
+
+    def score(self, inputs, targets, loss_mask) -> dict:
+        """Per-example `score_logits` of one batch [B, T] (NumPy out)."""
+        out = self._score(self.state, jnp.asarray(inputs), jnp.asarray(targets), jnp.asarray(loss_mask))
+        return jax.tree.map(np.asarray, out)
+
+    # ----------------------------------------------------------------------- decoding
+    @staticmethod
+    def _scan_prefill(model, tokens, cache):
+        """Feed tokens [B, T] one at a time through decode_step (T may be 0)."""
+        def body(cache, tok):
+            _, cache = model.decode_step(tok[:, None], cache)
+            return cache, None
+        cache, _ = jax.lax.scan(body, cache, tokens.T)
+        return cache
+
+    def _generate_impl(self, state, prompt, num_new):
+        model = self._model(state)
+        B, T0 = prompt.shape
+        cache = self._scan_prefill(model, prompt[:, :-1], model.init_cache(B, T0 + num_new))
+
+        def body(carry, _):
+            cache, tok = carry
+            logits, cache = model.decode_step(tok, cache)
+            nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]
+            return (cache, nxt), nxt[:, 0]
+
+        _, new = jax.lax.scan(body, (cache, prompt[:, -1:]), None, length=num_new)
+        return new.T
+
+    def greedy(self, prompt, num_new: int) -> np.ndarray:
+        """Greedy continuation tokens [B, num_new] of prompt [B, T0] (T0 >= 1)."""
+        prompt = np.asarray(prompt, np.int32)
+        if prompt.ndim != 2 or prompt.shape[1] < 1 or num_new < 1:
+            raise ValueError(f"greedy: prompt must be [B, T0>=1] and num_new >= 1; got "
+                             f"{prompt.shape}, {num_new}")
+        return np.asarray(self._generate(self.state, jnp.asarray(prompt), int(num_new)))
+
+    def _prefill_impl(self, state, tokens, cache):
+        return self._scan_prefill(self._model(state), tokens, cache)
+
+    def _step_impl(self, state, tokens, cache):
+        return self._model(state).decode_step(tokens, cache)
+
+    def decode_seconds_per_token(self, context_len: int, *, batch_size: int = 1, steps: int = 8,
+                                 seed: int = 0) -> float:
+        """Wall time of one decode step [B, 1] after `context_len` cached tokens (random ids 0/1,
+        valid for any vocab), the median over `steps` timed steps after one warm-up step."""
+        model = self._model(self.state)
+        tokens = np.random.RandomState(seed).randint(0, 2, size=(batch_size, context_len + steps + 1))
+        cache = model.init_cache(batch_size, context_len + steps + 1)
+        cache = self._prefill(self.state, jnp.asarray(tokens[:, :context_len], jnp.int32), cache)
+        tok = jnp.asarray(tokens[:, context_len:context_len + 1], jnp.int32)
+        logits, cache = self._step(self.state, tok, cache)  # warm-up: compiles
+        jax.block_until_ready(logits)
+        times = []
+        for i in range(steps):
+            tok = jnp.asarray(tokens[:, context_len + 1 + i:context_len + 2 + i], jnp.int32)
+            start = time.perf_counter()
+            logits, cache = self._step(self.state, tok, cache)
+            jax.block_until_ready(logits)
+            times.append(time.perf_counter() - start)
+        return float(np.median(times))
+
+    def cache_bytes(self, batch_size: int, max_len: int) -> int:
+        """Bytes the model's decode cache allocates for [batch_size, max_len] (abstractly)."""
+        model = self._model(self.state)
+        shapes = jax.eval_shape(lambda: model.init_cache(batch_size, max_len))
+        return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes)))
