@@ -47,9 +47,12 @@ class _Numerics:
         self.prec = None if low else _HI  # full float32 matmuls for float32 inputs (no TF32)
         self.fine = None if low else _HI  # the small [C, C] products around the inverse
 
-    def mm(self, spec, x, y, dtype=None):
+    def mm(self, spec, x, y, dtype=None, out=None):
+        """einsum with operands in `dtype` (default: the compute dtype) accumulating in float32;
+        the result in `out` (default: the state dtype)."""
         cd = self.cd if dtype is None else dtype
-        return jnp.einsum(spec, x.astype(cd), y.astype(cd), preferred_element_type=self.sdt, precision=self.prec)
+        out = self.sdt if out is None else out
+        return jnp.einsum(spec, x.astype(cd), y.astype(cd), preferred_element_type=out, precision=self.prec)
 
     def mm_fine(self, spec, x, y):
         return jnp.einsum(spec, x.astype(self.sdt), y.astype(self.sdt), precision=self.fine)
@@ -64,8 +67,8 @@ def _prep(nm, q, k, v, g, beta, counts, scale, bounded, delta):
 def _wy(nm, P):
     """Ai = (I + L)^{-1}, w = Ai kgam [.., C, K], u = Ai bv [.., C, V]."""
     Ai = unit_lower_inverse(P["L"], nm.fine)
-    w = nm.mm("...rc,...ck->...rk", Ai, P["kgam"])
-    u = nm.mm("...rc,...cv->...rv", Ai, P["bv"])
+    w = nm.mm("...rc,...ck->...rk", Ai, P["kgam"], out=nm.cd)
+    u = nm.mm("...rc,...cv->...rv", Ai, P["bv"], out=nm.cd)
     return Ai, w, u
 
 
@@ -79,7 +82,7 @@ def _state_scan(nm, h0, w, u, kg, decay):
         if w_n is None:
             vn = u_n
         else:
-            vn = (u_n - nm.mm("bhck,bhkv->bhcv", w_n, S_c)).astype(nm.cd)
+            vn = (u_n.astype(nm.sdt) - nm.mm("bhck,bhkv->bhcv", w_n, S_c)).astype(nm.cd)
         S = d_n[..., None] * S + nm.mm("bhck,bhcv->bhkv", kg_n, vn)
         return S, (S_c, vn)
 
@@ -121,7 +124,7 @@ def _core_bwd(scale, bounded, delta, res, cts):
     P, pull = jax.vjp(lambda *a: _prep(nm, *a, counts, scale, bounded, delta), q, k, v, g, beta)
     if delta:
         Ai, w, u = _wy(nm, P)
-        vn = (u - nm.mm("nbhck,nbhkv->nbhcv", w, states)).astype(nm.cd)
+        vn = (u.astype(nm.sdt) - nm.mm("nbhck,nbhkv->nbhcv", w, states)).astype(nm.cd)
     else:
         w, vn = None, v.astype(nm.cd)
     do = do.astype(nm.cd)

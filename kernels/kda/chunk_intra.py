@@ -145,17 +145,18 @@ def prep(q, k, v, g, beta, counts, *, scale: float, bounded: bool, delta: bool, 
 def unit_lower_inverse(L, precision):
     """(I + L)^{-1} for strictly lower-triangular L [..., C, C], C a multiple of 16.
 
-    Diagonal 16x16 tiles by forward substitution, then block rows merged with matmuls:
-    Ai[i, :i] = -X_ii L[i, :i] Ai[:i, :i]. All in L's dtype (float32 or float64)."""
+    Diagonal 16x16 tiles by forward substitution (full precision), then block rows merged with
+    matmuls at `precision`: Ai[i, :i] = -X_ii L[i, :i] Ai[:i, :i]. All in L's dtype."""
     *lead, C, _ = L.shape
     nt = C // TILE
     mm = functools.partial(jnp.einsum, precision=precision)
+    mm_hi = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
     Lt = L.reshape(*lead, nt, TILE, nt, TILE)
     Ld = jnp.stack([Lt[..., i, :, i, :] for i in range(nt)], axis=-3)  # [..., nt, T, T]
 
     def substitute(i, X):  # X[i] = e_i - L[i] X: rows m >= i of X are still e_m and L[i, m >= i] = 0
         row = jax.lax.dynamic_index_in_dim(Ld, i, axis=-2, keepdims=False)
-        return X.at[..., i, :].add(-mm("...m,...mj->...j", row, X))
+        return X.at[..., i, :].add(-mm_hi("...m,...mj->...j", row, X))
 
     X = jax.lax.fori_loop(1, TILE, substitute, jnp.broadcast_to(jnp.eye(TILE, dtype=L.dtype), Ld.shape))
     Ai = X[..., :1, :, :].reshape(*lead, TILE, TILE)
