@@ -10,9 +10,17 @@ Activation names: act_batch, act_len, act_embed, act_heads, act_kv, act_mlp, act
 
 from __future__ import annotations
 
+import math
+
 import jax
+import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+# Mesh axes the batch dimension of inputs and activations is split over.
+BATCH_AXES = ("data", "fsdp", "expert")
 
 # logical name -> mesh axis (or tuple of axes, or None). The single table of the project.
 LOGICAL_AXIS_RULES = (
@@ -65,4 +73,88 @@ def _keep_present(entry, axis_names):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-__all__ = ["LOGICAL_AXIS_RULES", "logical_to_spec", "constrain", "nnx"]
+def mesh_shape(mesh_config, num_devices: int) -> dict:
+    """Resolve {axis: size} (one size may be -1) against the device count; raise when it does not fit."""
+    sizes = {a: int(mesh_config.get(a, 1)) for a in MESH_AXES}
+    unknown = set(mesh_config.keys()) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"Unknown mesh axes {sorted(unknown)}; expected some of {MESH_AXES}")
+    free = [a for a, n in sizes.items() if n == -1]
+    if len(free) > 1 or any(n == 0 or n < -1 for n in sizes.values()):
+        raise ValueError(f"config.mesh={sizes}: sizes must be positive, with at most one -1")
+    fixed = math.prod(n for n in sizes.values() if n != -1)
+    if free:
+        if num_devices % fixed:
+            raise ValueError(f"config.mesh={sizes}: {num_devices} devices are not divisible by {fixed}")
+        sizes[free[0]] = num_devices // fixed
+    if math.prod(sizes.values()) != num_devices:
+        raise ValueError(
+            f"config.mesh={sizes} needs {math.prod(sizes.values())} devices but {num_devices} are present")
+    return sizes
+
+
+def make_mesh(mesh_config, devices=None) -> jax.sharding.Mesh:
+    """The (data, fsdp, tensor, expert) mesh from `config.mesh`, over all devices by default."""
+    devices = jax.devices() if devices is None else devices
+    sizes = mesh_shape(mesh_config, len(devices))
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    if len(devices) == len(jax.devices()):
+        return jax.make_mesh(shape, MESH_AXES, axis_types=auto)
+    return jax.sharding.Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
+
+
+def batch_sharding(mesh, ndim: int = 2) -> NamedSharding:
+    """Inputs [B, T, ...]: batch over the data-parallel axes, the rest replicated."""
+    return NamedSharding(mesh, P(BATCH_AXES, *(None,) * (ndim - 1)))
+
+
+def spec_for_shape(names, shape, mesh, rules=LOGICAL_AXIS_RULES) -> P:
+    """Mesh PartitionSpec for an array with logical `names`: each dimension takes the mesh axes its
+    name maps to, keeping only axes present in the mesh, not used by an earlier dimension, and
+    dividing the dimension (else that dimension stays replicated)."""
+    if names is None:
+        return P()
+    if len(names) != len(shape):
+        raise ValueError(f"logical names {names} do not match the array shape {shape}")
+    table, used, out = dict(rules), set(), []
+    for name, dim in zip(names, shape):
+        entry = None if name is None else table.get(name)
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        axes = tuple(a for a in axes if a in mesh.shape and a not in used and mesh.shape[a] > 1)
+        while axes and dim % math.prod(mesh.shape[a] for a in axes):
+            axes = axes[:-1]
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*out)
+
+
+def logical_names(state):
+    """Tree of logical-name tuples (or None) for an nnx.State of (abstract) variables."""
+    return jax.tree.map(lambda v: v.get_metadata().get("out_sharding") or v.get_metadata().get("sharding_names"),
+                        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def state_shardings(abstract_state, mesh, rules=LOGICAL_AXIS_RULES):
+    """NamedShardings for an (abstract) nnx.State, from the variables' logical names and the rules."""
+    def one(v):
+        names = v.get_metadata().get("out_sharding") or v.get_metadata().get("sharding_names")
+        return v.replace(NamedSharding(mesh, spec_for_shape(names, v.shape, mesh, rules)))
+    return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def optimizer_shardings(tx, abstract_opt_state, param_shardings, mesh):
+    """Optimizer-state shardings: leaves that mirror a parameter take its sharding, the rest
+    (step counts, scalars) are replicated."""
+    import optax
+
+    replicated = NamedSharding(mesh, P())
+    return optax.tree_utils.tree_map_params(
+        tx, lambda _, s: s, abstract_opt_state, param_shardings,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, (nnx.Variable, NamedSharding)))
+
+
+__all__ = ["LOGICAL_AXIS_RULES", "MESH_AXES", "BATCH_AXES", "logical_to_spec", "constrain", "mesh_shape",
+           "make_mesh", "batch_sharding", "spec_for_shape", "logical_names", "state_shardings",
+           "optimizer_shardings", "nnx"]

@@ -1,0 +1,130 @@
+"""Document sources as grain MapDatasets: synthetic tasks generated on the fly, tasks materialised
+with TFDS (array_record), prepared TFDS text datasets by name, and local .txt/.jsonl files.
+
+Every source yields documents {inputs, targets, loss_mask} of NumPy arrays [n] (see packing.py)."""
+
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import os
+
+import grain
+import numpy as np
+
+SPLITS = ("train", "eval")
+# Effectively endless on-the-fly task data (documents are generated in blocks from the index).
+ENDLESS = 2**62
+
+
+def _split_id(split: str) -> int:
+    if split not in SPLITS:
+        raise ValueError(f"Unknown split {split!r}; expected one of {SPLITS}")
+    return SPLITS.index(split)
+
+
+def make_task(data_config):
+    """The synthetic task of `data.task` with `data.task_kwargs` (kimi_jax.tasks)."""
+    from kimi_jax import tasks
+
+    return tasks.make_task(data_config.task, **dict(data_config.task_kwargs))
+
+
+class TaskSource:
+    """Random access to an endless stream of task examples: example i comes from block
+    i // block_size, generated with a seed derived from (seed, split, block)."""
+
+    def __init__(self, task, seed: int, split: str, block_size: int = 256):
+        self.task, self.seed, self.split_id, self.block_size = task, int(seed), _split_id(split), block_size
+
+    def __len__(self) -> int:
+        return ENDLESS
+
+    @functools.lru_cache(maxsize=4)
+    def _block(self, block: int) -> dict:
+        seed = int(np.random.SeedSequence([self.seed, self.split_id, block]).generate_state(1)[0] & 0x7FFFFFFF)
+        return self.task.generate(seed, self.block_size)
+
+    def __getitem__(self, index: int) -> dict:
+        block = self._block(index // self.block_size)
+        i = index % self.block_size
+        return {"inputs": block["inputs"][i].astype(np.int32), "targets": block["targets"][i].astype(np.int32),
+                "loss_mask": block["loss_mask"][i].astype(bool)}
+
+
+def open_tfds(name: str, split: str, data_dir: str):
+    """`tfds.data_source` for a prepared dataset (no TensorFlow); errors name the dataset."""
+    import tensorflow_datasets as tfds
+
+    where = data_dir or "the default TFDS data_dir"
+    try:
+        source = tfds.data_source(name, split=split, data_dir=data_dir or None, download=False)
+        if len(source) == 0:
+            raise ValueError("it has no records")
+        source[0]  # a corrupt file fails here rather than deep in the training loop
+    except Exception as e:  # tfds raises several types (AssertionError, DatasetNotFoundError, ...)
+        raise FileNotFoundError(
+            f"TFDS dataset {name!r} (split {split!r}) under {where} is missing or unreadable: "
+            f"{type(e).__name__}: {e}") from e
+    return source
+
+
+def _read_text_files(patterns: str, text_key: str) -> list:
+    """All documents of the files matching comma-separated globs: .jsonl (field `text_key` of each
+    line) or any other file as text (one document per non-empty line)."""
+    paths = []
+    for pattern in [p for p in patterns.split(",") if p.strip()]:
+        found = sorted(glob.glob(os.path.expanduser(pattern.strip())))
+        if not found:
+            raise FileNotFoundError(f"No text files match {pattern!r} (data.files)")
+        paths += found
+    if not paths:
+        raise FileNotFoundError("data.files is empty: give a glob of .txt or .jsonl files")
+    texts = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                if path.endswith(".jsonl"):
+                    try:
+                        texts.append(json.loads(line)[text_key])
+                    except (json.JSONDecodeError, KeyError, TypeError) as e:
+                        raise ValueError(f"{path}:{lineno}: not a JSON object with a {text_key!r} field") from e
+                else:
+                    texts.append(line.rstrip("\n"))
+    return texts
+
+
+def documents(config, split: str, tokenizer=None) -> grain.MapDataset:
+    """The documents of `config.data` for `split` ("train" or "eval") as a grain MapDataset: shuffled
+    (train), repeated without end, and cut to this host's share."""
+    import jax
+
+    from kimi_jax.data.tokenizers import text_to_document
+
+    data, is_train = config.data, _split_id(split) == 0
+    kind = data.kind
+    if kind == "task":
+        ds = grain.MapDataset.source(TaskSource(make_task(data), config.seed, split))
+    else:
+        if kind == "tfds_task":
+            from kimi_jax.data import tfds_tasks
+
+            name, split_name = tfds_tasks.dataset_name(data.task, dict(data.task_kwargs)), split
+            ds = grain.MapDataset.source(open_tfds(name, split_name, data.data_dir)).map(tfds_tasks.decode)
+        elif kind == "tfds":
+            split_name = data.train_split if is_train else data.eval_split
+            ds = grain.MapDataset.source(open_tfds(data.tfds_name, split_name, data.data_dir))
+            ds = ds.map(lambda ex: text_to_document(tokenizer, ex[data.text_key]))
+        elif kind == "files":
+            files = data.files if is_train or not data.eval_files else data.eval_files
+            ds = grain.MapDataset.source(_read_text_files(files, data.text_key))
+            ds = ds.map(functools.partial(text_to_document, tokenizer))
+        else:
+            raise ValueError(f"Unknown data.kind={kind!r}; expected one of task, tfds_task, tfds, files")
+        if is_train:
+            ds = ds.shuffle(seed=config.seed)
+        ds = ds.repeat(None)
+    return ds[jax.process_index()::jax.process_count()]
