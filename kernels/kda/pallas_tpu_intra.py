@@ -38,18 +38,13 @@ def _pick_col(X, c):
     return jnp.sum(jnp.where(iota(X.shape, 1) == c, X, 0.0), axis=1, keepdims=True)
 
 
-def _row(x, c):
-    """Row c (a traced index) of x [C, K] as [1, K]: a one-hot product on the MXU, exact in f32."""
-    onehot = jnp.where(iota((1, x.shape[0]), 1) == c, 1.0, 0.0).astype(F32)
-    return mm(onehot, x)
-
-
-def decayed_scores(a, b, G, cd, *, strict: bool):
+def decayed_scores(a, b, G, rows, cd, *, strict: bool):
     """[C, C] f32: S[r, c] = sum_d a[r, d] b[c, d] exp(G[r, d] - G[c, d]) for c <= r (c < r if
-    strict), zero above. a, b, G: [C, K] float32; G non-increasing down the rows."""
+    strict), zero above. a, b, G: [C, K] float32; G non-increasing down the rows. `rows(c)` gives
+    (b[c], G[c]) as [1, K] for a traced c (a dynamic single-row VMEM load)."""
     C = a.shape[0]
     col = iota((SUB, C), 1)
-    rows = []
+    blocks = []
     for i in range(C // SUB):
         r0 = i * SUB
         ai, Gi = a[r0 : r0 + SUB], G[r0 : r0 + SUB]
@@ -62,28 +57,29 @@ def decayed_scores(a, b, G, cd, *, strict: bool):
 
         def diag(j, out, ai=ai, Gi=Gi, row=row, r0=r0):
             c = r0 + j
-            bc, Gc = _row(b, c), _row(G, c)
+            bc, Gc = rows(c)
             s = jnp.sum(ai * bc * jnp.exp(jnp.minimum(Gi - Gc, 0.0)), axis=1, keepdims=True)
             s = jnp.where(row > c if strict else row >= c, s, 0.0)
             return out + jnp.where(col == c, s, 0.0)
 
         out = jax.lax.fori_loop(0, SUB, diag, out)
-        rows.append(out)
-    return jnp.concatenate(rows, axis=0)
+        blocks.append(out)
+    return jnp.concatenate(blocks, axis=0)
 
 
-def decayed_apply(X, b, G, cd, *, transposed: bool):
+def decayed_apply(X, b, G, rows, cd, *, transposed: bool):
     """[C, K] f32, the products that back-propagate through `decayed_scores`.
 
     transposed=False (X lower triangular): out[r] = sum_{c<=r} X[r, c] b[c] * exp(G[r] - G[c]),
         anchored at the first row of each 16-row block of r.
     transposed=True (X = Y^T, upper triangular): out[c] = sum_{r>=c} X[c, r] b[r] * exp(G[r] - G[c]),
         anchored at the last row of each 16-row block of c.
+    `rows(c)` gives (b[c], G[c]) as [1, K] for a traced c.
     """
     C = X.shape[0]
     nblk = C // SUB
     col = iota((SUB, C), 1)
-    rows = []
+    blocks = []
     for i in range(nblk):
         r0 = i * SUB
         Xi, Gi = X[r0 : r0 + SUB], G[r0 : r0 + SUB]
@@ -100,12 +96,12 @@ def decayed_apply(X, b, G, cd, *, transposed: bool):
 
         def diag(j, acc, Xi=Xi, Gi=Gi, r0=r0):
             c = r0 + j
-            Gc = _row(G, c)
+            bc, Gc = rows(c)
             delta = Gc - Gi if transposed else Gi - Gc
-            return acc + _pick_col(Xi, c) * _row(b, c) * jnp.exp(jnp.minimum(delta, 0.0))
+            return acc + _pick_col(Xi, c) * bc * jnp.exp(jnp.minimum(delta, 0.0))
 
-        rows.append(jax.lax.fori_loop(0, SUB, diag, acc))
-    return jnp.concatenate(rows, axis=0)
+        blocks.append(jax.lax.fori_loop(0, SUB, diag, acc))
+    return jnp.concatenate(blocks, axis=0)
 
 
 def unit_lower_inverse(L):

@@ -71,26 +71,33 @@ def _segments(cc_ref, cr_ref, C):
     cc, cr = cc_ref[...], cr_ref[...]
     same = cc == cr
     carry = jnp.where(cc == 0.0, 1.0, 0.0)
-    in_last = cc == cc[C - 1 : C]
+    in_last = cc == cc_ref[C - 1 : C, :]
     return same, carry, in_last
 
 
-def _gates(G, carry, in_last, C):
+def _gates(G, G_ref, carry, in_last, C):
     gam = carry * jnp.exp(G)
-    E = jnp.where(in_last, jnp.exp(G[C - 1 : C] - G), 0.0)
+    E = jnp.where(in_last, jnp.exp(G_ref[C - 1 : C, :] - G), 0.0)
     return gam, E
 
 
+def _row_reader(b_ref, G_ref):
+    """(b[c], G[c]) as [1, K] for a traced row c: dynamic single-row loads from VMEM."""
+    return lambda c: (b_ref[pl.ds(c, 1), :], G_ref[pl.ds(c, 1), :])
+
+
 def fwd_prepare_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, cc_ref, cr_ref,
-                       qg_ref, kg_ref, w_ref, u_ref, aqk_ref, ai_ref, *, scale, cd):
+                       qg_ref, kg_ref, w_ref, u_ref, aqk_ref, ai_ref, b_ref, *, scale, cd):
     q, k, v = (r[...].astype(F32) for r in (q_ref, k_ref, v_ref))
     G, beta = G_ref[...], beta_ref[...]
     C = q.shape[0]
     same, carry, in_last = _segments(cc_ref, cr_ref, C)
-    gam, E = _gates(G, carry, in_last, C)
+    gam, E = _gates(G, G_ref, carry, in_last, C)
     r, c = iota((C, C), 0), iota((C, C), 1)
-    aqk = jnp.where(same & (r >= c), scale * decayed_scores(q, k, G, cd, strict=False), 0.0)
-    L = jnp.where(same & (r > c), beta * decayed_scores(k, k, G, cd, strict=True), 0.0)
+    b_ref[...] = k
+    rows = _row_reader(b_ref, G_ref)
+    aqk = jnp.where(same & (r >= c), scale * decayed_scores(q, k, G, rows, cd, strict=False), 0.0)
+    L = jnp.where(same & (r > c), beta * decayed_scores(k, k, G, rows, cd, strict=True), 0.0)
     ai = unit_lower_inverse(L)
     qg_ref[...] = (scale * q * gam).astype(qg_ref.dtype)
     kg_ref[...] = (k * E).astype(kg_ref.dtype)
@@ -145,13 +152,13 @@ def bwd_state_kernel(qg_ref, kg_ref, w_ref, aqk_ref, decay_ref, do_ref, dht_ref,
 
 def bwd_chunk_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, cc_ref, cr_ref, ai_ref, hs_ref, dh_ref,
                      vn_ref, dvn_ref, do_ref,
-                     dq_ref, dk_ref, dv_ref, dbeta_ref, dG_ref, ddecay_ref, *, scale, cd):
+                     dq_ref, dk_ref, dv_ref, dbeta_ref, dG_ref, ddecay_ref, b_ref, *, scale, cd):
     q, k, v = (r[...].astype(F32) for r in (q_ref, k_ref, v_ref))
     G, beta, ai = G_ref[...], beta_ref[...], ai_ref[...]
     S, dSn, vn, dvn, do = hs_ref[...], dh_ref[...], vn_ref[...], dvn_ref[...], do_ref[...]
     C = q.shape[0]
     same, carry, in_last = _segments(cc_ref, cr_ref, C)
-    gam, E = _gates(G, carry, in_last, C)
+    gam, E = _gates(G, G_ref, carry, in_last, C)
     r, c = iota((C, C), 0), iota((C, C), 1)
     kgam = k * gam
     rowsum = lambda x: jnp.sum(x, axis=1, keepdims=True)
@@ -180,9 +187,14 @@ def bwd_chunk_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, cc_ref, cr_ref, ai_re
     # Intra-chunk scores: Aqk = scale (decayed q k^T), L = beta (decayed k k^T).
     dA = jnp.where(same & (r >= c), scale * mm(do, vn, NT, cd), 0.0)
     dA_t = jnp.where(same & (r <= c), scale * mm(vn, do, NT, cd), 0.0)
-    dq_in = decayed_apply(dA, k, G, cd, transposed=False)
-    dkr = decayed_apply(dL, k, G, cd, transposed=False)
-    dkc = decayed_apply(dA_t, q, G, cd, transposed=True) + decayed_apply(dL_t, beta * k, G, cd, transposed=True)
+    rows = _row_reader(b_ref, G_ref)
+    b_ref[...] = k
+    dq_in = decayed_apply(dA, k, G, rows, cd, transposed=False)
+    dkr = decayed_apply(dL, k, G, rows, cd, transposed=False)
+    b_ref[...] = q
+    dkc = decayed_apply(dA_t, q, G, rows, cd, transposed=True)
+    b_ref[...] = beta * k
+    dkc = dkc + decayed_apply(dL_t, beta * k, G, rows, cd, transposed=True)
     dq = dq + dq_in
     dk = dk + beta * dkr + dkc
     dbeta = dbeta + rowsum(k * dkr)

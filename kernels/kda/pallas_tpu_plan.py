@@ -162,12 +162,13 @@ def plan(B: int, T: int, H: int, K: int, V: int, dtype, chunk: int = DEFAULT_CHU
     grid = (B, H, NT)
     par, seq = ("parallel",) * 3, ("parallel", "parallel", "arbitrary")
     state = Operand("S", (K, V), (K, V), f32, "scratch")
+    b_rows = Operand("b_rows", (C, K), (C, K), f32, "scratch")  # rows read at traced offsets
     qkvg = (tok("q", K), tok("k", K), tok("v", V), tok("G", K, f32), beta, seg_col, seg_row)
     wy = (tok("qg", K), tok("kg", K), tok("w", K))
     stages = (
         Stage(
             "fwd_prepare", grid, par, qkvg,
-            wy + (tok("u", V), chunk_mat("aqk", C, C, dtype), chunk_mat("ai", C, C)), (), False, 24, C,
+            wy + (tok("u", V), chunk_mat("aqk", C, C, dtype), chunk_mat("ai", C, C)), (b_rows,), False, 24, C,
         ),
         Stage(
             "fwd_state", grid, seq,
@@ -185,7 +186,7 @@ def plan(B: int, T: int, H: int, K: int, V: int, dtype, chunk: int = DEFAULT_CHU
                     tok("dvn", V, f32), tok("do", V)),
             (tok("dq", K), tok("dk", K), tok("dv", V), Operand("dbeta", beta.array_shape, beta.block_shape, f32, "col"),
              tok("dG", K, f32), chunk_mat("ddecay", K, 1)),
-            (), False, 40, C,
+            (b_rows,), False, 40, C,
         ),
     )
     return Plan(B, T, H, K, V, dtype, C, Tp, NT, layout, stages)

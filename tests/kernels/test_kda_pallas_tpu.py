@@ -17,7 +17,7 @@ from kernels.kda import kda, naive, pallas_tpu
 from kernels.kda.pallas_tpu_plan import SCOPED_VMEM_LIMIT, Operand, plan
 from kernels.testing import assert_close
 
-B, T, H = 1, 100, 2  # odd T: 2 chunks of 64, the second padded
+B, T, H = 2, 100, 2  # odd T: 2 chunks of 64, the second padded
 F32_TOL = dict(o=1e-5, S=1e-5, dq=1e-5, dk=1e-5, dv=1e-5, dg=1e-5, dbeta=1e-5, dh0=1e-5)
 BF16_TOL = dict(o=0.005, S=0.005, dq=0.008, dk=0.008, dv=0.008, dg=0.02, dbeta=0.02, dh0=0.008)
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
