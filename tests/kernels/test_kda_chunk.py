@@ -159,3 +159,22 @@ def test_check_grads_float64(lb):
 
         args = [f64(x) for x in (q, k, v, np.clip(g, -2.0, -0.01), beta, h0)]
         check_grads(f, args, order=1, modes=("rev",), eps=1e-5, atol=1e-6, rtol=1e-6)
+
+
+def test_benchmark_script_quick(tmp_path):
+    """benchmarks/kda.py runs on CPU at a tiny shape, reports skipped peers, and writes its JSON."""
+    import json
+
+    from benchmarks import kda as bench
+
+    out = tmp_path / "kda.json"
+    bench.main(["--quick", "--shapes", "1x70x1x16", "--impls", "chunk,pallas_gpu", "--peers", "cudnn", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert {"date", "device", "jax", "torch", "fla"} <= set(res["env"])
+    assert res["config"]["shapes"] == [[1, 70, 1, 16]]
+    rows = {r["name"]: r for r in res["rows"]}
+    assert rows["chunk"]["fwd_ms"] > 0 and rows["chunk"]["fwd_bwd_ms"] > 0 and rows["chunk"]["error"] is None
+    assert rows["chunk"]["flops"]["fwd_bwd"] == 3 * rows["chunk"]["flops"]["fwd"]
+    assert rows["pallas_gpu"]["fwd_ms"] is None and "skipped" in rows["pallas_gpu"]["error"]
+    assert rows["cudnn attention"]["error"]  # no GPU here: reported in the table, not raised
+    assert "| 1,70,1,16 | chunk |" in res["table"]

@@ -1,0 +1,118 @@
+"""Timing, environment and reporting helpers shared by the benchmark scripts.
+
+Times are medians in milliseconds over `iters` calls after `warmup` calls; JAX results are waited
+for with `block_until_ready`, PyTorch with `torch.cuda.synchronize`. A failing case is recorded
+with its error and never aborts a run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+import traceback
+
+# Peak figures of one NVIDIA H200 (bf16 dense tensor cores, HBM3e) used for the roofline columns.
+PEAK_TFLOPS = 790.0
+PEAK_TBPS = 4.3
+
+
+def time_jax(fn, *args, warmup: int = 3, iters: int = 10) -> float:
+    """Median wall time of `fn(*args)` in ms (compiled and warmed up first)."""
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def time_torch(fn, *, warmup: int = 3, iters: int = 10) -> float:
+    """Median wall time of `fn()` in ms on the current CUDA device."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def attempt(fn):
+    """(value, None) or (None, one-line error) so that one failure does not end the run."""
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 - any failure of a peer or impl is reported, not raised
+        last = traceback.format_exception_only(type(e), e)[-1].strip()
+        return None, last[:300]
+
+
+def module_version(name: str) -> str | None:
+    try:
+        mod = __import__(name)
+    except Exception:  # noqa: BLE001 - an absent or broken package has no version
+        return None
+    return getattr(mod, "__version__", "unknown")
+
+
+def environment() -> dict:
+    """Date, host, device and package versions for the results file."""
+    import jax
+
+    dev = jax.devices()[0]
+    env = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        host=platform.node(),
+        python=platform.python_version(),
+        jax=jax.__version__,
+        platform=dev.platform,
+        device=getattr(dev, "device_kind", str(dev)),
+        torch=module_version("torch"),
+        fla=module_version("fla"),
+        jla=module_version("jla"),
+    )
+    return env
+
+
+def roofline(ms: float | None, flops: float, nbytes: float) -> tuple[float | None, float | None]:
+    """Achieved (TFLOP/s, GB/s) for a time in ms."""
+    if not ms:
+        return None, None
+    s = ms * 1e-3
+    return flops / s / 1e12, nbytes / s / 1e9
+
+
+def fmt(x, digits: int = 2) -> str:
+    if x is None:
+        return "–"
+    return f"{x:.{digits}f}"
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_json(obj: dict, out: str | None, stem: str) -> str:
+    """Write `obj` to `out`, or to benchmarks/results/<stem>-<UTC time>.json; returns the path."""
+    if out is None:
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"{stem}-{stamp}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+    return out

@@ -1,0 +1,299 @@
+"""KDA forward and forward+backward: this project's impls against the installed peers, one GPU.
+
+    python benchmarks/kda.py                      # H200: the four shapes below, every impl and peer
+    python benchmarks/kda.py --quick              # a tiny shape, few iterations (runs on CPU too)
+    python benchmarks/kda.py --shapes 8x4096x16x128 --impls chunk --peers fla,cudnn
+
+Ours: `kda(..., impl=...)` for `naive` (only where its autodiff states fit, else skipped with the
+reason), `chunk` and `pallas_gpu` (when it imports and takes the call), all with lower_bound=-5.
+Peers: flash-linear-attention `chunk_kda` through PyTorch (`fla`; safe_gate, lower_bound=-5; its
+first call per shape autotunes for minutes, so it is warmed up first), jax-linear-attention's KDA
+(`jla` = its `mosaic_gpu` and `chunked` impls), and cuDNN causal softmax attention at the same
+B, T, H, D (`jax.nn.dot_product_attention(implementation="cudnn")`).
+
+Inputs (bf16 q, k, v): q and k l2-normalised, g = -5 * sigmoid(N(0, 1)) per channel (float32),
+beta = sigmoid(N(0, 1)). Times: median of `--iters` calls after `--warmup` calls.
+
+FLOP and byte model (per head and token, chunk C = 64, key dim K, value dim V, bf16 = 2 bytes):
+  KDA forward FLOPs    6CK (scores Aqk, L and w) + 4CV (u and Aqk v') + 6KV (w S, kg^T v', q S);
+  forward+backward     3x the forward (the usual backward = 2x forward);
+  KDA forward bytes    read q, k, v (bf16), g (f32), beta (f32), write o (bf16): the unavoidable HBM traffic;
+  forward+backward     the forward, plus reading them again with do and writing dq, dk, dv, dg, dbeta.
+  Attention FLOPs      causal forward 2 T D per query (half of QK^T and PV), backward 2.5x forward;
+  attention bytes      q, k, v, o (+ do, dq, dk, dv for the backward) in bf16.
+Achieved TFLOP/s and GB/s are set against one H200: 790 TFLOP/s dense bf16 and 4.3 TB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU memory to PyTorch too
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
+    PEAK_TBPS,
+    PEAK_TFLOPS,
+    attempt,
+    environment,
+    fmt,
+    markdown_table,
+    roofline,
+    time_jax,
+    time_torch,
+    write_json,
+)
+from kernels.kda import kda  # noqa: E402
+from kernels.testing import rel_rms  # noqa: E402
+
+SHAPES = ((8, 4096, 16, 128), (2, 16384, 16, 128), (1, 65536, 16, 128), (4, 8192, 32, 128))
+QUICK_SHAPES = ((1, 128, 2, 32),)
+IMPLS = ("naive", "chunk", "pallas_gpu")
+PEERS = ("fla", "jla", "cudnn")
+LOWER_BOUND = -5.0
+CHUNK = 64
+NAIVE_MAX_BYTES = 2 * 2**30  # the naive impl's autodiff keeps one float32 state per token
+args_timing = dict(warmup=3, iters=10)  # set from the flags in `main`
+
+
+def kda_model(B, T, H, K, V):
+    """(forward FLOPs, forward+backward FLOPs, forward bytes, forward+backward bytes)."""
+    n = B * T * H
+    f = n * (6 * CHUNK * K + 4 * CHUNK * V + 6 * K * V)
+    inputs = n * (2 * (2 * K + V) + 4 * K + 4)
+    fwd_bytes = inputs + n * 2 * V
+    return f, 3 * f, fwd_bytes, fwd_bytes + inputs + n * 2 * V + inputs
+
+
+def attention_model(B, T, H, D):
+    f = 2 * B * H * T * T * D
+    b = B * T * H * D * 2
+    return f, 3.5 * f, 4 * b, 12 * b
+
+
+def make_inputs(shape, seed=0):
+    """Host float32 arrays: q, k [B, T, H, D] unit rows, v, g = -5 sigmoid(N), beta = sigmoid(N)."""
+    B, T, H, D = shape
+    rng = np.random.default_rng(seed)
+    normal = lambda *s: rng.standard_normal(s, dtype=np.float32)
+    sig = lambda x: 1.0 / (1.0 + np.exp(-x))
+    q, k = normal(B, T, H, D), normal(B, T, H, D)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = normal(B, T, H, D)
+    g = (LOWER_BOUND * sig(normal(B, T, H, D))).astype(np.float32)
+    beta = sig(normal(B, T, H)).astype(np.float32)
+    do = normal(B, T, H, D)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, do=do)
+
+
+def _jax_timings(f, x, args):
+    """Time jit(f) and jit(vjp of f) on JAX arrays; returns (fwd ms, fwd+bwd ms, o)."""
+    do = jnp.asarray(x["do"], jnp.bfloat16)
+    fwd = jax.jit(f)
+
+    @jax.jit
+    def fwd_bwd(*a):
+        o, vjp = jax.vjp(f, *a)
+        return vjp(do.astype(o.dtype))
+
+    o = fwd(*args)
+    return time_jax(fwd, *args, **args_timing), time_jax(fwd_bwd, *args, **args_timing), o
+
+
+
+def _ours(impl, x, shape):
+    B, T, H, D = shape
+    if impl == "naive" and B * T * H * D * D * 4 > NAIVE_MAX_BYTES:
+        gb = B * T * H * D * D * 4 / 2**30
+        return None, f"skipped: the token-serial reference keeps every state for autodiff ({gb:.0f} GiB)"
+    if impl == "pallas_gpu":
+        from kernels.kda.pallas_gpu import unsupported_reason
+
+        reason = unsupported_reason(D, D, jnp.bfloat16, interpret=False)
+        if reason is not None:
+            return None, f"skipped: {reason}"
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+    args = (bf(x["q"]), bf(x["k"]), bf(x["v"]), jnp.asarray(x["g"]), jnp.asarray(x["beta"]))
+    f = lambda q, k, v, g, beta: kda(q, k, v, g, beta, lower_bound=LOWER_BOUND, impl=impl)[0]
+    return attempt(lambda: _jax_timings(f, x, args))
+
+
+def _jla(impl, x):
+    from jla.ops import linear_attention as jla_linear_attention
+
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+    args = (bf(x["q"]), bf(x["k"]), bf(x["v"]), jnp.asarray(x["g"]), jnp.asarray(x["beta"]))
+    f = lambda q, k, v, g, beta: jla_linear_attention("kda", q, k, v, g=g, beta=beta, impl=impl)[0]
+    return _jax_timings(f, x, args)
+
+
+def _cudnn(x):
+    if jax.devices()[0].platform != "gpu":
+        raise RuntimeError("skipped: cuDNN attention needs an NVIDIA GPU")
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+    args = (bf(x["q"]), bf(x["k"]), bf(x["v"]))
+    f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    fwd_ms, fb_ms, _ = _jax_timings(f, x, args)
+    return fwd_ms, fb_ms, None
+
+
+def _fla(x):
+    import torch
+    from fla.ops.kda import chunk_kda
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("skipped: flash-linear-attention needs a CUDA device")
+    dev = torch.device("cuda")
+    t = lambda a, dt, grad=True: torch.from_numpy(a).to(dev).to(dt).requires_grad_(grad)
+    q, k, v = (t(x[n], torch.bfloat16) for n in ("q", "k", "v"))
+    g = t(x["g"], torch.float32)
+    beta = t(x["beta"], torch.bfloat16)
+    do = t(x["do"], torch.bfloat16, grad=False)
+    kw = dict(safe_gate=True, lower_bound=LOWER_BOUND)
+
+    def call():
+        return chunk_kda(q, k, v, g, beta, **kw)[0]
+
+    def fwd():
+        with torch.no_grad():
+            return call()
+
+    def fwd_bwd():
+        return torch.autograd.grad(call(), (q, k, v, g, beta), do)
+
+    fwd()  # the first call per shape autotunes (minutes)
+    fwd_bwd()
+    o = fwd().float().cpu().numpy()
+    return time_torch(fwd, **args_timing), time_torch(fwd_bwd, **args_timing), o
+
+
+def _peer(name, x):
+    if name == "fla":
+        return [("fla chunk_kda", attempt(lambda: _fla(x)))]
+    if name == "jla":
+        return [(f"jla {i}", attempt(lambda i=i: _jla(i, x))) for i in ("mosaic_gpu", "chunked")]
+    if name == "cudnn":
+        return [("cudnn attention", attempt(lambda: _cudnn(x)))]
+    raise ValueError(f"Unknown peer {name!r}; expected one of {PEERS}")
+
+
+def run_shape(shape, impls, peers):
+    """All rows of one shape: dicts with name, kind, times, roofline figures, error or skip reason."""
+    B, T, H, D = shape
+    x = make_inputs(shape)
+    rows, outs = [], {}
+    for impl in impls:
+        if impl not in IMPLS:
+            raise ValueError(f"Unknown impl {impl!r}; expected one of {IMPLS}")
+        res, err = _ours(impl, x, shape)
+        rows.append(_row(f"{impl}", "ours", shape, res, err))
+        if res is not None and res[2] is not None:
+            outs[impl] = np.asarray(res[2], np.float32)
+    for name in peers:
+        for label, (res, err) in _peer(name, x):
+            rows.append(_row(label, "peer", shape, res, err))
+            if res is not None and res[2] is not None:
+                outs[label] = np.asarray(res[2], np.float32)
+    ref = outs.get("chunk")
+    for row in rows:
+        if ref is not None and row["name"] in outs:
+            row["o_rel_err_vs_chunk"] = rel_rms(ref, outs[row["name"]])
+        row["ratios"] = {
+            p["name"]: dict(fwd=_ratio(row["fwd_ms"], p["fwd_ms"]), fwd_bwd=_ratio(row["fwd_bwd_ms"], p["fwd_bwd_ms"]))
+            for p in rows
+            if p["kind"] == "peer" and p["fwd_ms"] is not None and row["kind"] == "ours"
+        }
+    return rows
+
+
+def _ratio(a, b):
+    return None if a is None or b is None else a / b
+
+
+def _row(name, kind, shape, res, err):
+    B, T, H, D = shape
+    model = attention_model(B, T, H, D) if name.startswith("cudnn") else kda_model(B, T, H, D, D)
+    fwd_ms, fb_ms = (None, None) if res is None else (res[0], res[1])
+    tf_f, gb_f = roofline(fwd_ms, model[0], model[2])
+    tf_b, gb_b = roofline(fb_ms, model[1], model[3])
+    return dict(
+        name=name, kind=kind, shape=list(shape), fwd_ms=fwd_ms, fwd_bwd_ms=fb_ms, error=err,
+        fwd_tflops=tf_f, fwd_gbps=gb_f, fwd_bwd_tflops=tf_b, fwd_bwd_gbps=gb_b,
+        flops=dict(fwd=model[0], fwd_bwd=model[1]), bytes=dict(fwd=model[2], fwd_bwd=model[3]),
+    )  # fmt: skip
+
+
+def table(rows) -> str:
+    peers = sorted({p for r in rows for p in r.get("ratios", {})})
+    header = ["B,T,H,D", "impl", "ms fwd", "ms fwd+bwd", "TFLOP/s f+b", "GB/s f+b", "% peak f+b"]
+    header += [f"x {p} (fwd / f+b)" for p in peers] + ["o err vs chunk", "note"]
+    out = []
+    for r in rows:
+        pk = None
+        if r["fwd_bwd_tflops"] is not None:
+            pk = 100 * max(r["fwd_bwd_tflops"] / PEAK_TFLOPS, r["fwd_bwd_gbps"] / (1e3 * PEAK_TBPS))
+        cells = [",".join(map(str, r["shape"])), r["name"], fmt(r["fwd_ms"]), fmt(r["fwd_bwd_ms"])]
+        cells += [fmt(r["fwd_bwd_tflops"], 1), fmt(r["fwd_bwd_gbps"], 0), fmt(pk, 1)]
+        for p in peers:
+            rr = r.get("ratios", {}).get(p)
+            cells.append("–" if rr is None else f"{fmt(rr['fwd'])} / {fmt(rr['fwd_bwd'])}")
+        err = r.get("o_rel_err_vs_chunk")
+        cells += [fmt(err, 4) if err is not None else "–", (r["error"] or "").replace("|", "/")]
+        out.append(cells)
+    return markdown_table(header, out)
+
+
+def _parse_shapes(s):
+    try:
+        return [tuple(int(n) for n in item.lower().split("x")) for item in s.split(",") if item]
+    except ValueError:
+        raise ValueError(f"--shapes must look like 8x4096x16x128[,BxTxHxD...]; got {s!r}") from None
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", help="comma-separated BxTxHxD (D = K = V)")
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"ours, from {IMPLS}")
+    p.add_argument("--peers", default=",".join(PEERS), help=f"from {PEERS}, or 'none'")
+    p.add_argument("--out", help="JSON path (default benchmarks/results/kda-<time>.json)")
+    p.add_argument("--quick", action="store_true", help="tiny shape, 1 warm-up and 3 timed calls")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    a = p.parse_args(argv)
+    shapes = _parse_shapes(a.shapes) if a.shapes else list(QUICK_SHAPES if a.quick else SHAPES)
+    args_timing.update(warmup=1 if a.quick else a.warmup, iters=3 if a.quick else a.iters)
+    impls = [s for s in a.impls.split(",") if s]
+    peers = [] if a.peers == "none" else [s for s in a.peers.split(",") if s]
+    for name in peers:
+        if name not in PEERS:
+            raise ValueError(f"Unknown peer {name!r}; expected one of {PEERS}")
+    env = environment()
+    print(f"# KDA benchmark: {env['device']} ({env['platform']}), jax {env['jax']}, torch {env['torch']}, "
+          f"fla {env['fla']}, jla {env['jla']}, {env['date']}", flush=True)  # fmt: skip
+    rows = []
+    for shape in shapes:
+        rows += run_shape(shape, impls, peers)
+        print(table([r for r in rows if r["shape"] == list(shape)]) + "\n", flush=True)
+    report = table(rows)
+    result = dict(
+        env=env,
+        config=dict(shapes=[list(s) for s in shapes], impls=impls, peers=peers, lower_bound=LOWER_BOUND, **args_timing),
+        peak=dict(tflops=PEAK_TFLOPS, tbps=PEAK_TBPS),
+        rows=rows,
+        table=report,
+    )
+    path = write_json(result, a.out, "kda")
+    print(report)
+    print(f"\nwrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
