@@ -143,7 +143,7 @@ def kda_step(state, q, k, v, g=None, beta=None, *, scale=None, impl="auto"):
     """One decoding step: state [B, H, K, V]; q, k [B, H, K]; v [B, H, V]; g None | [B, H] |
     [B, H, K]; beta None | [B, H]. Returns (o [B, H, V] in v's dtype, new_state float32).
     `impl`: "naive" (jnp), "pallas_gpu" (Mosaic GPU decode kernel) or "auto"."""
-    name = resolve_step_impl(impl)
+    step_impl = resolve_step_impl(impl)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if getattr(x, "ndim", None) != 3:
             raise ValueError(f"{name} must be [B, H, D]; got shape {getattr(x, 'shape', None)}")
@@ -173,8 +173,8 @@ def kda_step(state, q, k, v, g=None, beta=None, *, scale=None, impl="auto"):
         raise ValueError(f"beta must be [B, H] = {(B, H)}; got beta.shape={beta.shape}")
     scale = K**-0.5 if scale is None else float(scale)
     f = lambda x: x.astype(sdt)
-    if name == "pallas_gpu":
-        o, S = _module(name, IMPLS).kda_step_impl(f(state), f(q), f(k), f(v), g, f(beta), scale)
+    if step_impl == "pallas_gpu":
+        o, S = _module(step_impl, IMPLS).kda_step_impl(f(state), f(q), f(k), f(v), g, f(beta), scale)
     else:
         o, S = naive.delta_step(f(state), f(q), f(k), f(v), g, f(beta), scale)
     return o.astype(v.dtype), S

@@ -7,8 +7,9 @@ inter-chunk stage (state recurrence + output, the serial part) is a Mosaic GPU k
 state in f32 registers). The state kernel's grid is (B*H, V/64) and it loops over chunks
 inside, so any T runs (1,048,576 tokens and more) with no grid limit.
 
-Backward: recomputes through the float32 plain-JAX chunked path (`prepare` +
-`scan_state_output`) under `jax.vjp`; there is no Pallas backward kernel yet.
+Backward: no Pallas backward kernel yet. It recomputes through impl="chunk" under `jax.vjp`
+(chunk's hand-written backward), or through this module's float32 plain-JAX chunked path
+(`prepare` + `scan_state_output`) when `kernels.kda.chunk` is absent.
 
 Decode: `kda_step_impl` runs `mosaic_decode.decode_step` (state read once, written once).
 
@@ -117,16 +118,19 @@ def _kda_fwd(q, k, v, g, beta, h0, seg, scale, interpret):
 
 
 def _kda_bwd(scale, interpret, res, cts):
-    """Recompute through the float32 plain-JAX chunked path and pull the cotangents back."""
+    """Recompute through impl="chunk" (its hand-written backward) and pull the cotangents back;
+    without `kernels.kda.chunk`, through this module's float32 plain-JAX path. Chunk's exact
+    (unbounded) path is used: its bounded bf16 path loses accuracy in dg."""
     del interpret
     q, k, v, g, beta, h0, seg = res
     do, dS = cts
+    impl = _fallback_impl()
 
     def f(q, k, v, g, beta, h0):
-        return chunked_reference(q, k, v, g, beta, scale=scale, initial_state=h0, segment_ids=seg)
+        return impl(q, k, v, g, beta, scale=scale, initial_state=h0, segment_ids=seg)
 
-    _, pull = jax.vjp(f, q, k, v, g, beta, h0)
-    grads = pull((do.astype(jnp.float32), dS.astype(jnp.float32)))
+    (o, _), pull = jax.vjp(f, q, k, v, g, beta, h0)
+    grads = pull((do.astype(o.dtype), dS.astype(jnp.float32)))
     return (*grads, None)
 
 
@@ -159,17 +163,17 @@ def kda_impl(
 ):
     """Canonical-form KDA on Mosaic GPU kernels; see `kernels.kda.kda` for the contract.
 
-    `lower_bound` is accepted but not needed: the intra-chunk stage is exact for any g <= 0.
+    `lower_bound` is passed to the fallback only: the kernel path is exact for any g <= 0.
     `interpret` None means: the Mosaic GPU interpreter on a CPU-only machine, compiled on a GPU.
     """
-    del lower_bound, output_final_state
+    del output_final_state
     if interpret is None:
         interpret = _device_kind() == "cpu"
     reason = unsupported_reason(q.shape[-1], v.shape[-1], q.dtype, interpret)
     if reason is not None:
         _warn_once(reason)
         return _fallback_impl()(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids, output_final_state=True
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids, lower_bound=lower_bound
         )
     run = functools.partial(_run, scale=scale, interpret=interpret)
     specs = _shard_specs(q)

@@ -77,7 +77,7 @@ def _decayed_products(x, k, G):
     causal = jnp.tril(jnp.ones((SUB, SUB), bool))
     dexp = Gs[..., :, None, :] - Gs[..., None, :, :]  # [..., NS, SUB, SUB, K]
     dexp = jnp.where(causal[:, :, None], dexp, 0.0)
-    diag = jnp.einsum("...irk,...ick,...irck->...irc", xs, ks, jnp.exp(dexp), precision=_HI)
+    diag = jnp.sum(xs[..., :, None, :] * ks[..., None, :, :] * jnp.exp(dexp), axis=-1)  # one fused reduction
     diag = jnp.where(causal, diag, 0.0)
     eye = jnp.eye(NS, dtype=diag.dtype)
     blocks = jnp.einsum("...irc,ij->...irjc", diag, eye).reshape(*diag.shape[:-3], NS, SUB, C)

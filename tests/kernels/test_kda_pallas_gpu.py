@@ -51,7 +51,7 @@ def _value_and_grads(impl, q, k, v, g, beta, h0, seg, cot):
         return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(S * dS), (o, S)
 
     argnums = (0, 1, 2, 4, 5) if g is None else (0, 1, 2, 3, 4, 5)
-    (_, (o, S)), grads = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(q, k, v, g, beta, h0)
+    (_, (o, S)), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(q, k, v, g, beta, h0)
     names = ("dq", "dk", "dv", "dbeta", "dh0") if g is None else GRAD_NAMES
     return o, S, dict(zip(names, grads))
 
@@ -76,11 +76,11 @@ def _check_parity(rng, B, T, H, K, V, gate, dtype, tol, n_docs=0, grads=True, g_
 
 @pytest.mark.parametrize(
     "gate, dtype, T, n_docs",
-    [("channel", jnp.bfloat16, 100, 3), ("head", jnp.float32, 70, 0), ("none", jnp.bfloat16, 64, 0)],
+    [("channel", jnp.bfloat16, 100, 3), ("head", jnp.float32, 45, 0), ("none", jnp.bfloat16, 64, 0)],
 )
 def test_interpret_parity(rng, gate, dtype, T, n_docs):
     tol = BF16_TOL if dtype == jnp.bfloat16 else F32_TOL
-    _check_parity(rng, 1, T, 2, 64, 64, gate, dtype, tol, n_docs=n_docs)
+    _check_parity(rng, 1, T, 1, 64, 64, gate, dtype, tol, n_docs=n_docs)
 
 
 def test_interpret_hard_decays_and_k128(rng):
@@ -99,7 +99,12 @@ def test_fallback_logs_and_matches(rng, caplog):
     assert_close("S", S_ref, S, 1e-4)
 
 
-def test_decode_kernel_matches_naive_step(rng):
+def test_decode_kernel_matches_naive_step(rng, monkeypatch):
+    from kernels.kda import mosaic_decode
+
+    calls = []
+    kernel = mosaic_decode.decode_step
+    monkeypatch.setattr(mosaic_decode, "decode_step", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     B, H, K, V = 2, 3, 64, 128
     state = jnp.asarray(rng.standard_normal((B, H, K, V)), jnp.float32)
     q, k = (jnp.asarray(rng.standard_normal((B, H, K)), jnp.bfloat16) for _ in range(2))
@@ -108,7 +113,7 @@ def test_decode_kernel_matches_naive_step(rng):
     beta = jnp.asarray(rng.uniform(0, 1, (B, H)), jnp.float32)
     o_ref, S_ref = kda_step(state, q, k, v, g, beta, impl="naive")
     o, S = kda_step(state, q, k, v, g, beta, impl="pallas_gpu")
-    assert o.dtype == v.dtype
+    assert calls == [1] and o.dtype == v.dtype
     assert_close("o", o_ref.astype(jnp.float32), o.astype(jnp.float32), 0.005)
     assert_close("S", S_ref, S, 1e-5)
     with pytest.raises(ValueError, match="Unknown step impl"):

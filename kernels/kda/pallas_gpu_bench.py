@@ -1,0 +1,127 @@
+"""GPU check and timing of impl="pallas_gpu" against impl="chunk" (and the decode kernel).
+
+    JAX_PLATFORMS=cuda python -m kernels.kda.pallas_gpu_bench
+
+Prints parity (relative RMS vs impl="naive") at a small shape, then mean milliseconds of 10
+calls after 3 warm-ups: forward, forward+backward, the state kernel alone, and decode with its
+achieved state bandwidth (bytes read + written).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels.kda import kda, kda_step
+from kernels.kda import mosaic_state, pallas_gpu, pallas_gpu_prep
+from kernels.testing import rel_rms
+
+
+def timed(f, *args, n=10):
+    """Mean milliseconds of `n` calls after 3 warm-ups."""
+    for _ in range(3):
+        jax.block_until_ready(f(*args))
+    t = time.perf_counter()
+    for _ in range(n):
+        out = f(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t) / n * 1e3
+
+
+def inputs(B, T, H, D, seed=0):
+    r = np.random.default_rng(seed)
+    nrm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+    q = jnp.asarray(nrm(r.standard_normal((B, T, H, D))), jnp.bfloat16)
+    k = jnp.asarray(nrm(r.standard_normal((B, T, H, D))), jnp.bfloat16)
+    v = jnp.asarray(r.standard_normal((B, T, H, D)), jnp.bfloat16)
+    g = jnp.asarray(-5.0 / (1.0 + np.exp(-r.standard_normal((B, T, H, D)))), jnp.float32)
+    beta = jnp.asarray(1.0 / (1.0 + np.exp(-r.standard_normal((B, T, H)))), jnp.float32)
+    return q, k, v, g, beta
+
+
+def fwd_fn(impl):
+    return jax.jit(lambda q, k, v, g, b: kda(q, k, v, g, b, lower_bound=-5.0, impl=impl)[0])
+
+
+def fwdbwd_fn(impl):
+    def loss(q, k, v, g, b):
+        return jnp.sum(kda(q, k, v, g, b, lower_bound=-5.0, impl=impl)[0].astype(jnp.float32))
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+
+def parity(B=2, T=1000, H=4, D=128):
+    args = inputs(B, T, H, D, seed=1)
+    ref = fwd_fn("naive")(*args)
+    out = fwd_fn("pallas_gpu")(*args)
+    g_ref = fwdbwd_fn("naive")(*args)
+    g_out = fwdbwd_fn("pallas_gpu")(*args)
+    errs = [rel_rms(ref, out)] + [rel_rms(a, b) for a, b in zip(g_ref, g_out)]
+    print("parity o, dq, dk, dv, dg, dbeta:", " ".join(f"{e:.2e}" for e in errs), flush=True)
+
+
+def state_kernel_ms(B, T, H, D):
+    q, k, v, g, beta = inputs(B, T, H, D)
+    p = jax.jit(lambda *a: pallas_gpu_prep.prepare(*a, scale=D**-0.5, segment_ids=None))(q, k, v, g, beta)
+    NT = p["qg"].shape[2]
+    f = lambda x: x.reshape(B * H, NT, *x.shape[3:]).astype(jnp.bfloat16)
+    ops = (f(p["qg"]), f(-p["w"]), f(jnp.swapaxes(p["kg"], -1, -2)), f(p["u"]), f(p["a"]))
+    d = p["d"].reshape(B * H, NT, D)
+    h0 = jnp.zeros((B * H, D, D), jnp.float32)
+    run = jax.jit(lambda *a: mosaic_state.state_output(*a, out_dtype=jnp.bfloat16))
+    prep = jax.jit(lambda *a: pallas_gpu_prep.prepare(*a, scale=D**-0.5, segment_ids=None))
+    return timed(run, *ops, d, h0), timed(prep, q, k, v, g, beta)
+
+
+def decode(B=64, H=32, D=128):
+    r = np.random.default_rng(2)
+    state = jnp.asarray(r.standard_normal((B, H, D, D)), jnp.float32)
+    q, k = (jnp.asarray(r.standard_normal((B, H, D)), jnp.bfloat16) for _ in range(2))
+    v = jnp.asarray(r.standard_normal((B, H, D)), jnp.bfloat16)
+    g = jnp.asarray(-r.uniform(0, 1, (B, H, D)), jnp.float32)
+    beta = jnp.asarray(r.uniform(0, 1, (B, H)), jnp.float32)
+    fns = {i: jax.jit(lambda *a, i=i: kda_step(*a, impl=i)) for i in ("naive", "pallas_gpu")}
+    (o_r, S_r), (o, S) = (fns[i](state, q, k, v, g, beta) for i in ("naive", "pallas_gpu"))
+    print(f"decode parity o {rel_rms(o_r.astype(jnp.float32), o.astype(jnp.float32)):.2e} S {rel_rms(S_r, S):.2e}")
+    nbytes = 2 * state.size * 4
+    for i, f in fns.items():
+        ms = timed(f, state, q, k, v, g, beta, n=50)
+        print(f"decode {i:10s} B={B} H={H} D={D}: {ms * 1e3:8.1f} us  {nbytes / ms / 1e9:6.2f} TB/s", flush=True)
+
+
+def main():
+    print(jax.devices(), flush=True)
+    parity()
+    decode()
+    shape = (8, 4096, 16, 128)
+    args = inputs(*shape)
+    for impl in ("pallas_gpu", "chunk"):
+        f_ms = timed(fwd_fn(impl), *args)
+        fb_ms = timed(fwdbwd_fn(impl), *args)
+        print(f"{impl:10s} {shape}: fwd {f_ms:7.2f} ms  fwd+bwd {fb_ms:7.2f} ms", flush=True)
+    k_ms, p_ms = state_kernel_ms(*shape)
+    print(f"state kernel alone {k_ms:.2f} ms; XLA intra-chunk prep alone {p_ms:.2f} ms", flush=True)
+    print(f"backward recomputes through {pallas_gpu._fallback_impl().__module__}", flush=True)
+    prep_parts_ms(*shape)
+
+
+def prep_parts_ms(B, T, H, D):
+    """Where the XLA intra-chunk stage spends its time: decayed products, triangular solve."""
+    C = 64
+    NT = T // C
+    r = np.random.default_rng(3)
+    x = jnp.asarray(r.standard_normal((B, H, NT, C, D)), jnp.float32)
+    G = jnp.cumsum(jnp.asarray(-r.uniform(0, 1, x.shape), jnp.float32), axis=-2)
+    prod = jax.jit(pallas_gpu_prep._decayed_products)
+    L = jnp.tril(prod(x, x, G) * 0.01, -1)
+    eye = jnp.eye(C, dtype=jnp.float32)
+    solve = jax.jit(lambda L: jax.scipy.linalg.solve_triangular(eye + L, jnp.broadcast_to(eye, L.shape), lower=True,
+                                                                unit_diagonal=True))
+    print(f"prep parts: one decayed product {timed(prod, x, x, G):.2f} ms; solve {timed(solve, L):.2f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
