@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+from flax import nnx
 from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
@@ -98,14 +99,20 @@ def train_and_evaluate(config, workdir: str) -> dict:
         hosts = np.asarray(hosts).reshape(-1, 2)
         ckpt.save(step, state, {"hosts": [{"doc": int(d), "offset": int(o)} for d, o in hosts]}, force=force)
 
-    def evaluate() -> dict:
+    def evaluate(step: int) -> dict:
+        """Held-out loss and accuracy on the eval split, plus `kimi_jax.evaluators.run_all`."""
         eval_iter, sums = data.make_iterator(config, "eval"), None
         for _ in range(config.data.eval_batches):
             out = eval_step(state, train_lib.global_batch(next(eval_iter), mesh))
             sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
         sums = jax.device_get(sums)
         tokens = max(float(sums["tokens"]), 1.0)
-        return {"eval_loss": float(sums["nll"]) / tokens, "eval_accuracy": float(sums["correct"]) / tokens}
+        results = {"eval_loss": float(sums["nll"]) / tokens, "eval_accuracy": float(sums["correct"]) / tokens}
+        if config.get("evals") is not None:  # the evaluators of eval.py, on the live parameters
+            from kimi_jax import evaluators
+
+            results.update(evaluators.run_all(config, nnx.merge(graphdef, state["params"], state["rest"]), step))
+        return results
 
     # ----------------------------------------------------------------------------------------------
     # Train loop
@@ -173,7 +180,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
                 last_metrics.update(logging_utils.moe_load_metrics(window[-1]["moe_load"]))
                 if do_eval:
                     with jax.set_mesh(mesh):
-                        last_metrics.update(evaluate())
+                        last_metrics.update(evaluate(step))
                 logger.write(step, last_metrics)
                 window.clear()
             if do_save:

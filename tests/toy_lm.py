@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kimi_jax.sharding import constrain
+
 
 def _param(rngs, shape, names, scale=0.02):
     return nnx.Param(scale * jax.random.normal(rngs.params(), shape), out_sharding=names)
@@ -72,6 +74,7 @@ class ToyLM(nnx.Module):
         x = self.embed[...][tokens]
         aux_loss, loads = jnp.zeros((), jnp.float32), []
         for block in self.blocks:
+            x = constrain(x, ("act_batch", "act_len", "act_embed"))
             x, aux = block(x, segment_ids)
             if aux is not None:
                 aux_loss, loads = aux_loss + aux[0], loads + [aux[1]]
