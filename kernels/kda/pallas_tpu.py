@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.kda import pallas_tpu_kernels as tk
+from kernels.kda.pallas_tpu_intra import BOUNDED_MIN_G
 from kernels.kda.pallas_tpu_plan import DEFAULT_CHUNK, Plan, plan, unsupported_reason
 from kernels.kda.validate import segment_starts
 
@@ -45,6 +46,7 @@ class _Config:
     plan: Plan
     scale: float
     interpret: object
+    bounded: bool  # g >= BOUNDED_MIN_G guaranteed: the all-MXU intra-chunk path
 
     @property
     def cd(self):
@@ -56,7 +58,9 @@ class _Config:
 
 
 def _forward(cfg: _Config, q, k, v, G, beta, seg_col, seg_row, decay, h0):
-    qg, kg, w, u, aqk, ai = cfg.run("fwd_prepare", (q, k, v, G, beta, seg_col, seg_row), scale=cfg.scale, cd=cfg.cd)
+    qg, kg, w, u, aqk, ai = cfg.run(
+        "fwd_prepare", (q, k, v, G, beta, seg_col, seg_row), scale=cfg.scale, cd=cfg.cd, bounded=cfg.bounded
+    )
     o, vn, hs, ht = cfg.run("fwd_state", (qg, kg, w, u, aqk, decay, h0), cd=cfg.cd)
     return (o, ht), (q, k, v, G, beta, seg_col, seg_row, decay, qg, kg, w, aqk, ai, vn, hs)
 
@@ -72,7 +76,7 @@ def _core_bwd(cfg, res, cts):
     do = do.astype(v.dtype)
     dvn, dh, dh0 = cfg.run("bwd_state", (qg, kg, w, aqk, decay, do, dht.astype(jnp.float32)), cd=cfg.cd)
     args = (q, k, v, G, beta, seg_col, seg_row, ai, hs, dh, vn, dvn, do)
-    dq, dk, dv, dbeta, dG, ddecay = cfg.run("bwd_chunk", args, scale=cfg.scale, cd=cfg.cd)
+    dq, dk, dv, dbeta, dG, ddecay = cfg.run("bwd_chunk", args, scale=cfg.scale, cd=cfg.cd, bounded=cfg.bounded)
     return dq, dk, dv, dG, dbeta, jnp.zeros_like(seg_col), jnp.zeros_like(seg_row), ddecay, dh0
 
 
@@ -85,17 +89,20 @@ def _chunk_cumsum(x, C):
     return jnp.cumsum(x.reshape(B, Tp // C, C, *x.shape[2:]), axis=2).reshape(x.shape)
 
 
-def chunk_kda_tpu(q, k, v, g, beta, *, scale, initial_state=None, segment_ids=None, chunk_size=DEFAULT_CHUNK,
-                  interpret=None):
+def chunk_kda_tpu(q, k, v, g, beta, *, scale, initial_state=None, segment_ids=None, lower_bound=None,
+                  chunk_size=DEFAULT_CHUNK, interpret=None):
     """Chunked KDA over the canonical form (q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H];
     initial_state [B, H, K, V] or None; segment_ids [B, T] or None) with K, V in {64, 128} and
     bf16 or float32 inputs. Returns (o [B, T, H, V] in v's dtype, final state [B, H, K, V] f32).
-    Differentiable in q, k, v, g, beta and initial_state. Raises ValueError on unsupported shapes."""
+    Differentiable in q, k, v, g, beta and initial_state. Raises ValueError on unsupported shapes.
+    `lower_bound` >= -5 (the caller guarantees g >= lower_bound) selects the all-MXU intra-chunk
+    path; otherwise the 16x16 diagonal blocks are evaluated elementwise, exact for any g <= 0."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     p = plan(B, T, H, K, V, jnp.dtype(q.dtype).name, chunk_size)
     C, Tp, NT = p.chunk, p.Tp, p.NT
-    cfg = _Config(p, float(scale), default_interpret(interpret))
+    bounded = lower_bound is not None and float(lower_bound) >= BOUNDED_MIN_G
+    cfg = _Config(p, float(scale), default_interpret(interpret), bounded)
     pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
 
     G = _chunk_cumsum(pad(g.astype(jnp.float32)), C)  # [B, Tp, H, K]
@@ -130,16 +137,18 @@ def kda_impl(q, k, v, g, beta, *, scale, initial_state, segment_ids, lower_bound
              interpret=None):
     """Canonical-form entry of the impl registry (see `kernels.kda.kda`). Calls the kernels cannot
     take (K or V outside {64, 128}, float16 / float64) fall back to `chunk` with a logged reason.
-    `lower_bound` is not needed: every exponent in the kernels is <= 0 for any gate."""
-    del lower_bound, output_final_state
+    `lower_bound` >= -5 selects the all-MXU intra-chunk path."""
+    del output_final_state
     reason = unsupported_reason(q.shape[-1], v.shape[-1], jnp.dtype(q.dtype).name)
     if reason:
         log.warning("pallas_tpu falls back to chunk: %s", reason)
         from kernels.kda import chunk
 
         return chunk.kda_impl(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids, output_final_state=True
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids, lower_bound=lower_bound,
+            output_final_state=True,
         )
     return chunk_kda_tpu(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids, interpret=interpret
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids, lower_bound=lower_bound,
+        interpret=interpret,
     )

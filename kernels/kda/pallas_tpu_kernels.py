@@ -87,7 +87,7 @@ def _row_reader(b_ref, G_ref):
 
 
 def fwd_prepare_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, cc_ref, cr_ref,
-                       qg_ref, kg_ref, w_ref, u_ref, aqk_ref, ai_ref, b_ref, *, scale, cd):
+                       qg_ref, kg_ref, w_ref, u_ref, aqk_ref, ai_ref, b_ref, *, scale, cd, bounded):
     q, k, v = (r[...].astype(F32) for r in (q_ref, k_ref, v_ref))
     G, beta = G_ref[...], beta_ref[...]
     C = q.shape[0]
@@ -96,8 +96,8 @@ def fwd_prepare_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, cc_ref, cr_ref,
     r, c = iota((C, C), 0), iota((C, C), 1)
     b_ref[...] = k
     rows = _row_reader(b_ref, G_ref)
-    aqk = jnp.where(same & (r >= c), scale * decayed_scores(q, k, G, rows, cd, strict=False), 0.0)
-    L = jnp.where(same & (r > c), beta * decayed_scores(k, k, G, rows, cd, strict=True), 0.0)
+    aqk = jnp.where(same & (r >= c), scale * decayed_scores(q, k, G, rows, cd, strict=False, bounded=bounded), 0.0)
+    L = jnp.where(same & (r > c), beta * decayed_scores(k, k, G, rows, cd, strict=True, bounded=bounded), 0.0)
     ai = unit_lower_inverse(L)
     qg_ref[...] = (scale * q * gam).astype(qg_ref.dtype)
     kg_ref[...] = (k * E).astype(kg_ref.dtype)
@@ -152,7 +152,7 @@ def bwd_state_kernel(qg_ref, kg_ref, w_ref, aqk_ref, decay_ref, do_ref, dht_ref,
 
 def bwd_chunk_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, cc_ref, cr_ref, ai_ref, hs_ref, dh_ref,
                      vn_ref, dvn_ref, do_ref,
-                     dq_ref, dk_ref, dv_ref, dbeta_ref, dG_ref, ddecay_ref, b_ref, *, scale, cd):
+                     dq_ref, dk_ref, dv_ref, dbeta_ref, dG_ref, ddecay_ref, b_ref, *, scale, cd, bounded):
     q, k, v = (r[...].astype(F32) for r in (q_ref, k_ref, v_ref))
     G, beta, ai = G_ref[...], beta_ref[...], ai_ref[...]
     S, dSn, vn, dvn, do = hs_ref[...], dh_ref[...], vn_ref[...], dvn_ref[...], do_ref[...]
@@ -189,12 +189,12 @@ def bwd_chunk_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, cc_ref, cr_ref, ai_re
     dA_t = jnp.where(same & (r <= c), scale * mm(vn, do, NT, cd), 0.0)
     rows = _row_reader(b_ref, G_ref)
     b_ref[...] = k
-    dq_in = decayed_apply(dA, k, G, rows, cd, transposed=False)
-    dkr = decayed_apply(dL, k, G, rows, cd, transposed=False)
+    dq_in = decayed_apply(dA, k, G, rows, cd, transposed=False, bounded=bounded)
+    dkr = decayed_apply(dL, k, G, rows, cd, transposed=False, bounded=bounded)
     b_ref[...] = q
-    dkc = decayed_apply(dA_t, q, G, rows, cd, transposed=True)
+    dkc = decayed_apply(dA_t, q, G, rows, cd, transposed=True, bounded=bounded)
     b_ref[...] = beta * k
-    dkc = dkc + decayed_apply(dL_t, beta * k, G, rows, cd, transposed=True)
+    dkc = dkc + decayed_apply(dL_t, beta * k, G, rows, cd, transposed=True, bounded=bounded)
     dq = dq + dq_in
     dk = dk + beta * dkr + dkc
     dbeta = dbeta + rowsum(k * dkr)

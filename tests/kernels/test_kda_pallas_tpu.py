@@ -33,6 +33,7 @@ def _inputs(rng, D, dtype, T=T, gate="channel"):
         "head": np.broadcast_to(-rng.uniform(0, 1, (B, T, H, 1)), (B, T, H, D)),
         "channel": -rng.uniform(0, 1, (B, T, H, D)),
         "extreme": np.where(rng.uniform(size=(B, T, H, D)) < 0.05, -1000.0, -rng.uniform(0, 1, (B, T, H, D))),
+        "bounded": np.where(rng.uniform(size=(B, T, H, D)) < 0.5, -5.0, -rng.uniform(0, 5, (B, T, H, D))),
     }[gate].astype(np.float32)
     beta = rng.uniform(0, 1, (B, T, H)).astype(np.float32)
     h0 = rng.standard_normal((B, H, D, D)).astype(np.float32)
@@ -43,23 +44,23 @@ def _inputs(rng, D, dtype, T=T, gate="channel"):
     return (q, k, v, jnp.asarray(g), jnp.asarray(beta), jnp.asarray(h0)), jnp.asarray(seg)
 
 
-def _value_and_grads(fn, args, seg, rng):
+def _value_and_grads(fn, args, seg, rng, **kw):
     """o, final state and the gradients of <o, do> + <S, dht> w.r.t. (q, k, v, g, beta, h0)."""
     q, k, v, g, beta, h0 = args
     do = jnp.asarray(rng.standard_normal(v.shape), jnp.float32)
     dht = jnp.asarray(rng.standard_normal(h0.shape), jnp.float32)
 
     def loss(*a):
-        o, S = fn(*a[:5], scale=q.shape[-1] ** -0.5, initial_state=a[5], segment_ids=seg)
+        o, S = fn(*a[:5], scale=q.shape[-1] ** -0.5, initial_state=a[5], segment_ids=seg, **kw)
         return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(S * dht), (o, S)
 
     (_, (o, S)), grads = jax.value_and_grad(loss, argnums=range(6), has_aux=True)(*args)
     return o, S, grads
 
 
-def _check_parity(args, seg, tol):
+def _check_parity(args, seg, tol, **kw):
     o_r, S_r, g_r = _value_and_grads(naive.kda_impl, args, seg, np.random.default_rng(1))
-    o, S, g = _value_and_grads(pallas_tpu.chunk_kda_tpu, args, seg, np.random.default_rng(1))
+    o, S, g = _value_and_grads(pallas_tpu.chunk_kda_tpu, args, seg, np.random.default_rng(1), **kw)
     assert o.dtype == args[2].dtype and S.dtype == jnp.float32
     assert_close("o", o_r, o, tol["o"])
     assert_close("S", S_r, S, tol["S"])
@@ -78,6 +79,13 @@ def test_bf16_matches_naive(rng):
     """bf16 inputs (bf16 MXU operands, f32 state) within FLA's tolerances; K=V=128 flat layout."""
     args, seg = _inputs(rng, 128, jnp.bfloat16)
     _check_parity(args, seg, BF16_TOL)
+
+
+def test_bounded_gate_all_mxu_path(rng):
+    """lower_bound=-5 (g in [-5, 0], half the entries at -5, the worst case): the all-MXU intra
+    path, float32 at 1e-5 for outputs, state and gradients."""
+    args, seg = _inputs(rng, 64, jnp.float32, gate="bounded")
+    _check_parity(args, seg, F32_TOL, lower_bound=-5.0)
 
 
 @pytest.mark.parametrize("gate", ["none", "head", "extreme"])
@@ -128,20 +136,21 @@ def test_tiling_check_rejects_bad_blocks():
     assert Operand("q", (1, 8192, 4096), (None, 8, 128), "float32", "tok").tiling_error() is None
 
 
-def test_lowers_to_mosaic_for_tpu():
+@pytest.mark.parametrize("D, dtype, lower_bound", [(128, jnp.bfloat16, None), (128, jnp.bfloat16, -5.0), (64, jnp.float32, None)])
+def test_lowers_to_mosaic_for_tpu(D, dtype, lower_bound):
     """Forward and backward lower to Mosaic TPU custom calls for the real shape (no TPU needed)."""
-    K = 128
-    sd = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
-    x, f32 = sd((1, 8192, 32, K)), jnp.float32
+    f32 = jnp.float32
+    x = jax.ShapeDtypeStruct((1, 8192, 32, D), dtype)
 
     def grads(q, k, v, g, beta):
         def loss(*a):
-            o, S = pallas_tpu.chunk_kda_tpu(*a, scale=K**-0.5, interpret=False)
+            o, S = pallas_tpu.chunk_kda_tpu(*a, scale=D**-0.5, lower_bound=lower_bound, interpret=False)
             return jnp.sum(o.astype(f32)) + jnp.sum(S)
 
         return jax.grad(loss, argnums=range(5))(q, k, v, g, beta)
 
-    exported = jax.export.export(jax.jit(grads), platforms=["tpu"])(x, x, x, sd(x.shape, f32), sd(x.shape[:3], f32))
+    sd = lambda shape: jax.ShapeDtypeStruct(shape, f32)
+    exported = jax.export.export(jax.jit(grads), platforms=["tpu"])(x, x, x, sd(x.shape), sd(x.shape[:3]))
     assert exported.mlir_module().count("tpu_custom_call") == 4
 
 
