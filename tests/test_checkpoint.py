@@ -1,0 +1,84 @@
+"""Orbax checkpoints: round trip into new shardings, keeping the last N, a save killed midway
+never being loaded, and `load_model`."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kimi_jax import checkpoint, sharding
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _state(value: float):
+    return {"params": {"w": jnp.full((8, 4), value), "layers": {"0": {"b": jnp.arange(4.0) + value}}},
+            "rest": {}, "opt_state": (jnp.asarray(3, jnp.int32), {"mu": jnp.full((8, 4), -value)})}
+
+
+def test_round_trip_into_new_shardings_and_keep_last(tmp_path):
+    ckpt = checkpoint.Checkpointer(str(tmp_path), keep=2)
+    for step in (1, 2, 3):
+        ckpt.save(step, _state(float(step)), {"hosts": [{"doc": step, "offset": 0}]})
+    ckpt.wait()
+    assert ckpt.all_steps() == [2, 3] and ckpt.latest_step() == 3
+    mesh = sharding.make_mesh({"fsdp": 8})
+    shard = jax.tree.map(lambda x: NamedSharding(mesh, P("fsdp") if x.ndim == 2 else P()), _state(0.0))
+    target = checkpoint.abstract_with_shardings(_state(0.0), shard)
+    restored = ckpt.restore(3, target)
+    ckpt.close()
+    np.testing.assert_array_equal(restored["params"]["w"], np.full((8, 4), 3.0))
+    np.testing.assert_array_equal(restored["opt_state"][1]["mu"], np.full((8, 4), -3.0))
+    assert int(restored["opt_state"][0]) == 3 and restored["rest"] == {}
+    assert restored["params"]["w"].sharding.spec == P("fsdp")
+    assert restored["data"] == {"hosts": [{"doc": 3, "offset": 0}]}
+
+
+def test_a_save_killed_midway_is_never_loaded(tmp_path):
+    """A process saves step 1, starts the asynchronous save of step 2 and dies at once."""
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {ROOT!r})
+        import jax.numpy as jnp
+        from kimi_jax import checkpoint
+        ckpt = checkpoint.Checkpointer({str(tmp_path)!r})
+        small = {{"params": {{"w": jnp.ones((4,))}}, "rest": {{}}, "opt_state": {{"c": jnp.zeros(())}}}}
+        ckpt.save(1, small, {{"step": 1}})
+        ckpt.wait()
+        big = {{"params": {{"w": jnp.full((32, 1024, 1024), 7.0)}}, "rest": {{}}, "opt_state": {{"c": jnp.zeros(())}}}}
+        ckpt.save(2, big, {{"step": 2}})
+        os._exit(0)  # killed mid-save
+    """)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=300)
+    entries = os.listdir(checkpoint.checkpoint_dir(str(tmp_path)))
+    assert "1" in entries and "2" not in entries, entries
+    assert any(e.startswith("2.") for e in entries), entries  # the unfinished temporary folder
+    ckpt = checkpoint.Checkpointer(str(tmp_path))
+    assert ckpt.latest_step() == 1
+    target = {"params": {"w": jax.ShapeDtypeStruct((4,), jnp.float32)}, "rest": {},
+              "opt_state": {"c": jax.ShapeDtypeStruct((), jnp.float32)}}
+    restored = ckpt.restore(1, target)
+    np.testing.assert_array_equal(restored["params"]["w"], np.ones(4))
+    # a new run saves over the debris without trouble
+    ckpt.save(2, {"params": {"w": jnp.zeros((4,))}, "rest": {}, "opt_state": {"c": jnp.zeros(())}}, {"step": 2})
+    ckpt.wait()
+    assert ckpt.latest_step() == 2
+    ckpt.close()
+
+
+def test_load_model_is_exported_and_needs_a_checkpoint(tmp_path):
+    import pytest
+
+    import kimi_jax
+    from tests.toy_lm import toy_config
+
+    assert kimi_jax.load_model is checkpoint.load_model
+    with pytest.raises(FileNotFoundError, match="No checkpoint"):
+        checkpoint.load_model(toy_config(), str(tmp_path))
