@@ -57,27 +57,27 @@ class _Config:
         return tk.run_stage(stage, self.plan, name, params, args, self.interpret)
 
 
-def _forward(cfg: _Config, q, k, v, G, beta, seg_col, seg_row, decay, h0):
+def _forward(cfg: _Config, q, k, v, G, beta, seg_row, decay, h0):
     qg, kg, w, u, aqk, ai = cfg.run(
-        "fwd_prepare", (q, k, v, G, beta, seg_col, seg_row), scale=cfg.scale, cd=cfg.cd, bounded=cfg.bounded
+        "fwd_prepare", (q, k, v, G, beta, seg_row), scale=cfg.scale, cd=cfg.cd, bounded=cfg.bounded
     )
     o, vn, hs, ht = cfg.run("fwd_state", (qg, kg, w, u, aqk, decay, h0), cd=cfg.cd)
-    return (o, ht), (q, k, v, G, beta, seg_col, seg_row, decay, qg, kg, w, aqk, ai, vn, hs)
+    return (o, ht), (q, k, v, G, beta, seg_row, decay, qg, kg, w, aqk, ai, vn, hs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(cfg, q, k, v, G, beta, seg_col, seg_row, decay, h0):
-    return _forward(cfg, q, k, v, G, beta, seg_col, seg_row, decay, h0)[0]
+def _core(cfg, q, k, v, G, beta, seg_row, decay, h0):
+    return _forward(cfg, q, k, v, G, beta, seg_row, decay, h0)[0]
 
 
 def _core_bwd(cfg, res, cts):
-    q, k, v, G, beta, seg_col, seg_row, decay, qg, kg, w, aqk, ai, vn, hs = res
+    q, k, v, G, beta, seg_row, decay, qg, kg, w, aqk, ai, vn, hs = res
     do, dht = cts
     do = do.astype(v.dtype)
     dvn, dh, dh0 = cfg.run("bwd_state", (qg, kg, w, aqk, decay, do, dht.astype(jnp.float32)), cd=cfg.cd)
-    args = (q, k, v, G, beta, seg_col, seg_row, ai, hs, dh, vn, dvn, do)
+    args = (q, k, v, G, beta, seg_row, ai, hs, dh, vn, dvn, do)
     dq, dk, dv, dbeta, dG, ddecay = cfg.run("bwd_chunk", args, scale=cfg.scale, cd=cfg.cd, bounded=cfg.bounded)
-    return dq, dk, dv, dG, dbeta, jnp.zeros_like(seg_col), jnp.zeros_like(seg_row), ddecay, dh0
+    return dq, dk, dv, dG, dbeta, jnp.zeros_like(seg_row), ddecay, dh0
 
 
 _core.defvjp(_forward, _core_bwd)
@@ -111,7 +111,7 @@ def chunk_kda_tpu(q, k, v, g, beta, *, scale, initial_state=None, segment_ids=No
     count = _chunk_cumsum(pad(starts), C)  # segment starts so far in the chunk, [B, Tp]
     carry_last = (count[:, C - 1 :: C] == 0).astype(jnp.float32)  # [B, NT]
     decay = carry_last[:, :, None, None] * jnp.exp(G[:, C - 1 :: C])  # [B, NT, H, K]
-    decay = decay.transpose(0, 2, 1, 3)[..., None]  # [B, H, NT, K, 1]
+    decay = decay.transpose(0, 2, 1, 3)[..., None, :]  # [B, H, NT, 1, K]
 
     def to_layout(x):  # [B, Tp, H, D] -> plan layout
         return x.reshape(B, Tp, -1) if p.layout == "flat" else x.transpose(0, 2, 1, 3)
@@ -123,8 +123,7 @@ def chunk_kda_tpu(q, k, v, g, beta, *, scale, initial_state=None, segment_ids=No
         to_layout(pad(k)),
         to_layout(pad(v)),
         to_layout(G),
-        pad(beta.astype(jnp.float32)).transpose(0, 2, 1)[..., None],
-        count[..., None],
+        pad(beta.astype(jnp.float32)).transpose(0, 2, 1).reshape(B, H, NT, 1, C),
         count.reshape(B, NT, 1, C),
         decay,
         h0,

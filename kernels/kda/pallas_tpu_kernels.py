@@ -3,7 +3,9 @@ into a `pallas_call`.
 
 Per chunk n of one (batch, head), with G the chunk-local cumsum of g, Gam = carry * exp(G)
 (carry = no segment start yet in this chunk), E = [same segment as the last row] exp(G_last - G),
-M[r, c] = [same segment], decay = carry_last exp(G_last) [K, 1]:
+M[r, c] = [same segment], decay = carry_last exp(G_last) [K]. Per-token and per-chunk vectors
+(beta, segment counts, decay, their gradients) travel as [1, N] rows (a [.., N, 1] column would be
+padded 128x in HBM) and are turned into columns in VMEM:
   fwd_prepare (parallel):  Aqk = scale (decayed q k^T) * tril * M;  L = beta (decayed k k^T) * stril * M;
                            Ai = (I + L)^-1;  w = Ai (beta k Gam);  u = Ai (beta v);  qg = scale q Gam;  kg = k E
   fwd_state (serial in n): hs[n] = S;  vn = u - w S;  o = qg S + Aqk vn;  S = decay * S + kg^T vn
@@ -28,17 +30,15 @@ def _index_map(op, layout: str, nt: int, reverse: bool):
     kind = op.index
     if kind == "tok" and layout == "flat":
         return lambda b, h, n: (b, chunk(n), h)
-    if kind in ("tok", "col"):
+    if kind == "tok":
         return lambda b, h, n: (b, h, chunk(n), 0)
-    if kind == "seg_col":
-        return lambda b, h, n: (b, chunk(n), 0)
     if kind == "seg_row":
         return lambda b, h, n: (b, chunk(n), 0, 0)
     if kind == "chunk":
         return lambda b, h, n: (b, h, chunk(n), 0, 0)
     if kind == "head":
         return lambda b, h, n: (b, h, 0, 0)
-    raise ValueError(f"Unknown operand index kind {kind!r}; expected one of tok, col, seg_col, seg_row, chunk, head")
+    raise ValueError(f"Unknown operand index kind {kind!r}; expected one of tok, seg_row, chunk, head")
 
 
 def run_stage(stage, plan, body_name, params, args, interpret):
@@ -66,12 +66,25 @@ def _stage_call(stage, layout, nt, body_name, params, interpret):
     return jax.jit(call)
 
 
-def _segments(cc_ref, cr_ref, C):
-    """Segment masks of one chunk from the chunk-local count of segment starts [C, 1] / [1, C]."""
-    cc, cr = cc_ref[...], cr_ref[...]
+def _row_to_col(x):
+    """[1, N] -> [N, 1] without a transpose: an identity-masked lane reduction."""
+    N = x.shape[1]
+    return jnp.sum(jnp.where(iota((N, N), 0) == iota((N, N), 1), x, 0.0), axis=1, keepdims=True)
+
+
+def _col_to_row(x):
+    """[N, 1] -> [1, N]: an identity-masked sublane reduction."""
+    N = x.shape[0]
+    return jnp.sum(jnp.where(iota((N, N), 0) == iota((N, N), 1), x, 0.0), axis=0, keepdims=True)
+
+
+def _segments(cr_ref):
+    """Segment masks of one chunk from the chunk-local count of segment starts [1, C] (non-decreasing)."""
+    cr = cr_ref[...]
+    cc = _row_to_col(cr)
     same = cc == cr
     carry = jnp.where(cc == 0.0, 1.0, 0.0)
-    in_last = cc == cc_ref[C - 1 : C, :]
+    in_last = cc == jnp.max(cr, axis=1, keepdims=True)
     return same, carry, in_last
 
 
@@ -86,12 +99,12 @@ def _row_reader(b_ref, G_ref):
     return lambda c: (b_ref[pl.ds(c, 1), :], G_ref[pl.ds(c, 1), :])
 
 
-def fwd_prepare_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, cc_ref, cr_ref,
+def fwd_prepare_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, cr_ref,
                        qg_ref, kg_ref, w_ref, u_ref, aqk_ref, ai_ref, b_ref, *, scale, cd, bounded):
     q, k, v = (r[...].astype(F32) for r in (q_ref, k_ref, v_ref))
-    G, beta = G_ref[...], beta_ref[...]
+    G, beta = G_ref[...], _row_to_col(beta_ref[...])
     C = q.shape[0]
-    same, carry, in_last = _segments(cc_ref, cr_ref, C)
+    same, carry, in_last = _segments(cr_ref)
     gam, E = _gates(G, G_ref, carry, in_last, C)
     r, c = iota((C, C), 0), iota((C, C), 1)
     b_ref[...] = k
@@ -121,7 +134,7 @@ def fwd_state_kernel(qg_ref, kg_ref, w_ref, u_ref, aqk_ref, decay_ref, h0_ref,
     o = mm(qg_ref[...], S, NN, cd) + mm(aqk_ref[...], vn, NN, cd)
     o_ref[...] = o.astype(o_ref.dtype)
     vn_ref[...] = vn.astype(vn_ref.dtype)
-    S = decay_ref[...] * S + mm(kg_ref[...], vn.astype(cd), TN, cd)
+    S = _row_to_col(decay_ref[...]) * S + mm(kg_ref[...], vn.astype(cd), TN, cd)
     s_ref[...] = S
 
     @pl.when(n == pl.num_programs(2) - 1)
@@ -142,7 +155,7 @@ def bwd_state_kernel(qg_ref, kg_ref, w_ref, aqk_ref, decay_ref, do_ref, dht_ref,
     do = do_ref[...]
     dvn = mm(aqk_ref[...], do, TN, cd) + mm(kg_ref[...], dS, NN, cd)
     dvn_ref[...] = dvn
-    dS = decay_ref[...] * dS + mm(qg_ref[...], do, TN, cd) - mm(w_ref[...], dvn, TN, cd)
+    dS = _row_to_col(decay_ref[...]) * dS + mm(qg_ref[...], do, TN, cd) - mm(w_ref[...], dvn, TN, cd)
     ds_ref[...] = dS
 
     @pl.when(i == pl.num_programs(2) - 1)
@@ -150,14 +163,14 @@ def bwd_state_kernel(qg_ref, kg_ref, w_ref, aqk_ref, decay_ref, do_ref, dht_ref,
         dh0_ref[...] = dS
 
 
-def bwd_chunk_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, cc_ref, cr_ref, ai_ref, hs_ref, dh_ref,
+def bwd_chunk_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, cr_ref, ai_ref, hs_ref, dh_ref,
                      vn_ref, dvn_ref, do_ref,
                      dq_ref, dk_ref, dv_ref, dbeta_ref, dG_ref, ddecay_ref, b_ref, *, scale, cd, bounded):
     q, k, v = (r[...].astype(F32) for r in (q_ref, k_ref, v_ref))
-    G, beta, ai = G_ref[...], beta_ref[...], ai_ref[...]
+    G, beta, ai = G_ref[...], _row_to_col(beta_ref[...]), ai_ref[...]
     S, dSn, vn, dvn, do = hs_ref[...], dh_ref[...], vn_ref[...], dvn_ref[...], do_ref[...]
     C = q.shape[0]
-    same, carry, in_last = _segments(cc_ref, cr_ref, C)
+    same, carry, in_last = _segments(cr_ref)
     gam, E = _gates(G, G_ref, carry, in_last, C)
     r, c = iota((C, C), 0), iota((C, C), 1)
     kgam = k * gam
@@ -169,7 +182,7 @@ def bwd_chunk_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, cc_ref, cr_ref, ai_re
     dk = E * mm(vn, dSn, NT, cd)
     t = k * dk
     dG = dG - t + jnp.where(iota((C, 1), 0) == C - 1, jnp.sum(t, axis=0, keepdims=True), 0.0)
-    ddecay_ref[...] = rowsum(S * dSn)
+    ddecay_ref[...] = _col_to_row(rowsum(S * dSn))
 
     # WY: u = Ai (beta v), w = Ai (beta k Gam), vn = u - w S.
     dW = -mm(dvn, S, NT, cd)
@@ -203,7 +216,7 @@ def bwd_chunk_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, cc_ref, cr_ref, ai_re
     dq_ref[...] = dq.astype(dq_ref.dtype)
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
-    dbeta_ref[...] = dbeta
+    dbeta_ref[...] = _col_to_row(dbeta)
     dG_ref[...] = dG
 
 

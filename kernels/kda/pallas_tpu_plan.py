@@ -39,9 +39,9 @@ class Operand:
     """One kernel operand: its HBM array shape, block shape (None = squeezed dim) and index kind.
 
     Index kinds (all over the grid (b, h, n)): "tok" a (C, D) token tile in the plan's layout;
-    "col" [B, H, Tp, 1] per-token scalars as a column; "seg_col" [B, Tp, 1] / "seg_row"
-    [B, NT, 1, C] per-token segment counters shared by the heads; "chunk" [B, H, NT, X, Y] one
-    matrix per chunk; "head" [B, H, X, Y] one matrix per (batch, head), resident across n.
+    "seg_row" [B, NT, 1, C] per-token segment counters shared by the heads; "chunk"
+    [B, H, NT, X, Y] one matrix (or [1, N] row: beta, decay) per chunk; "head" [B, H, X, Y] one
+    matrix per (batch, head), resident across n.
     """
 
     name: str
@@ -155,15 +155,14 @@ def plan(B: int, T: int, H: int, K: int, V: int, dtype, chunk: int = DEFAULT_CHU
     def head_mat(name):
         return Operand(name, (B, H, K, V), (None, None, K, V), f32, "head")
 
-    beta = Operand("beta", (B, H, Tp, 1), (None, None, C, 1), f32, "col")
-    seg_col = Operand("seg_col", (B, Tp, 1), (None, C, 1), f32, "seg_col")
+    beta = chunk_mat("beta", 1, C)
     seg_row = Operand("seg_row", (B, NT, 1, C), (None, None, 1, C), f32, "seg_row")
-    decay = chunk_mat("decay", K, 1)
+    decay = chunk_mat("decay", 1, K)
     grid = (B, H, NT)
     par, seq = ("parallel",) * 3, ("parallel", "parallel", "arbitrary")
     state = Operand("S", (K, V), (K, V), f32, "scratch")
     b_rows = Operand("b_rows", (C, K), (C, K), f32, "scratch")  # rows read at traced offsets
-    qkvg = (tok("q", K), tok("k", K), tok("v", V), tok("G", K, f32), beta, seg_col, seg_row)
+    qkvg = (tok("q", K), tok("k", K), tok("v", V), tok("G", K, f32), beta, seg_row)
     wy = (tok("qg", K), tok("kg", K), tok("w", K))
     stages = (
         Stage(
@@ -184,8 +183,8 @@ def plan(B: int, T: int, H: int, K: int, V: int, dtype, chunk: int = DEFAULT_CHU
             "bwd_chunk", grid, par,
             qkvg + (chunk_mat("ai", C, C), chunk_mat("hs", K, V), chunk_mat("dh", K, V), tok("vn", V),
                     tok("dvn", V, f32), tok("do", V)),
-            (tok("dq", K), tok("dk", K), tok("dv", V), Operand("dbeta", beta.array_shape, beta.block_shape, f32, "col"),
-             tok("dG", K, f32), chunk_mat("ddecay", K, 1)),
+            (tok("dq", K), tok("dk", K), tok("dv", V), chunk_mat("dbeta", 1, C), tok("dG", K, f32),
+             chunk_mat("ddecay", 1, K)),
             (b_rows,), False, 40, C,
         ),
     )

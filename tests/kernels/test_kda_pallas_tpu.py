@@ -131,7 +131,7 @@ def test_plan_obeys_tpu_tiling_and_vmem(D, dtype):
 
 def test_tiling_check_rejects_bad_blocks():
     """The tiling check can fail: a per-head (1, C) block of [B, T, H] and a bf16 block of 8 rows."""
-    assert Operand("beta", (1, 8192, 32), (None, 64, 1), "float32", "col").tiling_error()
+    assert Operand("beta", (1, 8192, 32), (None, 64, 1), "float32", "tok").tiling_error()
     assert Operand("q", (1, 8192, 4096), (None, 8, 128), "bfloat16", "tok").tiling_error()
     assert Operand("q", (1, 8192, 4096), (None, 8, 128), "float32", "tok").tiling_error() is None
 
