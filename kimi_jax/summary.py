@@ -20,7 +20,7 @@ import sys
 import jax
 from flax import nnx
 
-from kimi_jax import flops
+from kimi_jax import flops, quantize
 from kimi_jax.attention import mixer_config
 from kimi_jax.config import ModelConfig
 
@@ -68,15 +68,16 @@ def param_table(config):
         name = component(path)
         if name == "mixer":
             name = f"mixer {cfg.layer_mixers[int(path[1])]}"
-        sizes[name] += int(var.get_value().size)
+        sizes[name] += quantize.logical_size(path, var)
         layers[name].add(int(path[1]) if str(path[0]) == "blocks" else -1)
     return {name: (len(layers[name]), sizes[name]) for name in sizes}
 
 
-def count_params(config) -> tuple[int, int]:
-    """(total, active) parameter counts; see the module docstring."""
+def count_params(config, table=None) -> tuple[int, int]:
+    """(total, active) parameter counts; see the module docstring. `table`: a `param_table`
+    of the same config, to avoid building the abstract model again."""
     cfg = model_config(config)
-    table = param_table(cfg)
+    table = param_table(cfg) if table is None else table
     total = sum(n for _, n in table.values())
     active = total - table.get("embedding", (0, 0))[1]
     if cfg.moe is not None:
@@ -123,7 +124,7 @@ def _fmt(n: float) -> str:
 def report(config, seq_len: int = 4096) -> str:
     cfg = model_config(config)
     table = param_table(cfg)
-    total, active = count_params(cfg)
+    total, active = count_params(cfg, table)
     lines = [f"{'component':<30} {'layers':>6} {'params':>18} {'':>9}", "-" * 66]
     for name, (n_layers, n) in sorted(table.items(), key=lambda kv: -kv[1][1]):
         lines.append(f"{name:<30} {max(n_layers, 1):>6} {n:>18,} {_fmt(n):>9}")
@@ -137,6 +138,8 @@ def report(config, seq_len: int = 4096) -> str:
                  f"{state:,} ({state / 2**20:.1f} MiB)")
     lines.append(f"train FLOPs per token at seq_len={seq_len}: "
                  f"{_fmt(train_flops_per_token(cfg, seq_len))}")
+    if (line := quantize.storage_line(abstract_model(cfg))) is not None:
+        lines.append(line)
     lines.append(f"params total={total} active={active}")
     return "\n".join(lines)
 
