@@ -106,6 +106,8 @@ def plot(outdir: str, runs: dict) -> list[str]:
         fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3 * nrows), squeeze=False)
         for ax, task in zip(axes.flat, tasks):
             for label, r in runs.items():
+                if xkey == "state_bytes" and "memory" not in r:
+                    continue
                 pts = sorted((_x(r, m, xkey), m[metric]) for m in r["tasks"].get(task, {}).values()
                              if metric in m)
                 if pts:
@@ -127,6 +129,8 @@ def plot(outdir: str, runs: dict) -> list[str]:
     grid("accuracy", "seq_len", "accuracy_vs_length.png", "accuracy", True)
     grid("accuracy", "state_bytes", "accuracy_vs_state.png", "accuracy", True)
     grid("loss", "seq_len", "loss_vs_length.png", "loss / scored token", True)
+    if not any(r.get("decode") for r in runs.values()):
+        return written
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for label, r in runs.items():
         dec = r.get("decode")

@@ -104,6 +104,8 @@ def evaluate(config, model, names=None, *, log=logging.info) -> dict:
                                 seed=ev.seed, generation=ev.generation)
         log(f"{name} {key}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
         results["tasks"].setdefault(task.name, {})[key] = metrics
+    if not ev.decode_lengths:
+        return results
     results["memory"] = memory(config, runner, ev.decode_lengths, formula=isinstance(model, Model))
     results["decode"] = {
         "context_len": list(ev.decode_lengths),

@@ -14,19 +14,25 @@ import uuid
 
 import numpy as np
 
+from kimi_jax.data.tokenizers import ByteTokenizer
 from kimi_jax.tasks.base import IGNORE, Task, from_labels, require
 
-BYTE_VOCAB = 256
+TOKENIZER = ByteTokenizer()  # the project's byte-level tokenizer: UTF-8 bytes after 3 specials
+BYTE_VOCAB = TOKENIZER.vocab_size
 
 
 def encode(text: str) -> np.ndarray:
-    """ASCII text -> byte ids [len]; non-ASCII input is a bug in a generator."""
-    return np.frombuffer(text.encode("ascii"), dtype=np.uint8).astype(np.int32)
+    """ASCII text -> token ids [len] (one per character)."""
+    if not text.isascii():
+        raise ValueError(f"text tasks are ASCII-only; got {text[:40]!r}...")
+    return TOKENIZER.encode(text)
 
 
 def decode(ids) -> str:
-    """Byte ids -> text; ids outside [0, 256) (a model with a larger vocab) become U+FFFD."""
-    return "".join(chr(int(i)) if 0 <= int(i) < BYTE_VOCAB else "\ufffd" for i in ids)
+    """Token ids -> text, one character per id: ids that are not bytes (specials, or ids past the
+    byte range of a model with a larger vocab) become U+FFFD so lengths and positions survive."""
+    off = TOKENIZER.offset
+    return "".join(chr(int(i) - off) if off <= int(i) < off + 256 else "\ufffd" for i in ids)
 
 
 def _word_file(package: str, *parts: str) -> list[str]:

@@ -1,0 +1,96 @@
+"""Zoology-style MQAR comparison of token mixers (Arora et al. 2023, Fig. 2).
+
+    python sweep.py --config configs/sweeps/mqar.py --workdir workdirs/sweeps/mqar --parallel 8 --devices 0,1,2,3,4,5,6,7
+    python sweep.py --config configs/sweeps/mqar.py:tiny --workdir /tmp/mqar_tiny    # 2 trials, CPU, seconds
+
+Grid: softmax attention, linear attention, DeltaNet, Gated DeltaNet, KDA and the 3:1 KDA:MLA
+hybrid (the models of configs/ablations: same width, depth and MLP, differing only in the mixer)
+x d_model {64, 128, 256} x Zoology's (L, K) in {(64, 4), (128, 8), (256, 16), (512, 64)} x
+lr in logspace(-4, -2, 4); each (mixer, width, setting) keeps its best lr, as Zoology plots.
+Data as Zoology: vocab 8192, alpha 0.01, no random filler, batch 512 / 256 / 128 for
+L <= 128 / 256 / 512; ~64 epochs of 100k examples (12.5k steps at batch 512), fresh examples
+each step. Differences from Zoology: 2 layers WITH the ablation MLP (Zoology: none), a short
+conv in every recurrent mixer and RoPE in attention (Zoology: learned positions), no early stop.
+
+The same file is the trial config: `configs/sweeps/mqar.py:trial,mixer=kda,d_model=64,seq_len=64,
+num_kv_pairs=4` is the full training config of one grid point (sweep.py adds `--config.optim.lr`).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+import numpy as np
+
+from configs import common
+from configs.model_presets import ABLATION_MIXERS, ablation_config
+
+SETTINGS = ((64, 4), (128, 8), (256, 16), (512, 64))
+
+
+def batch_size(seq_len: int) -> int:
+    return 512 if seq_len <= 128 else 256 if seq_len <= 256 else 128
+
+
+def trial_config(arg) -> ml_collections.ConfigDict:
+    """One grid point: the ablation model of `mixer` trained on MQAR (L, K)."""
+    config = ablation_config(arg.mixer, f"d_model={arg.d_model},num_layers={arg.num_layers},"
+                                        f"vocab_size={arg.vocab_size}")
+    config.data.task = "mqar"
+    config.data.task_kwargs = ml_collections.ConfigDict(dict(
+        seq_len=arg.seq_len, num_kv_pairs=arg.num_kv_pairs, vocab_size=arg.vocab_size,
+        power_a=0.01, num_passes=1, random_non_queries=False))
+    config.data.batch_size = arg.batch_size or batch_size(arg.seq_len)
+    config.total_steps = arg.steps
+    config.optim.warmup_steps = max(arg.steps // 20, 1)
+    config.optim.schedule = "cosine"
+    config.optim.min_lr_ratio = 0.0
+    config.optim.weight_decay = 0.1
+    config.log_every_steps = max(arg.steps // 50, 1)
+    config.eval_every_steps = config.checkpoint_every_steps = max(arg.steps // 5, 1) if arg.steps >= 50 else arg.steps
+    config.evals.num_examples = arg.eval_examples
+    config.evals.batch_size = min(config.evals.batch_size, arg.eval_examples)
+    config.evals.train_num_examples = arg.eval_examples
+    config.evals.decode_lengths = (arg.seq_len,) if arg.decode_timing else ()
+    return config
+
+
+def sweep_config(arg) -> ml_collections.ConfigDict:
+    sweep = ml_collections.ConfigDict()
+    sweep.trial_config = "configs/sweeps/mqar.py"
+    # Trial arg template: grid keys in braces; plus the fixed keys of this sweep.
+    fixed = (f"num_layers=2,vocab_size={arg.vocab_size},steps={arg.steps},"
+             f"eval_examples={arg.eval_examples},batch_size={arg.batch_size},"
+             f"decode_timing={arg.decode_timing}")
+    sweep.trial_arg = "trial,mixer={mixer},d_model={d_model},seq_len={seq_len},num_kv_pairs={num_kv_pairs}," + fixed
+    # Grid axes: each a list; `setting` entries are dicts expanded into the template.
+    sweep.axes = ml_collections.ConfigDict()
+    sweep.axes.mixer = list(ABLATION_MIXERS)
+    sweep.axes.d_model = [64, 128, 256]
+    sweep.axes.setting = [dict(seq_len=L, num_kv_pairs=K) for L, K in SETTINGS]
+    sweep.axes.lr = [float(x) for x in np.logspace(-4, -2, 4)]
+    # (key, value) pairs passed as `--config.<key>=<value>` to each trial (grid keys in braces).
+    sweep.overrides = [("optim.lr", "{lr}")]
+    # What a trial is scored on: eval.py's --tasks, and the results.json entry of the trained task.
+    sweep.eval_tasks = "train_task"
+    sweep.score_task = "mqar"
+    sweep.score_setting = "L{seq_len}_K{num_kv_pairs}"
+    # Kept: the max over this axis of the score (Zoology: best learning rate per point).
+    sweep.select_over = "lr"
+    # Summary plot: x axis and one line per value of `line`; one panel per value of `panel`.
+    sweep.plot = dict(x="d_model", line="mixer", panel="setting")
+    if arg.tiny:  # 2 trials in seconds on CPU: softmax, width 16, 2 learning rates
+        sweep.axes.mixer = ["softmax"]
+        sweep.axes.d_model = [16]
+        sweep.axes.setting = [dict(seq_len=16, num_kv_pairs=2)]
+        sweep.axes.lr = [1e-3, 1e-2]
+        sweep.trial_arg = sweep.trial_arg.replace("num_layers=2", "num_layers=1")
+    return sweep
+
+
+def get_config(arg=None):
+    arg = common.parse_arg(arg, tiny=False, trial=False, mixer="kda", d_model=64, num_layers=2,
+                           seq_len=64, num_kv_pairs=4, vocab_size=8192, steps=12500,
+                           eval_examples=1000, batch_size=0, decode_timing=True)
+    if arg.tiny:
+        arg.update(dict(vocab_size=64, steps=4, eval_examples=16, batch_size=8, decode_timing=False))
+    return trial_config(arg) if arg.trial else sweep_config(arg)

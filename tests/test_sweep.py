@@ -1,0 +1,130 @@
+"""sweep.py: grid expansion, trial commands, best-lr selection, restart skipping, device handout
+with a fake trial runner; then a real two-trial sweep (train.py + eval.py) on CPU."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import ml_collections
+import pytest
+
+import sweep as sw
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _sweep():
+    s = ml_collections.ConfigDict()
+    s.trial_config = "configs/x.py"
+    s.trial_arg = "trial,mixer={mixer},seq_len={seq_len}"
+    s.axes = ml_collections.ConfigDict()
+    s.axes.mixer = ["a", "b"]
+    s.axes.setting = [dict(seq_len=16, num_kv_pairs=2), dict(seq_len=32, num_kv_pairs=4)]
+    s.axes.lr = [1e-3, 1e-2]
+    s.overrides = [("optim.lr", "{lr}"), ("data.batch_size", "8")]
+    s.eval_tasks = "train_task"
+    s.score_task = "mqar"
+    s.score_setting = "L{seq_len}_K{num_kv_pairs}"
+    s.select_over = "lr"
+    s.plot = dict(x="seq_len", line="mixer", panel="setting")
+    return s
+
+
+def fake_score(point):
+    """b beats a; lr 1e-2 is best for a, lr 1e-3 for b; longer is harder."""
+    base = {"a": 0.5, "b": 0.8}[point["mixer"]] - point["seq_len"] / 200
+    good = (point["mixer"] == "a") == (point["lr"] == 1e-2)
+    return round(base + (0.1 if good else 0.0), 4)
+
+
+class FakeRunner:
+    def __init__(self, fail=()):
+        self.fail, self.calls, self.active, self.lock, self.clash = set(fail), [], set(), threading.Lock(), False
+
+    def __call__(self, trial, device):
+        with self.lock:
+            self.clash |= device in self.active
+            self.active.add(device)
+            self.calls.append((trial.name, device))
+        time.sleep(0.02)
+        with self.lock:
+            self.active.discard(device)
+        if trial.name in self.fail:
+            return False
+        os.makedirs(os.path.join(trial.workdir, "eval"), exist_ok=True)
+        with open(os.path.join(trial.workdir, "eval", "results.json"), "w") as f:
+            json.dump({"mqar": {f"L{trial.point['seq_len']}_K{trial.point['num_kv_pairs']}":
+                                fake_score(trial.point)}}, f)
+        return True
+
+
+def test_grid_and_commands(tmp_path):
+    trials = sw.make_trials(_sweep(), str(tmp_path))
+    assert len(trials) == 8 and len({t.name for t in trials}) == 8
+    t = next(t for t in trials if t.point["mixer"] == "b" and t.point["seq_len"] == 32 and t.point["lr"] == 1e-3)
+    assert t.point["num_kv_pairs"] == 4 and t.score_key == ("mqar", "L32_K4")
+    train, ev = t.commands("py")
+    assert train[:4] == ["py", "train.py", "--config", "configs/x.py:trial,mixer=b,seq_len=32"]
+    assert train[4:6] == ["--workdir", t.workdir] and t.workdir.startswith(str(tmp_path / "trials"))
+    assert train[6:] == ["--config.optim.lr=0.001", "--config.data.batch_size=8"]
+    assert ev[1] == "eval.py" and ev[-2:] == ["--tasks", "train_task"]
+
+
+def test_launcher_wrapping():
+    cmd = ["python", "train.py", "--workdir", "a b"]
+    assert sw.SubprocessRunner("srun -N 2").wrap(cmd) == ["srun", "-N", "2", *cmd]
+    wrapped = sw.SubprocessRunner("ssh pod --command '{cmd}'").wrap(cmd)
+    assert wrapped[:2] == ["bash", "-c"] and "python train.py --workdir 'a b'" in wrapped[2]
+    assert sw.SubprocessRunner("").wrap(cmd) == cmd
+
+
+def test_best_lr_restart_and_devices(tmp_path):
+    sweep = _sweep()
+    trials = sw.make_trials(sweep, str(tmp_path))
+    failing = trials[3].name
+    runner = FakeRunner(fail={failing})
+    status = sw.run_trials(trials, runner, parallel=2, devices=["0", "1"])
+    assert not runner.clash and {d for _, d in runner.calls} == {"0", "1"}
+    assert status[failing] == "failed" and list(status.values()).count("done") == 7
+    # Restart: finished trials are skipped, the failed one runs again.
+    runner2 = FakeRunner()
+    status = sw.run_trials(trials, runner2, parallel=1)
+    assert [n for n, _ in runner2.calls] == [failing] and status[failing] == "done"
+    assert list(status.values()).count("skipped") == 7
+    rows = sw.summarize(sweep, trials)
+    assert len(rows) == 4
+    for r in rows:
+        point = dict(mixer=r["mixer"], seq_len=r["seq_len"])
+        want_lr = 1e-2 if r["mixer"] == "a" else 1e-3
+        assert r["lr"] == want_lr and r["score"] == fake_score({**point, "lr": want_lr}) and r["trials"] == 2
+    sw.write_summary(sweep, rows, str(tmp_path))
+    assert json.load(open(tmp_path / "summary.json")) == rows
+    md = (tmp_path / "summary.md").read_text()
+    assert "| best lr | score |" in md and md.count("\n") == 2 + 4
+    assert (tmp_path / "summary.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="exceeds"):
+        sw.run_trials(trials[:1], FakeRunner(), parallel=3, devices=["0"])
+
+
+def test_tiny_sweep_end_to_end(tmp_path):
+    """configs/sweeps/mqar.py:tiny: two real trials (train.py + eval.py) on CPU, in parallel."""
+    out = subprocess.run([sys.executable, "sweep.py", "--config", "configs/sweeps/mqar.py:tiny",
+                          "--workdir", str(tmp_path), "--parallel", "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    rows = json.load(open(tmp_path / "summary.json"))
+    assert len(rows) == 1 and rows[0]["trials"] == 2 and 0.0 <= rows[0]["score"] <= 1.0
+    assert rows[0]["lr"] in (1e-3, 1e-2)
+    trial_dirs = sorted(os.listdir(tmp_path / "trials"))
+    assert len(trial_dirs) == 2
+    for d in trial_dirs:
+        res = json.load(open(tmp_path / "trials" / d / "eval" / "results.json"))
+        assert list(res) == ["mqar"] and list(res["mqar"]) == ["L16_K2"]
+    again = subprocess.run([sys.executable, "sweep.py", "--config", "configs/sweeps/mqar.py:tiny",
+                            "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+    assert again.returncode == 0 and "'skipped': 2" in again.stdout
