@@ -59,40 +59,48 @@ def decayed_scores(rows, k, G, *, bounded: bool, mm):
     """For each a in `rows`: A[r, c] = sum_d a_r[d] k_c[d] exp(G_r[d] - G_c[d]) for r >= c.
 
     rows: list of [..., C, K]; k, G [..., C, K]. Returns a list of [..., C, C]; entries with r < c
-    are finite but meaningless (callers mask them). `mm(spec, x, y)` is the matmul used for the
-    anchored products (operands cast to the compute dtype, float32 accumulation)."""
+    are finite but meaningless (callers mask them). Tiles below the diagonal use the anchored
+    product through `mm(spec, x, y)` (operands in the compute dtype, float32 accumulation); the
+    diagonal tiles are float32: pair by pair (exact path) or an anchored float32 matmul (bounded),
+    because their gate gradient is a difference of anchored terms that bf16 operands would swamp."""
     *lead, C, K = G.shape
     nt = C // TILE
     Gt = G.reshape(*lead, nt, TILE, K)
     Ga = Gt[..., :1, :]  # [..., nt, 1, K] the anchor of each row tile
-    # Column side for row tile i: k_c exp(G_a(i) - G_c), kept for c < 16 i (exact path) or c < 16 (i + 1).
-    col = jnp.arange(C)
-    limit = (jnp.arange(nt) + (1 if bounded else 0)) * TILE
-    keep = (col[None, :] < limit[:, None])[:, :, None]  # [nt, C, 1]
-    expo = Ga - G[..., None, :, :]  # [..., nt, C, K]
-    k_hat = k[..., None, :, :] * jnp.exp(jnp.where(keep, expo, -jnp.inf))
+    # Column side for row tile i: k_c exp(G_a(i) - G_c) for c < 16 i (exponent <= 0), else 0.
+    keep = (jnp.arange(C)[None, :] < TILE * jnp.arange(nt)[:, None])[:, :, None]  # [nt, C, 1]
+    k_hat = k[..., None, :, :] * jnp.exp(jnp.where(keep, Ga - G[..., None, :, :], -jnp.inf))
     row_decay = jnp.exp(Gt - Ga)  # [..., nt, TILE, K], <= 1
+    kt = k.reshape(*lead, nt, TILE, K)
+    if bounded:  # exp(G_a - G_c) <= exp(-(TILE - 1) * lower_bound) for c in the anchor's tile
+        kt_hat = kt * jnp.exp(Ga - Gt)
     out = []
     for a in rows:
-        a_hat = a.reshape(*lead, nt, TILE, K) * row_decay
+        at = a.reshape(*lead, nt, TILE, K)
+        a_hat = at * row_decay
         s = mm("...ird,...icd->...irc", a_hat, k_hat).reshape(*lead, C, C)
-        if not bounded:
-            s = s + _diag_tiles(a, k, Gt)
-        out.append(s)
+        if bounded:
+            d = jnp.einsum("...ird,...icd->...irc", a_hat, kt_hat, precision=jax.lax.Precision.HIGHEST)
+        else:
+            d = _diag_tiles(at, kt, Gt)
+        out.append(s + _block_diag(d))
     return out
 
 
-def _diag_tiles(a, k, Gt):
-    """Diagonal 16x16 tiles pair by pair: exp(G_r - G_c) with r >= c only (exact for any g <= 0)."""
-    *lead, nt, T, K = Gt.shape
-    at = a.reshape(*lead, nt, T, K)
-    kt = k.reshape(*lead, nt, T, K)
+def _diag_tiles(at, kt, Gt):
+    """Diagonal tiles pair by pair: exp(G_r - G_c) with r >= c only (exact for any g <= 0).
+    at, kt, Gt [..., nt, TILE, K] -> [..., nt, TILE, TILE]."""
+    T = Gt.shape[-2]
     diff = Gt[..., :, None, :] - Gt[..., None, :, :]  # [..., nt, T, T, K]
     e = jnp.exp(jnp.where(_tri(T, False)[:, :, None], diff, -jnp.inf))
-    d = jnp.sum(at[..., :, None, :].astype(e.dtype) * kt[..., None, :, :].astype(e.dtype) * e, axis=-1)
+    return jnp.sum(at[..., :, None, :].astype(e.dtype) * kt[..., None, :, :].astype(e.dtype) * e, axis=-1)
+
+
+def _block_diag(d):
+    """[..., nt, T, T] -> [..., nt * T, nt * T] with the tiles on the diagonal."""
+    *lead, nt, T, _ = d.shape
     eye = jnp.eye(nt, dtype=d.dtype)
-    full = d[..., :, :, None, :] * eye[:, None, :, None]  # [..., nt, T, nt, T]
-    return full.reshape(*lead, nt * T, nt * T)
+    return (d[..., :, :, None, :] * eye[:, None, :, None]).reshape(*lead, nt * T, nt * T)
 
 
 def prep(q, k, v, g, beta, counts, *, scale: float, bounded: bool, delta: bool, mm):
