@@ -18,10 +18,10 @@ from kimi_jax.sharding import LOGICAL_AXIS_RULES
 
 D = 32
 SETTINGS = {
-    "softmax": dict(num_heads=4, num_kv_heads=2),
-    "linear": dict(num_heads=2, impl="naive"),
-    "deltanet": dict(num_heads=2, impl="naive"),
-    "gated_deltanet": dict(num_heads=2, impl="naive"),
+    "softmax": dict(num_heads=4, num_kv_heads=2, head_dim=None),
+    "linear": dict(num_heads=2, head_dim=None, impl="naive"),
+    "deltanet": dict(num_heads=2, head_dim=None, impl="naive"),
+    "gated_deltanet": dict(num_heads=2, head_dim=None, impl="naive"),
     "kda": dict(num_heads=2, head_dim=8, head_v_dim=12, impl="naive"),
     "kda_k3": dict(num_heads=2, head_dim=16, use_full_rank_gate=True, lower_bound=-5.0, impl="naive"),
     "mla": dict(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, q_lora_rank=12),
@@ -109,9 +109,9 @@ def test_invalid_settings_raise_clear_errors():
     with pytest.raises(ValueError, match=r"Unknown settings \['num_head'\].*num_heads"):
         build_mixer("kda", {"num_head": 2}, D, **kw)
     with pytest.raises(ValueError, match="must divide d_model"):
-        build_mixer("softmax", {"num_heads": 5}, D, **kw)
+        build_mixer("softmax", {"num_heads": 5, "head_dim": None}, D, **kw)
     with pytest.raises(ValueError, match="must divide d_model"):
-        build_mixer("gated_deltanet", {"num_heads": 3}, D, **kw)
+        build_mixer("gated_deltanet", {"num_heads": 3, "head_dim": None}, D, **kw)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         mixer_config("softmax", {"num_heads": 4, "num_kv_heads": 3})
     with pytest.raises(ValueError, match="Unknown SoftmaxConfig.impl"):
@@ -248,3 +248,15 @@ def test_registry_entries():
         assert cfg == mixer_config(name, None)
         with pytest.raises(dataclasses.FrozenInstanceError):
             cfg.num_heads = 1
+
+
+@pytest.mark.gpu
+def test_cudnn_attention_matches_xla_on_gpu():
+    x = _x(2, 64).astype(jnp.bfloat16)
+    seg = jnp.asarray(np.repeat([[0, 1]], [40, 24], axis=1).repeat(2, 0), jnp.int32)
+    kw = dict(dtype=jnp.bfloat16, param_dtype=jnp.float32)
+    s = dict(num_heads=4, num_kv_heads=2, head_dim=16)
+    ref = build_mixer("softmax", {**s, "impl": "xla"}, D, **kw, rngs=nnx.Rngs(0))
+    out = build_mixer("softmax", {**s, "impl": "cudnn"}, D, **kw, rngs=nnx.Rngs(0))
+    for seg_ids in (None, seg):
+        assert_close("cudnn vs xla", ref(x, segment_ids=seg_ids), out(x, segment_ids=seg_ids), 0.01)

@@ -39,12 +39,12 @@ def dt_bias_init(key, shape, dtype, dt_min=1e-3, dt_max=0.1, floor=1e-4):
 
 @dataclasses.dataclass(frozen=True)
 class LinearAttentionConfig(MixerConfig):
-    """head_dim (K) None = d_model // num_heads; head_v_dim (V) None = K; conv_size 0 = no short
+    """head_dim (K) None = d_model // num_heads (then state_bytes needs it set); head_v_dim (V) None = K; conv_size 0 = no short
     conv (SiLU only); output_gate: full-rank sigmoid gate on the output norm; cache_dtype (conv
     windows) None = the compute dtype."""
 
     num_heads: int = 4
-    head_dim: int | None = None
+    head_dim: int | None = 64
     head_v_dim: int | None = None
     conv_size: int = 4
     output_gate: bool = True

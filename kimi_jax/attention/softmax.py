@@ -49,12 +49,13 @@ def resolve_attention_impl(impl: str, dtype, head_dim: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class SoftmaxConfig(MixerConfig):
-    """num_kv_heads None = num_heads (MHA); head_dim None = d_model // num_heads; rope_theta
+    """num_kv_heads None = num_heads (MHA); head_dim None = d_model // num_heads (then
+    the byte counts need it set); rope_theta
     None = NoPE; cache_dtype None = the compute dtype."""
 
     num_heads: int = 8
     num_kv_heads: int | None = None
-    head_dim: int | None = None
+    head_dim: int | None = 64
     rope_theta: float | None = 10000.0
     impl: str = "auto"
     cache_dtype: str | None = None
