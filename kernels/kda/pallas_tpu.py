@@ -138,16 +138,11 @@ def kda_impl(q, k, v, g, beta, *, scale, initial_state, segment_ids, lower_bound
     take (K or V outside {64, 128}, float16 / float64) fall back to `chunk` with a logged reason.
     `lower_bound` >= -5 selects the all-MXU intra-chunk path."""
     del output_final_state
+    kw = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids, lower_bound=lower_bound)
     reason = unsupported_reason(q.shape[-1], v.shape[-1], jnp.dtype(q.dtype).name)
     if reason:
         log.warning("pallas_tpu falls back to chunk: %s", reason)
         from kernels.kda import chunk
 
-        return chunk.kda_impl(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids, lower_bound=lower_bound,
-            output_final_state=True,
-        )
-    return chunk_kda_tpu(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids, lower_bound=lower_bound,
-        interpret=interpret,
-    )
+        return chunk.kda_impl(q, k, v, g, beta, output_final_state=True, **kw)
+    return chunk_kda_tpu(q, k, v, g, beta, interpret=interpret, **kw)

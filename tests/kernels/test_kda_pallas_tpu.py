@@ -136,7 +136,9 @@ def test_tiling_check_rejects_bad_blocks():
     assert Operand("q", (1, 8192, 4096), (None, 8, 128), "float32", "tok").tiling_error() is None
 
 
-@pytest.mark.parametrize("D, dtype, lower_bound", [(128, jnp.bfloat16, None), (128, jnp.bfloat16, -5.0), (64, jnp.float32, None)])
+@pytest.mark.parametrize(
+    "D, dtype, lower_bound", [(128, jnp.bfloat16, None), (128, jnp.bfloat16, -5.0), (64, jnp.float32, None)]
+)
 def test_lowers_to_mosaic_for_tpu(D, dtype, lower_bound):
     """Forward and backward lower to Mosaic TPU custom calls for the real shape (no TPU needed)."""
     f32 = jnp.float32
