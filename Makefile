@@ -4,9 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-PYTHON312 := $(shell command -v python3.12 2>/dev/null || \
-  (command -v pyenv >/dev/null 2>&1 && PYENV_VERSION=$$(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.[0-9]+)?$$' | tail -n1) pyenv which python3.12 2>/dev/null) || \
-  ls -d $$HOME/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -n1)
+PYTHON312 := $(shell bash tools/find_python312.sh)
 
 .PHONY: venv train test test-gpu bench lint clean
 
