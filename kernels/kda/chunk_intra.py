@@ -87,13 +87,36 @@ def decayed_scores(rows, k, G, *, bounded: bool, mm):
     return out
 
 
-def _diag_tiles(at, kt, Gt):
-    """Diagonal tiles pair by pair: exp(G_r - G_c) with r >= c only (exact for any g <= 0).
-    at, kt, Gt [..., nt, TILE, K] -> [..., nt, TILE, TILE]."""
+def _pair_decay(Gt):
+    """[..., T, K] -> [..., T, T, K]: exp(G_r - G_c) for r >= c, else 0 (no positive exponent)."""
     T = Gt.shape[-2]
-    diff = Gt[..., :, None, :] - Gt[..., None, :, :]  # [..., nt, T, T, K]
-    e = jnp.exp(jnp.where(_tri(T, False)[:, :, None], diff, -jnp.inf))
-    return jnp.sum(at[..., :, None, :].astype(e.dtype) * kt[..., None, :, :].astype(e.dtype) * e, axis=-1)
+    diff = Gt[..., :, None, :] - Gt[..., None, :, :]
+    return jnp.exp(jnp.where(_tri(T, False)[:, :, None], diff, -jnp.inf))
+
+
+@jax.custom_vjp
+def _diag_tiles(at, kt, Gt):
+    """Diagonal tiles pair by pair, exact for any g <= 0: at, kt, Gt [..., nt, TILE, K] ->
+    [..., nt, TILE, TILE]. The VJP recomputes the pair decays inside each reduction, so the
+    [..., TILE, TILE, K] factors are never stored (autodiff would keep them as residuals)."""
+    return jnp.sum(at[..., :, None, :] * kt[..., None, :, :] * _pair_decay(Gt), axis=-1)
+
+
+def _diag_tiles_fwd(at, kt, Gt):
+    return _diag_tiles(at, kt, Gt), (at, kt, Gt)
+
+
+def _diag_tiles_bwd(res, ct):
+    at, kt, Gt = res
+    p = ct[..., None] * _pair_decay(Gt)  # [..., r, c, K]
+    x = p * at[..., :, None, :] * kt[..., None, :, :]
+    d_at = jnp.sum(p * kt[..., None, :, :], axis=-2)
+    d_kt = jnp.sum(p * at[..., :, None, :], axis=-3)
+    d_G = jnp.sum(x, axis=-2) - jnp.sum(x, axis=-3)  # d/dG_r exp(G_r - G_c) = +e, d/dG_c = -e
+    return d_at, d_kt, d_G
+
+
+_diag_tiles.defvjp(_diag_tiles_fwd, _diag_tiles_bwd)
 
 
 def _block_diag(d):
