@@ -128,6 +128,10 @@ def test_invalid_settings_raise_clear_errors():
         mixer_config("mla", {"cache_dtype": "int8"})
     with pytest.raises(ValueError, match="d_model"):
         build_mixer("softmax", {}, 0, **kw)
+    with pytest.raises(ValueError, match="explicit head_dim"):
+        mixer_config("softmax", {}).cache_bytes_per_token()
+    with pytest.raises(ValueError, match="explicit head_dim"):
+        mixer_config("kda", {}).state_bytes()
     if jax.devices()[0].platform != "gpu":
         m = build_mixer("softmax", {"num_heads": 4, "impl": "cudnn"}, D, **kw)
         with pytest.raises(ValueError, match="impl='cudnn' needs a GPU"):

@@ -44,7 +44,7 @@ class LinearAttentionConfig(MixerConfig):
     windows) None = the compute dtype."""
 
     num_heads: int = 4
-    head_dim: int | None = 64
+    head_dim: int | None = None
     head_v_dim: int | None = None
     conv_size: int = 4
     output_gate: bool = True

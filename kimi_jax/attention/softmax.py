@@ -55,7 +55,7 @@ class SoftmaxConfig(MixerConfig):
 
     num_heads: int = 8
     num_kv_heads: int | None = None
-    head_dim: int | None = 64
+    head_dim: int | None = None
     rope_theta: float | None = 10000.0
     impl: str = "auto"
     cache_dtype: str | None = None
