@@ -105,7 +105,10 @@ def train_flops_per_token(config, seq_len: int) -> float:
 def load_config(spec: str):
     """"path/to/config.py[:arg]" -> get_config(arg)."""
     path, _, arg = spec.partition(":")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    folder = os.path.dirname(os.path.abspath(path))
+    while os.path.basename(folder) != "configs" and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)  # config files import `configs.*` from the repo root
+    root = os.path.dirname(folder) if os.path.basename(folder) == "configs" else os.getcwd()
     if root not in sys.path:
         sys.path.insert(0, root)
     spec_ = importlib.util.spec_from_file_location("_summary_config", path)
@@ -132,7 +135,9 @@ def report(config, seq_len: int = 4096) -> str:
     for name in sorted(set(cfg.layer_mixers)):
         mc = mixer_config(name, cfg.settings(name))
         lines.append(f"mixer {name}: {cfg.layer_mixers.count(name)} layers x "
-                     f"{mc.num_params(cfg.d_model):,} params (config formula)")
+                     f"{mc.num_params(cfg.d_model):,} params (config formula), "
+                     f"{mc.cache_bytes_per_token():,} cache bytes per token, "
+                     f"{mc.state_bytes():,} state bytes per sequence")
     per_token, state = cache_bytes(cfg)
     lines.append(f"decode cache bytes per token={per_token:,}  fixed state bytes per sequence="
                  f"{state:,} ({state / 2**20:.1f} MiB)")

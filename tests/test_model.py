@@ -53,6 +53,16 @@ def test_single_mixer_ablation_decode_equals_forward(mixer):
     np.testing.assert_allclose(stepwise_logits(model, tokens), full, rtol=1e-4, atol=1e-4)
 
 
+def test_packed_documents_do_not_see_each_other(tiny_model):
+    """Row 0 packs [a, b], row 1 packs [b, a]: each document's logits match across rows."""
+    a, b = _tokens(tiny_model.config.vocab_size, (1, 5), 4)[0], _tokens(256, (1, 7), 5)[0]
+    tokens = jnp.stack([jnp.concatenate([a, b]), jnp.concatenate([b, a])])
+    segments = jnp.array([[0] * 5 + [1] * 7, [0] * 7 + [1] * 5])
+    logits = nnx.jit(lambda m, t, s: m(t, segment_ids=s))(tiny_model, tokens, segments)
+    np.testing.assert_allclose(logits[0, 5:], logits[1, :7], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(logits[0, :5], logits[1, 7:], rtol=1e-4, atol=1e-4)
+
+
 def test_generate_is_greedy_on_the_full_forward(tiny_model):
     prompt = _tokens(tiny_model.config.vocab_size, (2, 8), seed=1)
     out = generate(tiny_model, prompt, 4)
