@@ -5,7 +5,8 @@
 
 The sweep config (configs/sweeps/*.py) names a trial config file and an arg template, grid axes
 (lists; dict entries expand into several template keys), `--config.<key>=<value>` overrides per
-trial, and how a trial is scored (an entry of its eval/results.json). Trials whose
+trial, and how a trial is scored (an entry of its eval/results.json; an empty `score_setting`
+takes the task's only entry). Trials whose
 DIR/trials/<name>/DONE exists are skipped, so a restarted sweep continues. `--parallel N` runs N
 trials at once on this machine; `--devices` gives each running trial one of the listed devices
 (through `--device_env`, CUDA_VISIBLE_DEVICES by default). On a TPU pod slice or a multi-host GPU
@@ -73,7 +74,7 @@ class Trial:
         self.config = f"{sweep.trial_config}:{sweep.trial_arg.format(**point)}"
         self.overrides = [f"--config.{k}={str(v).format(**point)}" for k, v in sweep.overrides]
         self.eval_tasks = sweep.eval_tasks
-        self.score_key = (sweep.score_task, sweep.score_setting.format(**point))
+        self.score_key = (sweep.score_task.format(**point), sweep.score_setting.format(**point))
 
     def commands(self, python: str = sys.executable) -> list[list[str]]:
         base = ["--config", self.config, "--workdir", self.workdir]
@@ -92,8 +93,12 @@ class Trial:
         if not os.path.exists(path):
             return None
         with open(path) as f:
-            task, setting = self.score_key
-            return json.load(f).get(task, {}).get(setting)
+            per = json.load(f).get(self.score_key[0], {})
+        if not self.score_key[1]:  # "": the task's only setting (eval of the trained task alone)
+            if len(per) > 1:
+                raise ValueError(f"{path}: several settings {sorted(per)}; set score_setting")
+            return next(iter(per.values()), None)
+        return per.get(self.score_key[1])
 
 
 def make_trials(sweep, root: str) -> list[Trial]:

@@ -128,3 +128,39 @@ def test_tiny_sweep_end_to_end(tmp_path):
                             "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                            timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
     assert again.returncode == 0 and "'skipped': 2" in again.stdout
+
+
+@pytest.mark.parametrize("name,count", [("mqar", 6 * 3 * 4 * 4), ("kimi", 3 * 4 * 4 * 4)])
+def test_every_trial_of_the_sweep_configs_builds(name, count):
+    import importlib
+
+    from kimi_jax.tasks import make_task
+
+    module = importlib.import_module(f"configs.sweeps.{name}")
+    sweep = module.get_config()
+    trials = sw.make_trials(sweep, "/nonexistent")
+    assert len(trials) == count
+    seen = set()
+    for t in trials:
+        arg = t.config.split(":", 1)[1]
+        if arg in seen:  # lr is an override, not part of the config arg
+            continue
+        seen.add(arg)
+        config = module.get_config(arg)
+        task = make_task(config.data.task, **config.data.task_kwargs)
+        assert task.vocab_size <= config.model.vocab_size and config.total_steps > 0
+        assert t.score_key[0] == task.name
+        assert t.score_key[1] in ("", task.setting)
+
+
+def test_score_of_the_only_setting(tmp_path):
+    sweep = _sweep()
+    sweep.score_setting = ""
+    t = sw.make_trials(sweep, str(tmp_path))[0]
+    os.makedirs(os.path.join(t.workdir, "eval"))
+    path = os.path.join(t.workdir, "eval", "results.json")
+    json.dump({"mqar": {"L16_K2": 0.25}}, open(path, "w"))
+    assert t.score() == 0.25
+    json.dump({"mqar": {"L16_K2": 0.25, "L32_K4": 0.5}}, open(path, "w"))
+    with pytest.raises(ValueError, match="several settings"):
+        t.score()

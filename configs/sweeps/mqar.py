@@ -8,7 +8,7 @@ hybrid (the models of configs/ablations: same width, depth and MLP, differing on
 x d_model {64, 128, 256} x Zoology's (L, K) in {(64, 4), (128, 8), (256, 16), (512, 64)} x
 lr in logspace(-4, -2, 4); each (mixer, width, setting) keeps its best lr, as Zoology plots.
 Data as Zoology: vocab 8192, alpha 0.01, no random filler, batch 512 / 256 / 128 for
-L <= 128 / 256 / 512; ~64 epochs of 100k examples (12.5k steps at batch 512), fresh examples
+L <= 128 / 256 / 512; 12.5k steps (64 epochs of 100k examples at batch 512), fresh examples
 each step. Differences from Zoology: 2 layers WITH the ablation MLP (Zoology: none), a short
 conv in every recurrent mixer and RoPE in attention (Zoology: learned positions), no early stop.
 
@@ -23,6 +23,7 @@ import numpy as np
 
 from configs import common
 from configs.model_presets import ABLATION_MIXERS, ablation_config
+from configs.sweeps.common import TINY, TRIAL_ARGS, schedule, trial_arg
 
 SETTINGS = ((64, 4), (128, 8), (256, 16), (512, 64))
 
@@ -39,29 +40,16 @@ def trial_config(arg) -> ml_collections.ConfigDict:
     config.data.task_kwargs = ml_collections.ConfigDict(dict(
         seq_len=arg.seq_len, num_kv_pairs=arg.num_kv_pairs, vocab_size=arg.vocab_size,
         power_a=0.01, num_passes=1, random_non_queries=False))
-    config.data.batch_size = arg.batch_size or batch_size(arg.seq_len)
-    config.total_steps = arg.steps
-    config.optim.warmup_steps = max(arg.steps // 20, 1)
-    config.optim.schedule = "cosine"
-    config.optim.min_lr_ratio = 0.0
-    config.optim.weight_decay = 0.1
-    config.log_every_steps = max(arg.steps // 50, 1)
-    config.eval_every_steps = config.checkpoint_every_steps = max(arg.steps // 5, 1) if arg.steps >= 50 else arg.steps
-    config.evals.num_examples = arg.eval_examples
-    config.evals.batch_size = min(config.evals.batch_size, arg.eval_examples)
-    config.evals.train_num_examples = arg.eval_examples
-    config.evals.decode_lengths = (arg.seq_len,) if arg.decode_timing else ()
+    arg.batch_size = arg.batch_size or batch_size(arg.seq_len)
+    schedule(config, arg, arg.seq_len)
     return config
 
 
 def sweep_config(arg) -> ml_collections.ConfigDict:
     sweep = ml_collections.ConfigDict()
     sweep.trial_config = "configs/sweeps/mqar.py"
-    # Trial arg template: grid keys in braces; plus the fixed keys of this sweep.
-    fixed = (f"num_layers=2,vocab_size={arg.vocab_size},steps={arg.steps},"
-             f"eval_examples={arg.eval_examples},batch_size={arg.batch_size},"
-             f"decode_timing={arg.decode_timing}")
-    sweep.trial_arg = "trial,mixer={mixer},d_model={d_model},seq_len={seq_len},num_kv_pairs={num_kv_pairs}," + fixed
+    sweep.trial_arg = trial_arg(("mixer", "d_model", "seq_len", "num_kv_pairs"), arg) + (
+        f",num_layers={arg.num_layers},vocab_size={arg.vocab_size}")
     # Grid axes: each a list; `setting` entries are dicts expanded into the template.
     sweep.axes = ml_collections.ConfigDict()
     sweep.axes.mixer = list(ABLATION_MIXERS)
@@ -83,14 +71,13 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
         sweep.axes.d_model = [16]
         sweep.axes.setting = [dict(seq_len=16, num_kv_pairs=2)]
         sweep.axes.lr = [1e-3, 1e-2]
-        sweep.trial_arg = sweep.trial_arg.replace("num_layers=2", "num_layers=1")
     return sweep
 
 
 def get_config(arg=None):
-    arg = common.parse_arg(arg, tiny=False, trial=False, mixer="kda", d_model=64, num_layers=2,
-                           seq_len=64, num_kv_pairs=4, vocab_size=8192, steps=12500,
-                           eval_examples=1000, batch_size=0, decode_timing=True)
+    arg = common.parse_arg(arg, **{**TRIAL_ARGS, "steps": 12500, "batch_size": 0},
+                           mixer="kda", d_model=64, num_layers=2, seq_len=64, num_kv_pairs=4,
+                           vocab_size=8192)
     if arg.tiny:
-        arg.update(dict(vocab_size=64, steps=4, eval_examples=16, batch_size=8, decode_timing=False))
+        arg.update(dict(TINY, vocab_size=64, num_layers=1))
     return trial_config(arg) if arg.trial else sweep_config(arg)

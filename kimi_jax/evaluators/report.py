@@ -113,8 +113,10 @@ def plot(outdir: str, runs: dict) -> list[str]:
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=label)
             ax.set_title(task, fontsize=9)
-            ax.set_xlabel(xkey)
+            ax.set_xlabel("decode cache bytes / sequence" if xkey == "state_bytes" else xkey)
             ax.set_ylabel(ylabel)
+            if metric == "accuracy":
+                ax.set_ylim(-0.02, 1.02)
             if logx:
                 ax.set_xscale("log", base=2)
         for ax in list(axes.flat)[len(tasks):]:

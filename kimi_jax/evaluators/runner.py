@@ -21,7 +21,6 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self._score = jax.jit(self._score_impl)
         self._generate = jax.jit(self._generate_impl, static_argnums=(2,))
-        self._prefill = jax.jit(self._prefill_impl)
         self._step = jax.jit(self._step_impl)
 
     def _model(self, state):
@@ -68,28 +67,27 @@ class ModelRunner:
                              f"{prompt.shape}, {num_new}")
         return np.asarray(self._generate(self.state, jnp.asarray(prompt), int(num_new)))
 
-    def _prefill_impl(self, state, tokens, cache):
-        return self._scan_prefill(self._model(state), tokens, cache)
-
     def _step_impl(self, state, tokens, cache):
         return self._model(state).decode_step(tokens, cache)
 
     def decode_seconds_per_token(self, context_len: int, *, batch_size: int = 1, steps: int = 8,
                                  seed: int = 0) -> float:
         """Wall time of one decode step [B, 1] after `context_len` cached tokens (random ids 0/1,
-        valid for any vocab), the median over `steps` timed steps after one warm-up step."""
+        valid for any vocab): the median over `steps` timed steps. The context is fed through the
+        same jitted step (one compile per cache shape; no separate prefill program)."""
+        if context_len < 0 or steps < 1:
+            raise ValueError(f"decode timing needs context_len >= 0 and steps >= 1; got {context_len}, {steps}")
         model = self._model(self.state)
-        tokens = np.random.RandomState(seed).randint(0, 2, size=(batch_size, context_len + steps + 1))
-        cache = model.init_cache(batch_size, context_len + steps + 1)
-        cache = self._prefill(self.state, jnp.asarray(tokens[:, :context_len], jnp.int32), cache)
-        tok = jnp.asarray(tokens[:, context_len:context_len + 1], jnp.int32)
-        logits, cache = self._step(self.state, tok, cache)  # warm-up: compiles
-        jax.block_until_ready(logits)
+        tokens = np.random.RandomState(seed).randint(0, 2, size=(batch_size, context_len + steps))
+        tokens = jnp.asarray(tokens, jnp.int32)
+        cache = model.init_cache(batch_size, context_len + steps)
+        for t in range(context_len):
+            _, cache = self._step(self.state, tokens[:, t:t + 1], cache)
+        jax.block_until_ready(cache)
         times = []
-        for i in range(steps):
-            tok = jnp.asarray(tokens[:, context_len + 1 + i:context_len + 2 + i], jnp.int32)
+        for t in range(context_len, context_len + steps):
             start = time.perf_counter()
-            logits, cache = self._step(self.state, tok, cache)
+            logits, cache = self._step(self.state, tokens[:, t:t + 1], cache)
             jax.block_until_ready(logits)
             times.append(time.perf_counter() - start)
         return float(np.median(times))
