@@ -277,19 +277,15 @@ def main(argv=None):
     env = environment()
     print(f"# KDA benchmark: {env['device']} ({env['platform']}), jax {env['jax']}, torch {env['torch']}, "
           f"fla {env['fla']}, jla {env['jla']}, {env['date']}", flush=True)  # fmt: skip
-    rows = []
+    rows, path = [], a.out
+    config = dict(shapes=[list(s) for s in shapes], impls=impls, peers=peers, lower_bound=LOWER_BOUND, **args_timing)
     for shape in shapes:
         rows += run_shape(shape, impls, peers)
         print(table([r for r in rows if r["shape"] == list(shape)]) + "\n", flush=True)
-    report = table(rows)
-    result = dict(
-        env=env,
-        config=dict(shapes=[list(s) for s in shapes], impls=impls, peers=peers, lower_bound=LOWER_BOUND, **args_timing),
-        peak=dict(tflops=PEAK_TFLOPS, tbps=PEAK_TBPS),
-        rows=rows,
-        table=report,
-    )
-    path = write_json(result, a.out, "kda")
+        # Written after every shape, so a run cut short still leaves its measurements.
+        report = table(rows)
+        result = dict(env=env, config=config, peak=dict(tflops=PEAK_TFLOPS, tbps=PEAK_TBPS), rows=rows, table=report)
+        path = write_json(result, path, "kda")
     print(report)
     print(f"\nwrote {path}")
     return result
