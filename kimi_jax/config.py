@@ -70,6 +70,8 @@ class MoEConfig:
     balance_rate: float = 1e-3  # gamma of the DeepSeek-V3 aux-loss-free update
     aux_loss_coef: float = 1e-4  # alpha of the sequence-wise balance loss
     num_bins: int = 1000  # histogram bins of quantile balancing
+    capacity_factor: float | None = None  # expert_parallel: None = dropless (worst-case buffers)
+    experts_dtype: str | None = None  # "mxfp4": routed experts quantised (kimi_jax/quantize.py)
 
     def __post_init__(self):
         for name in ("num_experts", "top_k", "expert_hidden", "num_bins"):
@@ -86,6 +88,9 @@ class MoEConfig:
 
         _choice("moe.dispatch", self.dispatch, sorted(DISPATCH))
         _choice("moe.balancing", self.balancing, BALANCING)
+        from kimi_jax.quantize import check_experts_dtype
+
+        check_experts_dtype(self.experts_dtype, self.dispatch)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,9 +19,10 @@ from kimi_jax.config import MoEConfig
 from kimi_jax.ffn import MLP, glu_activation
 from kimi_jax.layers import Linear, RMSNorm, param
 from kimi_jax.moe_dispatch import DISPATCH, ExpertWeights, dispatch_fn  # noqa: F401
+from kimi_jax.quantize import MXFP4Experts
 from kimi_jax.sharding import constrain
 
-STAT_KEYS = ("load", "max_over_mean", "load_entropy", "bias_target", "aux_loss")
+STAT_KEYS = ("load", "max_over_mean", "load_entropy", "bias_target", "aux_loss", "dropped")
 
 
 class RouterBias(nnx.Variable):
@@ -78,7 +79,8 @@ class MoE(nnx.Module):
         self.latent_norm = (RMSNorm(width, eps=norm_eps, **kw)
                             if latent and cfg.latent_norm else None)
         self.up_proj = Linear(width, d_model, axes=("latent", "embed"), **kw) if latent else None
-        self.experts = RoutedExperts(cfg.num_experts, width, cfg.expert_hidden, in_axis=in_axis,
+        expert_module = MXFP4Experts if cfg.experts_dtype == "mxfp4" else RoutedExperts
+        self.experts = expert_module(cfg.num_experts, width, cfg.expert_hidden, in_axis=in_axis,
                                      param_dtype=param_dtype, rngs=rngs)
         self.shared = (MLP(d_model, cfg.num_shared_experts * cfg.expert_hidden,
                            activation=activation, situ_beta=situ_beta,
@@ -100,8 +102,11 @@ class MoE(nnx.Module):
         h = self.down_proj(flat) if self.down_proj is not None else flat.astype(self.dtype)
         name, beta, linear_beta = self.activation
         act = glu_activation(name, beta=beta, linear_beta=linear_beta)
+        ep = ({"capacity_factor": cfg.capacity_factor, "return_dropped": True}
+              if cfg.dispatch == "expert_parallel" else {})
         y = dispatch_fn(cfg.dispatch)(h.astype(self.dtype), idx, weights,
-                                      self.experts.weights(), act)
+                                      self.experts.weights(), act, **ep)
+        y, dropped = y if ep else (y, jnp.zeros((), jnp.int32))
         if self.latent_norm is not None:
             y = self.latent_norm(y)
         if self.up_proj is not None:
@@ -110,7 +115,7 @@ class MoE(nnx.Module):
         if self.shared is not None:
             y = y + self.shared(flat).astype(jnp.float32)
         y = constrain(y.reshape(B, T, D).astype(self.dtype), ("act_batch", "act_len", "act_embed"))
-        return y, self._stats(scores, idx, values, B, T)
+        return y, {**self._stats(scores, idx, values, B, T), "dropped": dropped}
 
     def _stats(self, scores, idx, values, B: int, T: int):
         """Per-layer statistics; only `aux_loss` carries gradients (to the router)."""

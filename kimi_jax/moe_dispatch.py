@@ -114,3 +114,7 @@ def dispatch_fn(name: str):
     if name not in DISPATCH:
         raise ValueError(f"Unknown dispatch={name!r}; expected one of {sorted(DISPATCH)}")
     return DISPATCH[name]
+
+
+# "gmm" and "expert_parallel" (grouped-matmul kernels, expert parallelism) register on import.
+from kimi_jax import moe_ep  # noqa: E402,F401

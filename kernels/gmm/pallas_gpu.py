@@ -75,6 +75,19 @@ def _block_groups(offsets, num_m_blocks, bm):
     return first, last
 
 
+def _row_iota(shape):
+    """Row index of every element, in the wgmma accumulator's register layout."""
+    return plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+
+
+def _swizzled(minor: int, dtype):
+    """Explicit SMEM tiling + swizzle for a tile that is both read into registers and fed to
+    wgmma (tgmm masks its boundary tiles in place)."""
+    bits = jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(minor * bits)
+    return (plgpu.TilingTransform((8, 8 * swizzle // bits)), plgpu.SwizzleTransform(swizzle))
+
+
 def _params(interpret):
     return plgpu.InterpretGPUParams() if interpret else None
 
@@ -83,6 +96,57 @@ def _check_dtypes(*xs):
     for x in xs:
         if x.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"pallas_gpu gmm needs bf16/f16 operands, got {x.dtype}")
+
+
+def grouped_rows_kernel(group_acc, group_sizes, inputs, *, shape, tile, out_dtype, scratch=(),
+                        interpret=False):
+    """Run the (M block, N block) program shared by the grouped matmuls that produce rows.
+
+    `group_acc(g, mb, nb, in_refs, scratch_refs) -> [bm, bn] f32` computes M block mb of the
+    rows against group g's weights for N block nb; this keeps, per group, only that group's rows
+    (a row mask; each row belongs to one group) and stores the tile once. `inputs` are padded
+    GMEM operands, `shape` = (M, N) padded to `tile` = (bm, bn).
+    """
+    bm, bn = tile
+    num_m, num_n = shape[0] // bm, shape[1] // bn
+    offsets = _offsets(group_sizes)
+    first, last = _block_groups(offsets, num_m, bm)
+    n_in = len(inputs)
+
+    def body(off_ref, first_ref, last_ref, *refs):
+        in_refs, (out_ref, o_smem, *scratch_refs) = refs[:n_in], refs[n_in:]
+        mb = jax.lax.axis_index("m")
+        nb = jax.lax.axis_index("n")
+        row0 = mb * bm
+        o_smem[...] = jnp.zeros((bm, bn), out_dtype)
+
+        def one_group(g, carry):
+            start, end = off_ref[g], off_ref[g + 1]
+
+            @pl.when(end > start)
+            def _():
+                acc = group_acc(g, mb, nb, in_refs, scratch_refs)
+                rows = row0 + _row_iota((bm, bn))
+                keep = (rows >= start) & (rows < end)
+                o_smem[...] = jnp.where(keep, acc.astype(out_dtype), o_smem[...])
+
+            return carry
+
+        jax.lax.fori_loop(first_ref[mb], last_ref[mb], one_group, 0)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(row0, bm), pl.ds(nb * bn, bn)])
+        plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct(shape, out_dtype),
+        scratch_types=[plgpu.SMEM((bm, bn), out_dtype), *scratch],
+        grid=(num_m, num_n),  # the long M axis first: CUDA caps the other grid axes at 65535
+        grid_names=("m", "n"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=_params(interpret),
+    )
+    return kernel(offsets, first, last, *inputs)
 
 
 def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, blocks=Blocks(), interpret=False,
@@ -97,63 +161,35 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, blocks=Blocks(), interpre
     rhs_p = _pad_to(_pad_to(rhs, 1, bn if transpose_rhs else bk), 2, bk if transpose_rhs else bn)
     mp, kp = lhs_p.shape
     np_ = rhs_p.shape[1] if transpose_rhs else rhs_p.shape[2]
-    num_m, num_n, num_k = mp // bm, np_ // bn, kp // bk
-    offsets = _offsets(group_sizes)
-    first, last = _block_groups(offsets, num_m, bm)
+    num_k = kp // bk
 
-    def body(off_ref, first_ref, last_ref, lhs_ref, rhs_ref, out_ref, o_smem):
-        nb = jax.lax.axis_index("n")
-        mb = jax.lax.axis_index("m")
-        row0 = mb * bm
-        o_smem[...] = jnp.zeros((bm, bn), out_dtype)
+    def group_acc(g, mb, nb, in_refs, scratch_refs):
+        lhs_ref, rhs_ref = in_refs
 
-        def one_group(g, carry):
-            start, end = off_ref[g], off_ref[g + 1]
+        def acc_scope(acc_ref):
+            def step(_, lhs_smem, rhs_smem):
+                b = rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
+                plgpu.wgmma(acc_ref, lhs_smem, b)
+                plgpu.wgmma_wait(1)
 
-            @pl.when(end > start)
-            def _():
-                def acc_scope(acc_ref):
-                    def step(_, lhs_smem, rhs_smem):
-                        b = rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
-                        plgpu.wgmma(acc_ref, lhs_smem, b)
-                        plgpu.wgmma_wait(1)
+            rhs_block = (bn, bk) if transpose_rhs else (bk, bn)
+            rhs_index = (lambda kk: (nb, kk)) if transpose_rhs else (lambda kk: (kk, nb))
+            plgpu.emit_pipeline(
+                step,
+                grid=(num_k,),
+                in_specs=[
+                    plgpu.BlockSpec((bm, bk), lambda kk: (mb, kk), delay_release=1),
+                    plgpu.BlockSpec(rhs_block, rhs_index, delay_release=1),
+                ],
+                max_concurrent_steps=blocks.stages,
+            )(lhs_ref, rhs_ref.at[g])
+            plgpu.wgmma_wait(0)
+            return acc_ref[...]
 
-                    rhs_block = (bn, bk) if transpose_rhs else (bk, bn)
-                    rhs_index = (lambda kk: (nb, kk)) if transpose_rhs else (lambda kk: (kk, nb))
-                    plgpu.emit_pipeline(
-                        step,
-                        grid=(num_k,),
-                        in_specs=[
-                            plgpu.BlockSpec((bm, bk), lambda kk: (mb, kk), delay_release=1),
-                            plgpu.BlockSpec(rhs_block, rhs_index, delay_release=1),
-                        ],
-                        max_concurrent_steps=blocks.stages,
-                    )(lhs_ref, rhs_ref.at[g])
-                    plgpu.wgmma_wait(0)
-                    return acc_ref[...]
+        return pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
 
-                acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
-                rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bm, bn), 0)
-                keep = (rows >= start) & (rows < end)
-                o_smem[...] = jnp.where(keep, acc.astype(out_dtype), o_smem[...])
-
-            return carry
-
-        jax.lax.fori_loop(first_ref[mb], last_ref[mb], one_group, 0)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(row0, bm), pl.ds(nb * bn, bn)])
-        plgpu.wait_smem_to_gmem(0)
-
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-        scratch_types=[plgpu.SMEM((bm, bn), out_dtype)],
-        grid=(num_m, num_n),  # the long M axis first: CUDA caps the other grid axes at 65535
-        grid_names=("m", "n"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=_params(interpret),
-    )
-    out = kernel(offsets, first, last, lhs_p, rhs_p)
+    out = grouped_rows_kernel(group_acc, group_sizes, (lhs_p, rhs_p), shape=(mp, np_),
+                              tile=(bm, bn), out_dtype=out_dtype, interpret=interpret)
     return out[:m, :n]
 
 
@@ -191,7 +227,7 @@ def tgmm(lhs, dout, group_sizes, *, blocks=Blocks(), interpret=False, out_dtype=
 
                     @pl.when((row0 < start) | (row0 + bm > end))
                     def _():
-                        rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bm, bn), 0)
+                        rows = row0 + _row_iota((bm, bn))
                         keep = (rows >= start) & (rows < end)
                         dout_smem[...] = jnp.where(keep, dout_smem[...], 0).astype(dout_smem.dtype)
                         plgpu.commit_smem()
@@ -203,8 +239,10 @@ def tgmm(lhs, dout, group_sizes, *, blocks=Blocks(), interpret=False, out_dtype=
                     step,
                     grid=(num_steps,),
                     in_specs=[
-                        plgpu.BlockSpec((bm, bk), lambda i: (mb0 + i, kb), delay_release=1),
-                        plgpu.BlockSpec((bm, bn), lambda i: (mb0 + i, nb), delay_release=1),
+                        plgpu.BlockSpec((bm, bk), lambda i: (mb0 + i, kb), delay_release=1,
+                                        transforms=_swizzled(bk, lhs.dtype)),
+                        plgpu.BlockSpec((bm, bn), lambda i: (mb0 + i, nb), delay_release=1,
+                                        transforms=_swizzled(bn, dout.dtype)),
                     ],
                     max_concurrent_steps=blocks.stages,
                 )(lhs_ref, dout_ref)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels.gmm.pallas_gpu import _block_groups, _offsets, _pad_to
+from kernels.gmm.pallas_gpu import _pad_to, grouped_rows_kernel
 from kernels.mxfp4.format import BLOCK, SCALE_BIAS, SCALE_NAN
 
 
@@ -66,65 +66,39 @@ def gmm(x, packed, scales, group_sizes, *, blocks=Blocks(), interpret=False):
     packed_p = _pad_to(_pad_to(packed, 1, bn), 2, kh)
     scales_p = _pad_to(_pad_to(scales, 1, bn), 2, ks)
     mp, np_ = x_p.shape[0], packed_p.shape[1]
-    num_m, num_n, num_k = mp // bm, np_ // bn, x_p.shape[1] // bk
-    offsets = _offsets(group_sizes)
-    first, last = _block_groups(offsets, num_m, bm)
+    num_k = x_p.shape[1] // bk
     dtype = x.dtype
 
-    def body(off_ref, first_ref, last_ref, xlo_ref, xhi_ref, p_ref, s_ref, out_ref, o_smem,
-             w_smem):
-        nb = jax.lax.axis_index("n")
-        mb = jax.lax.axis_index("m")
-        row0 = mb * bm
-        o_smem[...] = jnp.zeros((bm, bn), dtype)
+    def group_acc(g, mb, nb, in_refs, scratch_refs):
+        xlo_ref, xhi_ref, p_ref, s_ref = in_refs
+        (w_smem,) = scratch_refs
 
-        def one_group(g, carry):
-            start, end = off_ref[g], off_ref[g + 1]
+        def acc_scope(acc_ref):
+            def step(_, xlo_smem, xhi_smem, p_smem, s_smem):
+                codes = p_smem[...]
+                factor = jnp.repeat(_scale(s_smem[...]), BLOCK // 2, axis=1)
+                for half, x_smem in ((codes & 15, xlo_smem), (codes >> 4, xhi_smem)):
+                    w_smem[...] = (_decode(half) * factor).astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0)))
+                    plgpu.wgmma_wait(0)
 
-            @pl.when(end > start)
-            def _():
-                def acc_scope(acc_ref):
-                    def step(_, xlo_smem, xhi_smem, p_smem, s_smem):
-                        codes = p_smem[...]
-                        factor = jnp.repeat(_scale(s_smem[...]), BLOCK // 2, axis=1)
-                        for half, x_smem in ((codes & 15, xlo_smem), (codes >> 4, xhi_smem)):
-                            w_smem[...] = (_decode(half) * factor).astype(dtype)
-                            plgpu.commit_smem()
-                            plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0)))
-                            plgpu.wgmma_wait(0)
+            plgpu.emit_pipeline(
+                step,
+                grid=(num_k,),
+                in_specs=[
+                    plgpu.BlockSpec((bm, kh), lambda kk: (mb, kk)),
+                    plgpu.BlockSpec((bm, kh), lambda kk: (mb, kk)),
+                    plgpu.BlockSpec((bn, kh), lambda kk: (nb, kk)),
+                    plgpu.BlockSpec((bn, ks), lambda kk: (nb, kk)),
+                ],
+                max_concurrent_steps=blocks.stages,
+            )(xlo_ref, xhi_ref, p_ref.at[g], s_ref.at[g])
+            return acc_ref[...]
 
-                    plgpu.emit_pipeline(
-                        step,
-                        grid=(num_k,),
-                        in_specs=[
-                            plgpu.BlockSpec((bm, kh), lambda kk: (mb, kk)),
-                            plgpu.BlockSpec((bm, kh), lambda kk: (mb, kk)),
-                            plgpu.BlockSpec((bn, kh), lambda kk: (nb, kk)),
-                            plgpu.BlockSpec((bn, ks), lambda kk: (nb, kk)),
-                        ],
-                        max_concurrent_steps=blocks.stages,
-                    )(xlo_ref, xhi_ref, p_ref.at[g], s_ref.at[g])
-                    return acc_ref[...]
+        return pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
 
-                acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
-                rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bm, bn), 0)
-                keep = (rows >= start) & (rows < end)
-                o_smem[...] = jnp.where(keep, acc.astype(dtype), o_smem[...])
-
-            return carry
-
-        jax.lax.fori_loop(first_ref[mb], last_ref[mb], one_group, 0)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(row0, bm), pl.ds(nb * bn, bn)])
-        plgpu.wait_smem_to_gmem(0)
-
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((mp, np_), dtype),
-        scratch_types=[plgpu.SMEM((bm, bn), dtype), plgpu.SMEM((bn, kh), dtype)],
-        grid=(num_m, num_n),  # the long M axis first: CUDA caps the other grid axes at 65535
-        grid_names=("m", "n"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )
-    return kernel(offsets, first, last, x_lo, x_hi, packed_p, scales_p)[:m, :n]
+    out = grouped_rows_kernel(group_acc, group_sizes, (x_lo, x_hi, packed_p, scales_p),
+                              shape=(mp, np_), tile=(bm, bn), out_dtype=dtype,
+                              scratch=(plgpu.SMEM((bn, kh), dtype),), interpret=interpret)
+    return out[:m, :n]

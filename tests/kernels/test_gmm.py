@@ -128,3 +128,22 @@ def test_compiled_kernels_on_gpu(rng):
         assert_close("gpu_grad", np.asarray(want, np.float32), np.asarray(out, np.float32), 1e-2)
     assert_close("gpu_fwd", np.asarray(gmm(lhs, rhs, gs, impl="ragged_dot"), np.float32),
                  np.asarray(gmm(lhs, rhs, gs, impl="pallas_gpu"), np.float32), 5e-3)
+
+
+def test_benchmark_quick_mode(tmp_path):
+    """`benchmarks/moe.py --quick` runs both impls at tiny shapes and writes JSON + markdown."""
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "moe.py")
+    spec = importlib.util.spec_from_file_location("bench_moe", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--quick", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "moe_quick.json").read_text())
+    assert [r["part"] for r in data["rows"]] == ["ffn", "layer"] and data["meta"]["quick"]
+    for r in rows:
+        assert r["pallas_gpu_ms"] > 0 and r["ragged_dot_ms"] > 0
+        assert r["gflop"] == 9 * 2 * r["tokens"] * r["top_k"] * r["d"] * r["f"] / 1e9
+    assert "| quick | layer |" in (tmp_path / "moe_quick.md").read_text()
