@@ -136,6 +136,11 @@ def test_invalid_settings_raise_clear_errors():
         m = build_mixer("softmax", {"num_heads": 4, "impl": "cudnn"}, D, **kw)
         with pytest.raises(ValueError, match="impl='cudnn' needs a GPU"):
             m(_x(1, 3))
+    m = _build("softmax")
+    cache = m.init_cache(1, 1)
+    _, cache = m.decode(_x(1, 1), cache)
+    with pytest.raises(ValueError, match="cache is full"):
+        m.decode(_x(1, 1), cache)
     with pytest.raises(ValueError, match="one token"):
         _build("kda").decode(_x(1, 2), _build("kda").init_cache(1, 2))
 
@@ -264,3 +269,15 @@ def test_cudnn_attention_matches_xla_on_gpu():
     out = build_mixer("softmax", {**s, "impl": "cudnn"}, D, **kw, rngs=nnx.Rngs(0))
     for seg_ids in (None, seg):
         assert_close("cudnn vs xla", ref(x, segment_ids=seg_ids), out(x, segment_ids=seg_ids), 0.01)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_param_gets_a_gradient(case):
+    m = _build(case)
+    x = _x(1, 4, seed=5)
+    seg = jnp.asarray([[0, 0, 1, 1]], jnp.int32)
+    loss = lambda mdl: jnp.sum(mdl(x, segment_ids=seg) ** 2)
+    grads = nnx.jit(nnx.grad(loss))(m)
+    for path, g in nnx.to_flat_state(grads):
+        g = np.asarray(g[...])
+        assert np.all(np.isfinite(g)) and np.any(g != 0), path

@@ -57,6 +57,12 @@ def constrain_heads(x):
     return constrain(x, BTHD)
 
 
+def check_cache_room(pos, max_len: int) -> None:
+    """Raise when a concrete cache position is full (under jit the write would be clamped)."""
+    if not isinstance(pos, jax.core.Tracer) and int(pos) >= max_len:
+        raise ValueError(f"cache is full: position {int(pos)} >= max_len={max_len}; init_cache with a larger max_len")
+
+
 def causal_mask(segment_ids, T: int, batch_size: int):
     """[B, 1, T, T] bool: causal, and within one packed document when segment_ids [B, T] is given."""
     mask = jnp.tril(jnp.ones((T, T), bool))[None, None]

@@ -22,6 +22,7 @@ from kimi_jax.attention.common import (
     CACHE_DTYPES,
     MixerConfig,
     causal_mask,
+    check_cache_room,
     constrain_btd,
     constrain_heads,
     xla_attention,
@@ -158,6 +159,7 @@ class MLA(nnx.Module):
             raise ValueError(f"decode takes one token x [B, 1, D]; got x.shape={x.shape}")
         x = constrain_btd(x)
         pos = cache["pos"]
+        check_cache_room(pos, cache["ckv"].shape[1])
         q_nope, q_pe, latent, k_pe = self._project(x, jnp.full((x.shape[0], 1), pos, jnp.int32))
         ckv = jax.lax.dynamic_update_slice(cache["ckv"], latent.astype(cache["ckv"].dtype), (0, pos, 0))
         kpe = jax.lax.dynamic_update_slice(cache["kpe"], k_pe.astype(cache["kpe"].dtype), (0, pos, 0))

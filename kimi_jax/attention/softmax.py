@@ -14,6 +14,7 @@ from kimi_jax.attention.common import (
     CACHE_DTYPES,
     MixerConfig,
     causal_mask,
+    check_cache_room,
     constrain_btd,
     constrain_heads,
     xla_attention,
@@ -149,6 +150,7 @@ class SoftmaxAttention(nnx.Module):
         if x.shape[1] != 1:
             raise ValueError(f"decode takes one token x [B, 1, D]; got x.shape={x.shape}")
         pos = cache["pos"]
+        check_cache_room(pos, cache["k"].shape[1])
         q, k, v = self._qkv(constrain_btd(x), jnp.full((B, 1), pos, jnp.int32))
         k_cache = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, pos, 0, 0))
         v_cache = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, pos, 0, 0))
