@@ -25,14 +25,16 @@ def _mesh_active() -> bool:
 def param(rngs: nnx.Rngs, init, shape: Shape, names: Sequence[str | None], param_dtype) -> nnx.Param:
     """An `nnx.Param` of `shape` carrying logical axis `names` (one per dimension).
 
-    The value is sharded eagerly only when a mesh is active (then the logical rules of the
-    context apply); without a mesh (tests, `nnx.eval_shape` on one host) the names are metadata.
+    The value is sharded eagerly only when eager sharding is on (`nnx.use_eager_sharding`) and
+    a mesh is active (then the logical rules of the context apply); otherwise (tests, abstract
+    init, jitted init with `out_shardings`) the names are metadata only.
     """
     shape, names = tuple(int(s) for s in shape), tuple(names)
     if len(names) != len(shape):
         raise ValueError(f"param needs one logical name per dimension; got shape={shape}, names={names}")
     value = init(rngs.params(), shape, param_dtype)
-    return nnx.Param(value, out_sharding=names, eager_sharding=_mesh_active())
+    eager = nnx.using_eager_sharding() and _mesh_active()
+    return nnx.Param(value, out_sharding=names, eager_sharding=eager)
 
 
 def _as_tuple(x) -> tuple[int, ...]:

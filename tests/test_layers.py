@@ -152,3 +152,6 @@ def test_params_shard_eagerly_under_a_mesh():
         lin = Linear(8, 6, axes=("embed", "mlp"), rngs=nnx.Rngs(0))
     spec = lin.kernel[...].sharding.spec
     assert tuple(spec) == ("fsdp", "tensor")
+    with jax.set_mesh(mesh), nnx.use_eager_sharding(False):  # the context switch is respected
+        lin = Linear(8, 6, axes=("embed", "mlp"), rngs=nnx.Rngs(0))
+    assert lin.kernel.get_metadata()["out_sharding"] == ("embed", "mlp")
