@@ -199,3 +199,15 @@ def test_runner_greedy_equals_forward_argmax_on_a_model():
     np.testing.assert_array_equal(new, seq[:, 6:])
     assert runner.cache_bytes(1, 64) > runner.cache_bytes(1, 32) > 0      # a KV cache grows
     assert runner.decode_seconds_per_token(8, steps=2) > 0
+
+
+def test_runners_of_one_structure_share_compiled_programs():
+    from kimi_jax.evaluators import runner as runner_lib
+
+    x = np.zeros((2, 8), np.int32)
+    ModelRunner(NGramOracle(3, 16)).score(x, x, x > 0)
+    before = runner_lib._score._cache_size()
+    ModelRunner(NGramOracle(3, 16)).score(x + 1, x, x > 0)     # new runner, same structure
+    assert runner_lib._score._cache_size() == before
+    ModelRunner(NGramOracle(2, 16)).score(x, x, x > 0)         # another structure compiles
+    assert runner_lib._score._cache_size() == before + 1
