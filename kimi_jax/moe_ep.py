@@ -136,7 +136,8 @@ def expert_parallel_dispatch(x, expert_idx, weights, experts: ExpertWeights, act
     shards = mesh.shape[EXPERT_AXIS]
     batch_axes = _batch_axes(mesh)
     batch_shards = math.prod(mesh.shape[a] for a in batch_axes)
-    has_tensor = TENSOR_AXIS in mesh.axis_names and mesh.shape[TENSOR_AXIS] > 1
+    packed = isinstance(experts.gate, mxfp4.MXFP4Weight)  # inference: experts split only
+    has_tensor = TENSOR_AXIS in mesh.axis_names and mesh.shape[TENSOR_AXIS] > 1 and not packed
     tensor = TENSOR_AXIS if has_tensor else None
     hidden = experts.gate.shape[2]
     if num_experts % shards or x.shape[0] % batch_shards or (tensor and hidden % mesh.shape[tensor]):

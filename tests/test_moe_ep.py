@@ -147,3 +147,20 @@ def test_moe_layer_dispatches_through_the_config(rng):
     for a, b in zip(jax.tree.leaves(g_r), jax.tree.leaves(g_e)):
         assert_close("ep grad", a, b, 1e-4)
     assert int(stats["dropped"]) == 0 and int(stats_cap["dropped"]) > 0
+
+
+def test_mxfp4_experts_expert_parallel(rng):
+    """Packed MXFP4 expert weights travel through shard_map (experts split, tensor replicated)."""
+    from kernels.mxfp4 import MXFP4Weight
+
+    x = jnp.asarray(rng.normal(size=(N, 32)), jnp.float32)
+    idx = jnp.asarray(np.argsort(-rng.normal(size=(N, E)), axis=1)[:, :K], jnp.int32)
+    w = jnp.asarray(rng.uniform(0.1, 1.0, size=(N, K)), jnp.float32)
+    ex = ExpertWeights(*(MXFP4Weight.from_dense(jnp.asarray(rng.normal(size=s), jnp.float32))
+                         for s in ((E, 32, 32), (E, 32, 32), (E, 32, 32))))
+    dense = ExpertWeights(*(m.dequantize() for m in ex))
+    want = dense_dispatch(x, idx, w, dense, ACT)
+    assert_close("gmm mxfp4", want, moe_ep.gmm_dispatch(x, idx, w, ex, ACT), 1e-5)
+    with jax.set_mesh(_mesh({"expert": 4, "tensor": 2})):
+        y = jax.jit(lambda *a: moe_ep.expert_parallel_dispatch(*a, ACT))(x, idx, w, ex)
+    assert_close("ep mxfp4", want, y, 1e-5)

@@ -148,3 +148,15 @@ def test_bad_input_raises():
         mxfp4.dequantize(packed, scales[:, :1])
     with pytest.raises(ValueError, match="Unknown impl"):
         mxfp4.gmm(jnp.ones((4, 64)), packed[None], scales[None], jnp.array([4]), impl="cuda")
+
+
+@pytest.mark.gpu
+def test_compiled_pallas_kernel_on_gpu(rng):
+    """The compiled Mosaic GPU MXFP4 kernel (default blocks) against dequantise-then-matmul."""
+    sizes = [300, 0, 5, 400]
+    packed, scales = mxfp4.quantize(jnp.asarray(rng.normal(size=(4, 192, 1024)), jnp.float32))
+    x = jnp.asarray(rng.normal(size=(800, 1024)), jnp.bfloat16)
+    gs = jnp.asarray(sizes, jnp.int32)
+    want = mxfp4.gmm(x, packed, scales, gs, impl="reference")
+    out = mxfp4.gmm(x, packed, scales, gs, impl="pallas_gpu")
+    assert_close("gpu mxfp4", np.asarray(want, np.float32), np.asarray(out, np.float32), 5e-3)
