@@ -31,7 +31,8 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import PEAK_TFLOPS, environment, markdown_table, time_jax  # noqa: E402
 from kernels.gmm import gmm  # noqa: E402
-from kimi_jax.moe_dispatch import ExpertWeights, grouped_ffn, ragged_dispatch, sort_by_expert  # noqa: E402
+from kimi_jax.moe_dispatch import (  # noqa: E402
+    ExpertWeights, grouped_ffn, ragged_dispatch, sort_by_expert)
 
 IMPLS = ("pallas_gpu", "ragged_dot")
 

@@ -4,4 +4,5 @@ from kernels.mxfp4.format import BITS_PER_ELEMENT, BLOCK, MXFP4Weight, dequantiz
 from kernels.mxfp4.ops import IMPLS, gmm
 from kernels.mxfp4.reference import matmul
 
-__all__ = ["BITS_PER_ELEMENT", "BLOCK", "IMPLS", "MXFP4Weight", "dequantize", "gmm", "matmul", "quantize"]
+__all__ = ["BITS_PER_ELEMENT", "BLOCK", "IMPLS", "MXFP4Weight", "dequantize", "gmm", "matmul",
+           "quantize"]

@@ -42,5 +42,5 @@ def gmm(x, packed, scales, group_sizes, *, impl="auto", blocks=None):
     group_sizes = group_sizes.astype(jnp.int32)
     if resolve_impl(impl, x.dtype) == "reference":
         return reference.gmm(x, packed, scales, group_sizes)
-    return pallas_gpu.gmm(x, packed, scales, group_sizes, blocks=blocks or pallas_gpu.Blocks(),
+    return pallas_gpu.gmm(x, packed, scales, group_sizes, blocks=blocks or pallas_gpu.DEFAULT_BLOCKS,
                           interpret=_interpret())

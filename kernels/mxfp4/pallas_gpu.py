@@ -14,29 +14,17 @@ not care about the order of K. Group handling (row masks, one TMA store per outp
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels.gmm.pallas_gpu import _pad_to, grouped_rows_kernel
+from kernels.gmm.pallas_gpu import Blocks, _pad_to, grouped_rows_kernel
 from kernels.mxfp4.format import BLOCK, SCALE_BIAS, SCALE_NAN
 
 
-@dataclasses.dataclass(frozen=True)
-class Blocks:
-    """bm x bn output tile, bk input columns per step (bk/32 scale bytes: >= 16 for TMA)."""
-
-    bm: int = 64
-    bn: int = 64
-    bk: int = 512
-    stages: int = 2
-
-    def __post_init__(self):
-        if self.bm % 64 or self.bn % 64 or self.bk % (2 * BLOCK) or self.bk < 2 * BLOCK:
-            raise ValueError(f"Blocks {self}: bm, bn must be multiples of 64 and bk of 64")
+# bm x bn output tile, bk input columns per step (bk/32 scale bytes per row: 16 for TMA).
+DEFAULT_BLOCKS = Blocks(bm=64, bn=64, bk=512, stages=2)
 
 
 def _decode(codes):
@@ -53,7 +41,7 @@ def _scale(s):
     return jnp.where(s == SCALE_NAN, jnp.nan, jnp.exp2((s - SCALE_BIAS).astype(jnp.float32)))
 
 
-def gmm(x, packed, scales, group_sizes, *, blocks=Blocks(), interpret=False):
+def gmm(x, packed, scales, group_sizes, *, blocks=DEFAULT_BLOCKS, interpret=False):
     """Grouped x @ dequantize(W[g])^T with W packed; x bf16/f16 [M, K] -> [M, N] in x's dtype."""
     if x.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"pallas_gpu mxfp4 gmm needs bf16/f16 activations, got {x.dtype}")

@@ -136,7 +136,8 @@ def test_grouped_pallas_matches_dequantize_then_matmul(rng):
         want[start:start + size] = np.asarray(x[start:start + size], np.float64) @ w[e].T
         start += size
     assert_close("ref gmm", want, mxfp4.gmm(x, packed, scales, gs, impl="reference"), 5e-3)
-    out = pallas_gpu.gmm(x, packed, scales, gs, blocks=pallas_gpu.Blocks(bk=64), interpret=True)
+    blocks = pallas_gpu.Blocks(bm=64, bn=64, bk=64, stages=2)
+    out = pallas_gpu.gmm(x, packed, scales, gs, blocks=blocks, interpret=True)
     assert_close("pallas gmm", want, out, 5e-3)
 
 
