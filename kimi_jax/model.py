@@ -23,7 +23,9 @@ from kimi_jax.sharding import constrain
 
 # aux keys: aux_loss [] (sum over MoE layers), moe_load [L, E] (fraction of routed pairs per
 # expert), moe_max_over_mean [L], moe_load_entropy [L] (normalised to [0, 1]),
-# moe_bias_target [L, E] (quantile balancing's next bias; zeros for other methods).
+# moe_bias_target [L, E] (quantile balancing's next bias; zeros for other methods),
+# moe_dropped [L] (tokens dropped by a capacity-limited expert-parallel dispatch; else 0).
+# Under gradient accumulation the train step averages them over micro-batches.
 AUX_KEYS = ("aux_loss",) + tuple(f"moe_{k}" for k in STAT_KEYS if k != "aux_loss")
 
 
