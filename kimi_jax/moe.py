@@ -90,15 +90,8 @@ class MoE(nnx.Module):
     def __call__(self, x):
         B, T, D = x.shape
         cfg = self.cfg
-        k = cfg.top_k
         flat = x.reshape(B * T, D)
-        scores, idx_plus, values = self.router(flat, k)
-        idx = idx_plus[:, :k]
-        weights = jnp.take_along_axis(scores, idx, axis=1)
-        if cfg.renormalize:
-            weights = weights / (jnp.sum(weights, axis=1, keepdims=True) + 1e-20)
-        weights = weights * cfg.routed_scaling_factor
-
+        scores, idx, weights, values = self.route(flat)
         h = self.down_proj(flat) if self.down_proj is not None else flat.astype(self.dtype)
         name, beta, linear_beta = self.activation
         act = glu_activation(name, beta=beta, linear_beta=linear_beta)
@@ -116,6 +109,18 @@ class MoE(nnx.Module):
             y = y + self.shared(flat).astype(jnp.float32)
         y = constrain(y.reshape(B, T, D).astype(self.dtype), ("act_batch", "act_len", "act_embed"))
         return y, {**self._stats(scores, idx, values, B, T), "dropped": dropped}
+
+    def route(self, x):
+        """x [N, D] -> scores [N, E] (unbiased sigmoid, f32), expert idx [N, k] (top-k of scores
+        + bias), weights [N, k] (the unbiased scores of idx, renormalised, times the routed scaling
+        factor), values [N, k+1] (the top-(k+1) biased scores; the last is the cutoff)."""
+        cfg = self.cfg
+        scores, idx_plus, values = self.router(x, cfg.top_k)
+        idx = idx_plus[:, :cfg.top_k]
+        weights = jnp.take_along_axis(scores, idx, axis=1)
+        if cfg.renormalize:
+            weights = weights / (jnp.sum(weights, axis=1, keepdims=True) + 1e-20)
+        return scores, idx, weights * cfg.routed_scaling_factor, values
 
     def _stats(self, scores, idx, values, B: int, T: int):
         """Per-layer statistics; only `aux_loss` carries gradients (to the router)."""
