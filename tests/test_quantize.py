@@ -1,8 +1,8 @@
-"""MXFP4 experts end to end: a tiny LatentMoE model trained for a few steps, quantised in memory
-and through `python -m kimi_jax.quantize` (checkpoint in, checkpoint out): eval loss within 2% of
-the float model, 4.25 bits per routed-expert parameter, the summary reports it."""
+"""MXFP4 experts end to end: a tiny LatentMoE model trained for 40 steps (held-out loss ~0.11
+from 5.5), quantised in memory and through `python -m kimi_jax.quantize` (checkpoint in,
+checkpoint out): eval loss within 2% of the float model, 4.25 bits per routed-expert parameter,
+and the summary reports it."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -10,7 +10,6 @@ import pytest
 from flax import nnx
 
 from kimi_jax import build_model, load_model, quantize, summary
-from kimi_jax.tasks import make_task
 
 # configs/tiny.py's LatentMoE (8 experts top-2, latent 32, width 32) on a 2-layer softmax trunk
 # (quick to compile), as a config file for the command line.
@@ -27,6 +26,8 @@ def get_config(arg=None):
     return config
 """
 
+STEPS = 40  # enough to move the loss well below chance (ln 256 = 5.5)
+
 
 @pytest.fixture(scope="module")
 def config_path(tmp_path_factory):
@@ -35,16 +36,24 @@ def config_path(tmp_path_factory):
     return str(path)
 
 
-def _batches(config):
-    task = make_task("mqar", seq_len=32, num_kv_pairs=4, vocab_size=config.model.vocab_size)
-    return task.generate(seed=0, num_examples=64), task.generate(seed=1, num_examples=32)
+def _batches(config, seq_len=32):
+    """Sequences of a fixed random bigram permutation from random starts: learnable in a few
+    dozen steps, so the float model is trained, not at chance, when it is quantised."""
+    rng = np.random.default_rng(0)
+    vocab = config.model.vocab_size
+    perm = rng.permutation(vocab)
+    seqs = np.empty((STEPS * 16 + 64, seq_len + 1), np.int32)
+    seqs[:, 0] = rng.integers(0, vocab, size=len(seqs))
+    for t in range(seq_len):
+        seqs[:, t + 1] = perm[seqs[:, t]]
+    data = {"inputs": seqs[:, :-1], "targets": seqs[:, 1:]}
+    return ({k: v[:-64] for k, v in data.items()}, {k: v[-64:] for k, v in data.items()})
 
 
 def _loss(model, batch):
     logits = model(jnp.asarray(batch["inputs"]))
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(batch["targets"]))
-    mask = jnp.asarray(batch["loss_mask"], jnp.float32)
-    return jnp.sum(ce * mask) / jnp.sum(mask)
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
+        logits, jnp.asarray(batch["targets"])))
 
 
 @nnx.jit
@@ -56,7 +65,7 @@ def _eval(model, batch):
 def trained(config_path):
     config = summary.load_config(config_path)
     model = build_model(config, rngs=nnx.Rngs(0))
-    opt = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     train, held_out = _batches(config)
 
     @nnx.jit
@@ -65,8 +74,8 @@ def trained(config_path):
         opt.update(model, grads)
         return loss
 
-    for i in range(8):
-        step(model, opt, {k: v[8 * i:8 * i + 8] for k, v in train.items()})
+    for i in range(STEPS):
+        step(model, opt, {k: v[16 * i:16 * i + 16] for k, v in train.items()})
     return config, model, held_out
 
 
@@ -74,6 +83,7 @@ def test_quantised_eval_loss_within_two_percent(trained):
     config, model, held_out = trained
     qmodel = quantize.quantize_model(model, config)
     base, quant = float(_eval(model, held_out)), float(_eval(qmodel, held_out))
+    assert base < 3.5, base  # trained: the 2% bound is not a statement about an untrained model
     assert abs(quant - base) / base < 0.02, (base, quant)
     experts = qmodel.moe_layers()[0].experts
     assert isinstance(experts, quantize.MXFP4Experts)
@@ -89,7 +99,7 @@ def test_quantised_eval_loss_within_two_percent(trained):
 
 def test_cli_converts_a_checkpoint(trained, tmp_path, config_path):
     config, model, held_out = trained
-    quantize.save(model, str(tmp_path), step=8)
+    quantize.save(model, str(tmp_path), step=STEPS)
     out = quantize.main(["--config", config_path, "--workdir", str(tmp_path)])
     qconfig = quantize.quantized_config(config)
     restored = load_model(qconfig, out)
