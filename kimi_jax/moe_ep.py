@@ -106,11 +106,11 @@ def _local_experts(x, expert_idx, weights, experts, activation, *, num_shards, c
     return y, jnp.sum(~keep).astype(jnp.int32)
 
 
-def _weight_specs(experts, tensor):
+def _weight_specs(experts, expert, tensor):
     def spec(w, hidden_axis):
         if isinstance(w, mxfp4.MXFP4Weight):  # [E, N, K/2] packed: shard experts only
-            return mxfp4.MXFP4Weight(P(EXPERT_AXIS), P(EXPERT_AXIS))
-        dims = [EXPERT_AXIS, None, None]
+            return mxfp4.MXFP4Weight(P(expert), P(expert))
+        dims = [expert, None, None]
         dims[hidden_axis] = tensor
         return P(*dims)
 
@@ -121,19 +121,21 @@ def expert_parallel_dispatch(x, expert_idx, weights, experts: ExpertWeights, act
                              capacity_factor=None, return_dropped=False):
     """Expert-parallel routed experts over the active mesh (see module docstring).
 
-    Without an active mesh holding an "expert" axis this is the same algorithm on one shard.
+    Without an active mesh this is the same algorithm on one shard; a mesh without an "expert"
+    axis still runs it per batch shard (one expert shard, no all-to-all).
     Returns y [N, D] float32, and with `return_dropped` also the int32 count of dropped pairs.
     """
     _check(x, expert_idx, weights, experts)
     num_experts = experts.gate.shape[0]
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or EXPERT_AXIS not in mesh.axis_names:
+    if mesh is None or mesh.empty:
         cap = capacity(x.shape[0], expert_idx.shape[1], 1, capacity_factor)
         y, dropped = _local_experts(x, expert_idx, weights, experts, activation, num_shards=1,
                                     cap=cap, ep_axis=None, tensor_axis=None)
         return (y, dropped) if return_dropped else y
 
-    shards = mesh.shape[EXPERT_AXIS]
+    expert = EXPERT_AXIS if EXPERT_AXIS in mesh.axis_names else None
+    shards = mesh.shape[expert] if expert else 1
     batch_axes = _batch_axes(mesh)
     batch_shards = math.prod(mesh.shape[a] for a in batch_axes)
     packed = isinstance(experts.gate, mxfp4.MXFP4Weight)  # inference: experts split only
@@ -147,17 +149,17 @@ def expert_parallel_dispatch(x, expert_idx, weights, experts: ExpertWeights, act
             f"hidden width {hidden} by tensor={mesh.shape.get(TENSOR_AXIS, 1)}")
     cap = capacity(x.shape[0] // batch_shards, expert_idx.shape[1], shards, capacity_factor)
     local = functools.partial(_local_experts, activation=activation, num_shards=shards, cap=cap,
-                              ep_axis=EXPERT_AXIS, tensor_axis=tensor)
+                              ep_axis=expert, tensor_axis=tensor)
 
     def body(x, idx, w, ex):
         y, dropped = local(x, idx, w, ex)
-        return y, jax.lax.psum(dropped, batch_axes)
+        return y, jax.lax.psum(dropped, batch_axes) if batch_axes else dropped
 
-    tok = P(batch_axes, None)
+    tok = P(batch_axes or None, None)
     y, dropped = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(tok, tok, tok, _weight_specs(experts, tensor)),
+        in_specs=(tok, tok, tok, _weight_specs(experts, expert, tensor)),
         out_specs=(tok, P()),
     )(x, expert_idx, weights, experts)
     return (y, dropped) if return_dropped else y

@@ -46,6 +46,7 @@ def _grads(fn, x, w, ex, idx):
     {"data": 2, "expert": 4},
     {"data": 2, "fsdp": 2, "expert": 2},
     {"data": 2, "expert": 2, "tensor": 2},
+    {"data": 4, "tensor": 2},
 ])
 def test_matches_single_device_reference(rng, shape):
     x, idx, w, ex = _problem(rng)
