@@ -6,7 +6,7 @@ of `pallas_gpu_prep.prepare` (C = 64 rows):
 
     V' = U_n + Wneg_n S                     [C, BV]   (Wneg = -W)
     O_n = QG_n S + A_n V'                   [C, BV]   (scale folded into QG and A)
-    S  <- Diag(d_n) S + KGT_n V'            [K, BV]
+    S  <- Diag(d_n) S + KG_n^T V'           [K, BV]
 
 All three products run on the tensor cores (wgmma, operands in SMEM, f32 accumulation).
 The chunk tensors stream in by TMA, double-buffered: chunk n+1 loads while chunk n computes.
@@ -41,12 +41,12 @@ def _mm(fn, shape):
     return pl.run_scoped(fn, plgpu.ACC(shape, jnp.float32))
 
 
-def _body(qg_ref, wn_ref, kgt_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *scratch, NT, K, BV, dt):
-    (qg_s, wn_s, kgt_s, u_s, a_s, d_s, s_s, vn_s, o_s, h_s, bars, h_bar) = scratch
+def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *scratch, NT, K, BV, dt):
+    (qg_s, wn_s, kg_s, u_s, a_s, d_s, s_s, vn_s, o_s, h_s, bars, h_bar) = scratch
     bh = lax.axis_index("bh")
     v0 = lax.axis_index("v") * BV
     vs = pl.ds(v0, BV)
-    ins = ((qg_ref, qg_s, None), (wn_ref, wn_s, None), (kgt_ref, kgt_s, None), (u_ref, u_s, vs), (a_ref, a_s, None), (d_ref, d_s, None))
+    ins = ((qg_ref, qg_s, None), (wn_ref, wn_s, None), (kg_ref, kg_s, None), (u_ref, u_s, vs), (a_ref, a_s, None), (d_ref, d_s, None))
 
     def issue(n, slot):
         for i, (src, dst, cols) in enumerate(ins):
@@ -90,7 +90,7 @@ def _body(qg_ref, wn_ref, kgt_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *
         S = S * lax.broadcast_in_dim(d, S.shape, [0])
 
         def state_mm(acc):
-            plgpu.wgmma(acc, kgt_s.at[slot], vn_s)
+            plgpu.wgmma(acc, kg_s.at[slot].transpose((1, 0)), vn_s)
             return acc[...]
 
         S = S + _mm(state_mm, (K, BV))
@@ -107,10 +107,10 @@ def _body(qg_ref, wn_ref, kgt_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *
     plgpu.wait_smem_to_gmem(0)
 
 
-def state_output(qg, wn, kgt, u, a, d, h0, *, out_dtype, interpret=False):
+def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False):
     """Run the inter-chunk kernel.
 
-    qg, wn [BH, NT, C, K]; kgt [BH, NT, K, C]; u [BH, NT, C, V]; a [BH, NT, C, C] (one operand
+    qg, wn, kg [BH, NT, C, K]; u [BH, NT, C, V]; a [BH, NT, C, C] (one operand
     dtype, bf16 on GPU); d [BH, NT, K] f32; h0 [BH, K, V] f32.
     Returns (o [BH, NT, C, V] out_dtype, final state [BH, K, V] f32).
     `interpret`: run under the Mosaic GPU interpreter (CPU tests).
@@ -124,7 +124,7 @@ def state_output(qg, wn, kgt, u, a, d, h0, *, out_dtype, interpret=False):
     scratch = [
         _smem((2, C, K), dt),
         _smem((2, C, K), dt),
-        _smem((2, K, C), dt),
+        _smem((2, C, K), dt),
         _smem((2, C, BV), dt),
         _smem((2, C, C), dt),
         plgpu.SMEM((2, K), jnp.float32),
@@ -145,4 +145,4 @@ def state_output(qg, wn, kgt, u, a, d, h0, *, out_dtype, interpret=False):
         grid_names=("bh", "v"),
         compiler_params=plgpu.CompilerParams(approx_math=False),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(qg, wn, kgt, u, a, d, h0)
+    )(qg, wn, kg, u, a, d, h0)

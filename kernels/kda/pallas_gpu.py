@@ -1,8 +1,9 @@
 """impl="pallas_gpu": chunked KDA / Gated DeltaNet / DeltaNet with Mosaic GPU kernels (Hopper).
 
-Forward: the intra-chunk stage (decayed q k^T and k k^T, the unit-triangular inverse, w, u;
-`pallas_gpu_prep.prepare`) runs chunk-parallel in XLA, exact for any gate g <= 0; the
-inter-chunk stage (state recurrence + output, the serial part) is a Mosaic GPU kernel
+Forward, intra-chunk stage (decayed q k^T and k k^T, the unit-triangular inverse, w, u):
+with `lower_bound >= -5` and no segment resets, a Mosaic GPU kernel on the tensor cores
+(`mosaic_intra.intra_bounded`); otherwise chunk-parallel XLA (`pallas_gpu_prep.prepare`),
+exact for any gate g <= 0 and with exact segment resets. The inter-chunk stage (state recurrence + output, the serial part) is a Mosaic GPU kernel
 (`mosaic_state.state_output`: TMA double-buffering, three wgmma products per chunk, the
 state in f32 registers). The state kernel's grid is (B*H, V/64) and it loops over chunks
 inside, so any T runs (1,048,576 tokens and more) with no grid limit.
@@ -32,12 +33,13 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from kernels.kda import mosaic_decode, mosaic_state
+from kernels.kda import mosaic_decode, mosaic_intra, mosaic_state
 from kernels.kda.pallas_gpu_prep import chunked_reference, prepare, unchunk
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_DIMS = (64, 128)
+BOUNDED_GATE = -5.0  # lower_bound at or above this takes the Mosaic GPU intra-chunk kernel
 _warned: set = set()
 
 
@@ -84,44 +86,60 @@ def _plain_kda_impl(q, k, v, g, beta, *, scale, initial_state, segment_ids, lowe
     return o.astype(v.dtype), S
 
 
-def _kernel_forward(q, k, v, g, beta, h0, seg, scale, interpret):
-    """Prepare chunk tensors in XLA, run the Mosaic GPU state kernel: (o [B,T,H,V], S [B,H,K,V])."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+def _exact_operands(q, k, v, g, beta, seg, scale, dt):
+    """State-kernel operands from the exact XLA intra-chunk stage (any gate, segment resets)."""
+    B, _, H, _ = q.shape
     p = prepare(q, k, v, g, beta, scale=scale, segment_ids=seg)
     NT = p["qg"].shape[2]
-    dt = q.dtype if jnp.dtype(q.dtype).itemsize == 2 else jnp.float32
     flat = lambda x: x.reshape(B * H, NT, *x.shape[3:])
     op = lambda x: flat(x).astype(dt)
-    o, S = mosaic_state.state_output(
-        op(p["qg"]),
-        op(-p["w"]),
-        op(jnp.swapaxes(p["kg"], -1, -2)),
-        op(p["u"]),
-        op(p["a"]),
-        flat(p["d"]),
-        h0.reshape(B * H, K, V),
-        out_dtype=v.dtype,
-        interpret=interpret,
-    )
+    return op(p["qg"]), op(-p["w"]), op(p["kg"]), op(p["u"]), op(p["a"]), flat(p["d"])
+
+
+def _bounded_operands(q, k, v, g, beta, scale, interpret):
+    """State-kernel operands from the Mosaic GPU intra-chunk kernel (g >= -5, no resets)."""
+    B, T, H, K = q.shape
+    C = mosaic_state.C
+    NT = -(-T // C)
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, NT * C - T)] + [(0, 0)] * (x.ndim - 2))
+    q, k, v, g, beta = (pad(x) for x in (q, k, v, g, beta))
+    G = jnp.cumsum(g.reshape(B, NT, C, H, K), axis=2)
+    d = jnp.moveaxis(jnp.exp(G[:, :, -1]), 2, 1).reshape(B * H, NT, K)
+    G = G.reshape(B, NT * C, H, K)
+    outs = mosaic_intra.intra_bounded(q, k, v, G, jnp.moveaxis(beta, 1, 2), scale=scale, interpret=interpret)
+    return (*outs, d)
+
+
+def _kernel_forward(q, k, v, g, beta, h0, seg, scale, bounded, interpret):
+    """Chunk operands (Mosaic GPU intra kernel when bounded, else exact XLA), then the Mosaic GPU
+    state kernel: (o [B,T,H,V], S [B,H,K,V])."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dt = q.dtype if jnp.dtype(q.dtype).itemsize == 2 else jnp.float32
+    if bounded and seg is None:
+        ops = _bounded_operands(q.astype(dt), k.astype(dt), v.astype(dt), g, beta, scale, interpret)
+    else:
+        ops = _exact_operands(q, k, v, g, beta, seg, scale, dt)
+    o, S = mosaic_state.state_output(*ops, h0.reshape(B * H, K, V), out_dtype=v.dtype, interpret=interpret)
+    NT = o.shape[1]
     return unchunk(o.reshape(B, H, NT, -1, V), T), S.reshape(B, H, K, V)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _kda(q, k, v, g, beta, h0, seg, scale, interpret):
-    return _kernel_forward(q, k, v, g, beta, h0, seg, scale, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _kda(q, k, v, g, beta, h0, seg, scale, bounded, interpret):
+    return _kernel_forward(q, k, v, g, beta, h0, seg, scale, bounded, interpret)
 
 
-def _kda_fwd(q, k, v, g, beta, h0, seg, scale, interpret):
-    out = _kernel_forward(q, k, v, g, beta, h0, seg, scale, interpret)
+def _kda_fwd(q, k, v, g, beta, h0, seg, scale, bounded, interpret):
+    out = _kernel_forward(q, k, v, g, beta, h0, seg, scale, bounded, interpret)
     return out, (q, k, v, g, beta, h0, seg)
 
 
-def _kda_bwd(scale, interpret, res, cts):
+def _kda_bwd(scale, bounded, interpret, res, cts):
     """Recompute through impl="chunk" (its hand-written backward) and pull the cotangents back;
     without `kernels.kda.chunk`, through this module's float32 plain-JAX path. Chunk's exact
     (unbounded) path is used: its bounded bf16 path loses accuracy in dg."""
-    del interpret
+    del bounded, interpret
     q, k, v, g, beta, h0, seg = res
     do, dS = cts
     impl = _fallback_impl()
@@ -137,10 +155,10 @@ def _kda_bwd(scale, interpret, res, cts):
 _kda.defvjp(_kda_fwd, _kda_bwd)
 
 
-def _run(q, k, v, g, beta, h0, seg, *, scale, interpret):
+def _run(q, k, v, g, beta, h0, seg, *, scale, bounded, interpret):
     if h0 is None:
         h0 = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-    return _kda(q, k, v, g, beta, h0.astype(jnp.float32), seg, scale, interpret)
+    return _kda(q, k, v, g, beta, h0.astype(jnp.float32), seg, scale, bounded, interpret)
 
 
 def _shard_specs(q):
@@ -163,7 +181,8 @@ def kda_impl(
 ):
     """Canonical-form KDA on Mosaic GPU kernels; see `kernels.kda.kda` for the contract.
 
-    `lower_bound` is passed to the fallback only: the kernel path is exact for any g <= 0.
+    `lower_bound` >= -5 (the caller guarantees g >= lower_bound) selects the all-tensor-core
+    intra-chunk kernel when there are no segment resets; otherwise the exact XLA stage runs.
     `interpret` None means: the Mosaic GPU interpreter on a CPU-only machine, compiled on a GPU.
     """
     del output_final_state
@@ -175,7 +194,8 @@ def kda_impl(
         return _fallback_impl()(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids, lower_bound=lower_bound
         )
-    run = functools.partial(_run, scale=scale, interpret=interpret)
+    bounded = lower_bound is not None and float(lower_bound) >= BOUNDED_GATE
+    run = functools.partial(_run, scale=scale, bounded=bounded, interpret=interpret)
     specs = _shard_specs(q)
     if specs is None:
         return run(q, k, v, g, beta, initial_state, segment_ids)

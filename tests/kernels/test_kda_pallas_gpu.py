@@ -43,11 +43,12 @@ def _inputs(rng, B, T, H, K, V, gate, dtype, n_docs=0, g_floor=None):
     return cast(q), cast(k), cast(v), f32(g), f32(beta), f32(h0), seg
 
 
-def _value_and_grads(impl, q, k, v, g, beta, h0, seg, cot):
+def _value_and_grads(impl, q, k, v, g, beta, h0, seg, cot, lower_bound=None):
     do, dS = cot
 
     def loss(q, k, v, g, beta, h0):
-        o, S = kda(q, k, v, g, beta, initial_state=h0, segment_ids=seg, output_final_state=True, impl=impl)
+        o, S = kda(q, k, v, g, beta, initial_state=h0, segment_ids=seg, output_final_state=True, impl=impl,
+                   lower_bound=lower_bound)
         return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(S * dS), (o, S)
 
     argnums = (0, 1, 2, 4, 5) if g is None else (0, 1, 2, 3, 4, 5)
@@ -56,17 +57,18 @@ def _value_and_grads(impl, q, k, v, g, beta, h0, seg, cot):
     return o, S, dict(zip(names, grads))
 
 
-def _check_parity(rng, B, T, H, K, V, gate, dtype, tol, n_docs=0, grads=True, g_floor=None):
+def _check_parity(rng, B, T, H, K, V, gate, dtype, tol, n_docs=0, grads=True, g_floor=None, lower_bound=None):
     q, k, v, g, beta, h0, seg = _inputs(rng, B, T, H, K, V, gate, dtype, n_docs, g_floor)
     if not grads:
         o_ref, S_ref = kda(q, k, v, g, beta, initial_state=h0, segment_ids=seg, output_final_state=True, impl="naive")
-        o, S = kda(q, k, v, g, beta, initial_state=h0, segment_ids=seg, output_final_state=True, impl="pallas_gpu")
+        o, S = kda(q, k, v, g, beta, initial_state=h0, segment_ids=seg, output_final_state=True, impl="pallas_gpu",
+                   lower_bound=lower_bound)
         assert_close("o", o_ref, o, tol["o"])
         assert_close("S", S_ref, S, tol["S"])
         return
     cot = (jnp.asarray(rng.standard_normal((B, T, H, V)), jnp.float32), jnp.asarray(rng.standard_normal(h0.shape), jnp.float32))
     o_ref, S_ref, g_ref = _value_and_grads("naive", q, k, v, g, beta, h0, seg, cot)
-    o, S, g_out = _value_and_grads("pallas_gpu", q, k, v, g, beta, h0, seg, cot)
+    o, S, g_out = _value_and_grads("pallas_gpu", q, k, v, g, beta, h0, seg, cot, lower_bound)
     assert o.dtype == v.dtype and S.dtype == jnp.float32
     assert_close("o", o_ref, o, tol["o"])
     assert_close("S", S_ref, S, tol["S"])
@@ -75,17 +77,28 @@ def _check_parity(rng, B, T, H, K, V, gate, dtype, tol, n_docs=0, grads=True, g_
 
 
 @pytest.mark.parametrize(
-    "gate, dtype, T, n_docs",
-    [("channel", jnp.bfloat16, 100, 3), ("head", jnp.float32, 45, 0), ("none", jnp.bfloat16, 64, 0)],
+    "gate, dtype, T, n_docs, grads",
+    [("channel", jnp.bfloat16, 100, 3, True), ("head", jnp.float32, 45, 0, True), ("none", jnp.bfloat16, 64, 0, False)],
 )
-def test_interpret_parity(rng, gate, dtype, T, n_docs):
+def test_interpret_parity(rng, gate, dtype, T, n_docs, grads):
     tol = BF16_TOL if dtype == jnp.bfloat16 else F32_TOL
-    _check_parity(rng, 1, T, 1, 64, 64, gate, dtype, tol, n_docs=n_docs)
+    _check_parity(rng, 1, T, 1, 64, 64, gate, dtype, tol, n_docs=n_docs, grads=grads)
 
 
 def test_interpret_hard_decays_and_k128(rng):
     """Unbounded gates (g = -1000 in places) stay exact; K = V = 128; odd T; float32 exact path."""
-    _check_parity(rng, 1, 77, 1, 128, 128, "channel", jnp.float32, F32_TOL, n_docs=2, grads=False, g_floor=-1000.0)
+    _check_parity(rng, 1, 53, 1, 128, 128, "channel", jnp.float32, F32_TOL, n_docs=2, grads=False, g_floor=-1000.0)
+
+
+def test_interpret_bounded_intra_kernel(rng, monkeypatch):
+    """lower_bound=-5 and no resets: the Mosaic GPU intra-chunk kernel runs (odd T, K != V)."""
+    from kernels.kda import mosaic_intra
+
+    calls = []
+    kernel = mosaic_intra.intra_bounded
+    monkeypatch.setattr(mosaic_intra, "intra_bounded", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    _check_parity(rng, 1, 100, 1, 128, 64, "channel", jnp.bfloat16, BF16_TOL, grads=False, lower_bound=-5.0)
+    assert calls == [1]
 
 
 def test_fallback_logs_and_matches(rng, caplog):
@@ -134,7 +147,7 @@ def test_sharded_over_batch_and_heads(rng, monkeypatch):
 
     calls = []
 
-    def per_shard(q, k, v, g, beta, h0, seg, *, scale, interpret):
+    def per_shard(q, k, v, g, beta, h0, seg, *, scale, bounded, interpret):
         calls.append(q.shape)
         return chunked_reference(q, k, v, g, beta, scale=scale, initial_state=h0, segment_ids=seg)
 
@@ -156,9 +169,10 @@ def test_sharded_over_batch_and_heads(rng, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n_docs", [0, 8])
-def test_gpu_parity_large(rng, n_docs):
-    _check_parity(rng, 2, 4096, 16, 128, 128, "channel", jnp.bfloat16, BF16_TOL, n_docs=n_docs)
+@pytest.mark.parametrize("n_docs, lower_bound", [(0, -5.0), (0, None), (8, -5.0)])
+def test_gpu_parity_large(rng, n_docs, lower_bound):
+    _check_parity(rng, 2, 4096, 16, 128, 128, "channel", jnp.bfloat16, BF16_TOL, n_docs=n_docs,
+                  lower_bound=lower_bound)
 
 
 @pytest.mark.gpu
@@ -166,7 +180,7 @@ def test_gpu_million_tokens_match_chained_halves(rng):
     T, H, D = 1 << 20, 2, 128
     q, k, v, g, beta, _, _ = _inputs(rng, 1, T, H, D, D, "channel", jnp.bfloat16)
     run = jax.jit(lambda q, k, v, g, b, h0: kda(q, k, v, g, b, initial_state=h0, output_final_state=True,
-                                                 impl="pallas_gpu"))
+                                                 lower_bound=-5.0, impl="pallas_gpu"))
     h0 = jnp.zeros((1, H, D, D), jnp.float32)
     o, S = run(q, k, v, g, beta, h0)
     half = T // 2
