@@ -3,13 +3,18 @@
     x [M, K] (rows sorted by group), packed u8 [G, N, K/2], scales u8 [G, N, K/32],
     group_sizes [G] -> [M, N],  out[m] = x[m] @ dequantize(W[group(m)])^T.
 
-The weights stay packed in HBM (4.25 bits each) and travel packed through TMA. Each pipeline
-step decodes a [bn, bk/2] byte tile in registers into two bf16 tiles, the even and the odd
-input columns (low and high nibbles), multiplied by their E8M0 scales, and runs two wgmmas
-against the matching even/odd halves of the activations (split once by XLA, a cheap pass over
-activations). Splitting K this way avoids interleaving nibbles in registers; a contraction does
-not care about the order of K. Group handling (row masks, one TMA store per output tile) follows
-`kernels/gmm/pallas_gpu.py`. On CPU it runs in the Mosaic GPU interpreter (`interpret=True`).
+The weights stay packed in HBM (4.25 bits each) and travel packed through TMA. A pipeline step
+covers bk input columns = bk/32 scale blocks; each block arrives as its own [bn, 16] byte tile
+(so no SMEM slicing and no in-register repeat of scales is needed) with its scales as a row of a
+[bk/32, bn] tile (scales are transposed to [G, K/32, N] by XLA, 1/16 of the packed bytes).
+Registers decode the low and high nibbles (the even and the odd input columns) to bf16, times
+the block's scale broadcast along the row, into two [bn, 16] SMEM tiles; two wgmmas (K = 16)
+take them against the matching even/odd halves of the activations (split once by XLA, a cheap
+pass over activations): a contraction does not care about the order of K, so nibbles are never
+interleaved. Integer work is in int32 (Mosaic GPU has no pointwise 8-bit math). Group handling
+(row masks, one TMA store per output tile) is `kernels/gmm/pallas_gpu.grouped_rows_kernel`.
+On CPU it runs in the Mosaic GPU interpreter (`interpret=True`); it also lowers for CUDA on a
+CPU machine (layout inference and the shared-memory budget are checked by the tests).
 """
 
 from __future__ import annotations
@@ -22,14 +27,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels.gmm.pallas_gpu import Blocks, _pad_to, grouped_rows_kernel
 from kernels.mxfp4.format import BLOCK, SCALE_BIAS, SCALE_NAN
 
+# bm x bn output tile, bk input columns (bk/32 scale blocks) per pipeline step.
+DEFAULT_BLOCKS = Blocks(bm=64, bn=64, bk=256, stages=3)
 
-# bm x bn output tile, bk input columns per step (bk/32 scale bytes per row: 16 for TMA).
-DEFAULT_BLOCKS = Blocks(bm=64, bn=64, bk=512, stages=2)
 
-
-def _decode(codes):
-    """E2M1 codes u8 (0..15) -> f32 by arithmetic (no table lookup in registers)."""
-    c = codes.astype(jnp.int32)
+def _decode(c):
+    """E2M1 codes (int32, 0..15) -> f32 by arithmetic (no table lookup in registers)."""
     e = ((c >> 1) & 3).astype(jnp.float32)
     m = (c & 1).astype(jnp.float32)
     mag = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * jnp.exp2(e - 1.0))
@@ -46,47 +49,53 @@ def gmm(x, packed, scales, group_sizes, *, blocks=DEFAULT_BLOCKS, interpret=Fals
     if x.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"pallas_gpu mxfp4 gmm needs bf16/f16 activations, got {x.dtype}")
     m, k = x.shape
-    g_count, n, _ = packed.shape
+    n = packed.shape[1]
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
-    kh, ks = bk // 2, bk // BLOCK
+    half = BLOCK // 2  # packed bytes (and even or odd elements) per scale block
+    nblk = bk // BLOCK  # scale blocks per pipeline step
     x_p = _pad_to(_pad_to(x, 0, bm), 1, bk)
-    x_lo, x_hi = x_p[:, 0::2], x_p[:, 1::2]
-    packed_p = _pad_to(_pad_to(packed, 1, bn), 2, kh)
-    scales_p = _pad_to(_pad_to(scales, 1, bn), 2, ks)
+    x_lo, x_hi = x_p[:, 0::2], x_p[:, 1::2]  # [M, K/2] each: even and odd input columns
+    packed_p = _pad_to(_pad_to(packed, 1, bn), 2, bk // 2)
+    # [G, K/32, N]: one row of scales per block, so a step reads a [nblk, bn] tile by TMA
+    scales_t = jnp.swapaxes(_pad_to(_pad_to(scales, 1, bn), 2, nblk), 1, 2)
     mp, np_ = x_p.shape[0], packed_p.shape[1]
     num_k = x_p.shape[1] // bk
     dtype = x.dtype
 
-    def group_acc(g, mb, nb, in_refs, scratch_refs):
+    def group_acc(g, mb, nb, in_refs, w_refs):
         xlo_ref, xhi_ref, p_ref, s_ref = in_refs
-        (w_smem,) = scratch_refs
 
         def acc_scope(acc_ref):
-            def step(_, xlo_smem, xhi_smem, p_smem, s_smem):
-                codes = p_smem[...]
-                factor = jnp.repeat(_scale(s_smem[...]), BLOCK // 2, axis=1)
-                for half, x_smem in ((codes & 15, xlo_smem), (codes >> 4, xhi_smem)):
-                    w_smem[...] = (_decode(half) * factor).astype(dtype)
-                    plgpu.commit_smem()
-                    plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0)))
-                    plgpu.wgmma_wait(0)
+            def step(_, *smem):
+                xlo, xhi, codes = (smem[i * nblk:(i + 1) * nblk] for i in range(3))
+                s_smem = smem[3 * nblk]
+                for j in range(nblk):  # decode block j's low and high nibbles with its scale
+                    c = codes[j][...].astype(jnp.int32)  # no pointwise 8-bit math on GPU
+                    factor = _scale(s_smem[j, :])[:, None]
+                    w_refs[2 * j][...] = (_decode(c & 15) * factor).astype(dtype)
+                    w_refs[2 * j + 1][...] = (_decode(c >> 4) * factor).astype(dtype)
+                plgpu.commit_smem()
+                for j in range(nblk):
+                    plgpu.wgmma(acc_ref, xlo[j], w_refs[2 * j].transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, xhi[j], w_refs[2 * j + 1].transpose((1, 0)))
+                plgpu.wgmma_wait(0)  # the w buffers are rewritten by the next step
 
-            plgpu.emit_pipeline(
-                step,
-                grid=(num_k,),
-                in_specs=[
-                    plgpu.BlockSpec((bm, kh), lambda kk: (mb, kk)),
-                    plgpu.BlockSpec((bm, kh), lambda kk: (mb, kk)),
-                    plgpu.BlockSpec((bn, kh), lambda kk: (nb, kk)),
-                    plgpu.BlockSpec((bn, ks), lambda kk: (nb, kk)),
-                ],
-                max_concurrent_steps=blocks.stages,
-            )(xlo_ref, xhi_ref, p_ref.at[g], s_ref.at[g])
+            def col(j):
+                return lambda kk: (mb, kk * nblk + j)
+
+            specs = ([plgpu.BlockSpec((bm, half), col(j)) for j in range(nblk)] * 2
+                     + [plgpu.BlockSpec((bn, half), lambda kk, j=j: (nb, kk * nblk + j))
+                        for j in range(nblk)]
+                     + [plgpu.BlockSpec((nblk, bn), lambda kk: (kk, nb))])
+            plgpu.emit_pipeline(step, grid=(num_k,), in_specs=specs,
+                                max_concurrent_steps=blocks.stages)(
+                *[xlo_ref] * nblk, *[xhi_ref] * nblk, *[p_ref.at[g]] * nblk, s_ref.at[g])
             return acc_ref[...]
 
         return pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
 
-    out = grouped_rows_kernel(group_acc, group_sizes, (x_lo, x_hi, packed_p, scales_p),
+    out = grouped_rows_kernel(group_acc, group_sizes, (x_lo, x_hi, packed_p, scales_t),
                               shape=(mp, np_), tile=(bm, bn), out_dtype=dtype,
-                              scratch=(plgpu.SMEM((bn, kh), dtype),), interpret=interpret)
+                              scratch=[plgpu.SMEM((bn, half), dtype)] * (2 * nblk),
+                              interpret=interpret)
     return out[:m, :n]

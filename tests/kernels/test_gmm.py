@@ -1,6 +1,8 @@
 """Grouped matmul: the Pallas Mosaic GPU kernels (interpreted on CPU) against `ragged_dot`,
 forward and both gradients, with empty groups, ragged sizes and rows past the total."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,3 +149,19 @@ def test_benchmark_quick_mode(tmp_path):
         assert r["pallas_gpu_ms"] > 0 and r["ragged_dot_ms"] > 0
         assert r["gflop"] == 9 * 2 * r["tokens"] * r["top_k"] * r["d"] * r["f"] / 1e9
     assert "| quick | layer |" in (tmp_path / "moe_quick.md").read_text()
+
+
+def test_kernels_lower_for_cuda():
+    """Mosaic GPU lowering (layout inference, shared-memory budget) of the default-block kernels,
+    exported for CUDA from this CPU machine: catches what the interpreter does not check."""
+    from jax import export
+
+    lhs = jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16)
+    rhs = jax.ShapeDtypeStruct((4, 256, 384), jnp.bfloat16)
+    dout = jax.ShapeDtypeStruct((1024, 384), jnp.bfloat16)
+    gs = jax.ShapeDtypeStruct((4,), jnp.int32)
+    for fn, args in ((pallas_gpu.gmm, (lhs, rhs, gs)),
+                     (functools.partial(pallas_gpu.gmm, transpose_rhs=True), (dout, rhs, gs)),
+                     (pallas_gpu.tgmm, (lhs, dout, gs))):
+        module = export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+        assert "mosaic_gpu" in module

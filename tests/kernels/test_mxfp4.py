@@ -161,3 +161,15 @@ def test_compiled_pallas_kernel_on_gpu(rng):
     want = mxfp4.gmm(x, packed, scales, gs, impl="reference")
     out = mxfp4.gmm(x, packed, scales, gs, impl="pallas_gpu")
     assert_close("gpu mxfp4", np.asarray(want, np.float32), np.asarray(out, np.float32), 5e-3)
+
+
+def test_pallas_kernel_lowers_for_cuda():
+    """Mosaic GPU lowering of the default-block MXFP4 kernel, exported for CUDA from the CPU."""
+    import jax
+    from jax import export
+
+    args = (jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16),
+            jax.ShapeDtypeStruct((4, 384, 512), jnp.uint8),
+            jax.ShapeDtypeStruct((4, 384, 32), jnp.uint8), jax.ShapeDtypeStruct((4,), jnp.int32))
+    module = export.export(jax.jit(pallas_gpu.gmm), platforms=["cuda"])(*args).mlir_module()
+    assert "mosaic_gpu" in module
