@@ -1,9 +1,10 @@
 """impl="pallas_gpu": chunked KDA / Gated DeltaNet / DeltaNet with Mosaic GPU kernels (Hopper).
 
 Forward, intra-chunk stage (decayed q k^T and k k^T, the unit-triangular inverse, w, u):
-with `lower_bound >= -5` and no segment resets, a Mosaic GPU kernel on the tensor cores
-(`mosaic_intra.intra_bounded`); otherwise chunk-parallel XLA (`pallas_gpu_prep.prepare`),
-exact for any gate g <= 0 and with exact segment resets. The inter-chunk stage (state recurrence + output, the serial part) is a Mosaic GPU kernel
+chunk-parallel XLA (`pallas_gpu_prep.prepare`), exact for any gate g <= 0 and with exact
+segment resets; or, with `intra="mosaic"`, `lower_bound >= -5` and no resets, a Mosaic GPU
+kernel on the tensor cores (`mosaic_intra.intra_bounded`; correct, but slower than XLA on an
+H200 today, so not the default). The inter-chunk stage (state recurrence + output, the serial part) is a Mosaic GPU kernel
 (`mosaic_state.state_output`: TMA double-buffering, three wgmma products per chunk, the
 state in f32 registers). The state kernel's grid is (B*H, V/64) and it loops over chunks
 inside, so any T runs (1,048,576 tokens and more) with no grid limit.
@@ -39,7 +40,11 @@ from kernels.kda.pallas_gpu_prep import chunked_reference, prepare, unchunk
 log = logging.getLogger(__name__)
 
 SUPPORTED_DIMS = (64, 128)
-BOUNDED_GATE = -5.0  # lower_bound at or above this takes the Mosaic GPU intra-chunk kernel
+BOUNDED_GATE = -5.0  # lower_bound at or above this may take the Mosaic GPU intra-chunk kernel
+INTRA_STAGES = ("xla", "mosaic")
+# Measured on one H200 at (8, 4096, 16, 128) bf16: the XLA intra stage takes 6.0 ms, the
+# Mosaic GPU intra kernel about 9 ms (one CTA per SM, register-bound), so XLA is the default.
+DEFAULT_INTRA = "xla"
 _warned: set = set()
 
 
@@ -110,13 +115,23 @@ def _bounded_operands(q, k, v, g, beta, scale, interpret):
     return (*outs, d)
 
 
+def resolve_intra(intra, lower_bound, segment_ids) -> bool:
+    """True when the Mosaic GPU intra-chunk kernel runs: asked for (`intra`, default
+    DEFAULT_INTRA), a bounded gate (lower_bound >= -5) and no segment resets."""
+    intra = DEFAULT_INTRA if intra is None else intra
+    if intra not in INTRA_STAGES:
+        raise ValueError(f"Unknown intra={intra!r}; expected one of {list(INTRA_STAGES)}")
+    bounded = lower_bound is not None and float(lower_bound) >= BOUNDED_GATE
+    return intra == "mosaic" and bounded and segment_ids is None
+
+
 def _kernel_forward(q, k, v, g, beta, h0, seg, scale, bounded, interpret):
-    """Chunk operands (Mosaic GPU intra kernel when bounded, else exact XLA), then the Mosaic GPU
-    state kernel: (o [B,T,H,V], S [B,H,K,V])."""
+    """Chunk operands (the Mosaic GPU intra kernel when `bounded`, else exact XLA), then the
+    Mosaic GPU state kernel: (o [B,T,H,V], S [B,H,K,V])."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dt = q.dtype if jnp.dtype(q.dtype).itemsize == 2 else jnp.float32
-    if bounded and seg is None:
+    if bounded:
         ops = _bounded_operands(q.astype(dt), k.astype(dt), v.astype(dt), g, beta, scale, interpret)
     else:
         ops = _exact_operands(q, k, v, g, beta, seg, scale, dt)
@@ -177,12 +192,14 @@ def _shard_specs(q):
 
 
 def kda_impl(
-    q, k, v, g, beta, *, scale, initial_state, segment_ids, lower_bound=None, output_final_state=True, interpret=None
+    q, k, v, g, beta, *, scale, initial_state, segment_ids, lower_bound=None, output_final_state=True, interpret=None,
+    intra=None,
 ):
     """Canonical-form KDA on Mosaic GPU kernels; see `kernels.kda.kda` for the contract.
 
-    `lower_bound` >= -5 (the caller guarantees g >= lower_bound) selects the all-tensor-core
-    intra-chunk kernel when there are no segment resets; otherwise the exact XLA stage runs.
+    `intra` "mosaic" with `lower_bound` >= -5 (the caller guarantees g >= lower_bound) and no
+    segment resets runs the all-tensor-core intra-chunk kernel; otherwise ("xla", the default
+    while it is the faster) the exact XLA stage runs.
     `interpret` None means: the Mosaic GPU interpreter on a CPU-only machine, compiled on a GPU.
     """
     del output_final_state
@@ -194,7 +211,7 @@ def kda_impl(
         return _fallback_impl()(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids, lower_bound=lower_bound
         )
-    bounded = lower_bound is not None and float(lower_bound) >= BOUNDED_GATE
+    bounded = resolve_intra(intra, lower_bound, segment_ids)
     run = functools.partial(_run, scale=scale, bounded=bounded, interpret=interpret)
     specs = _shard_specs(q)
     if specs is None:

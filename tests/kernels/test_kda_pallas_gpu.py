@@ -91,14 +91,17 @@ def test_interpret_hard_decays_and_k128(rng):
 
 
 def test_interpret_bounded_intra_kernel(rng, monkeypatch):
-    """lower_bound=-5 and no resets: the Mosaic GPU intra-chunk kernel runs (odd T, K != V)."""
+    """intra="mosaic", lower_bound=-5, no resets: the Mosaic GPU intra-chunk kernel runs (odd T, K != V)."""
     from kernels.kda import mosaic_intra
 
     calls = []
     kernel = mosaic_intra.intra_bounded
     monkeypatch.setattr(mosaic_intra, "intra_bounded", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    monkeypatch.setattr(pallas_gpu, "DEFAULT_INTRA", "mosaic")
     _check_parity(rng, 1, 100, 1, 128, 64, "channel", jnp.bfloat16, BF16_TOL, grads=False, lower_bound=-5.0)
     assert calls == [1]
+    with pytest.raises(ValueError, match="Unknown intra"):
+        pallas_gpu.resolve_intra("cuda", -5.0, None)
 
 
 def test_fallback_logs_and_matches(rng, caplog):
@@ -169,10 +172,10 @@ def test_sharded_over_batch_and_heads(rng, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n_docs, lower_bound", [(0, -5.0), (0, None), (8, -5.0)])
-def test_gpu_parity_large(rng, n_docs, lower_bound):
-    _check_parity(rng, 2, 4096, 16, 128, 128, "channel", jnp.bfloat16, BF16_TOL, n_docs=n_docs,
-                  lower_bound=lower_bound)
+@pytest.mark.parametrize("n_docs, intra", [(0, "mosaic"), (0, "xla"), (8, "xla")])
+def test_gpu_parity_large(rng, monkeypatch, n_docs, intra):
+    monkeypatch.setattr(pallas_gpu, "DEFAULT_INTRA", intra)
+    _check_parity(rng, 2, 4096, 16, 128, 128, "channel", jnp.bfloat16, BF16_TOL, n_docs=n_docs, lower_bound=-5.0)
 
 
 @pytest.mark.gpu
