@@ -31,14 +31,20 @@ from concurrent.futures import ThreadPoolExecutor
 from absl import app, flags
 from ml_collections import config_flags
 
-config_flags.DEFINE_config_file("config", None, "Sweep config (configs/sweeps/<name>.py[:arg]).")
-flags.DEFINE_string("workdir", None, "Sweep directory (one sub-directory per trial).")
-flags.DEFINE_integer("parallel", 1, "Trials run at once on this machine.")
-flags.DEFINE_string("devices", "", "Comma-separated device ids handed out one per running trial.")
-flags.DEFINE_string("device_env", "CUDA_VISIBLE_DEVICES", "Variable that pins a trial to its device.")
-flags.DEFINE_string("launcher", "", "Multi-host launch prefix or template with {cmd}.")
-flags.DEFINE_bool("dry_run", False, "Print the trial commands and stop.")
-flags.mark_flags_as_required(["config", "workdir"])
+
+def _define_flags():
+    """Defined only when run as a program, so importing this module (tests) leaves the
+    global absl flags free for train.py and eval.py."""
+    config_flags.DEFINE_config_file("config", None, "Sweep config (configs/sweeps/<name>.py[:arg]).")
+    flags.DEFINE_string("workdir", None, "Sweep directory (one sub-directory per trial).")
+    flags.DEFINE_integer("parallel", 1, "Trials run at once on this machine.")
+    flags.DEFINE_string("devices", "", "Comma-separated device ids handed out one per running trial.")
+    flags.DEFINE_string("device_env", "CUDA_VISIBLE_DEVICES", "Variable that pins a trial to its device.")
+    flags.DEFINE_string("launcher", "", "Multi-host launch prefix or template with {cmd}.")
+    flags.DEFINE_bool("dry_run", False, "Print the trial commands and stop.")
+    flags.mark_flags_as_required(["config", "workdir"])
+
+
 FLAGS = flags.FLAGS
 
 
@@ -249,4 +255,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)
