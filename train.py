@@ -95,9 +95,12 @@ def train_and_evaluate(config, workdir: str) -> dict:
     last_good = start_step or None
 
     def save(step: int, force: bool = False) -> None:
-        hosts = multihost_utils.process_allgather(np.array([train_iter.get_state()[k] for k in ("doc", "offset")]))
-        hosts = np.asarray(hosts).reshape(-1, 2)
-        ckpt.save(step, state, {"hosts": [{"doc": int(d), "offset": int(o)} for d, o in hosts]}, force=force)
+        hosts = [train_iter.get_state()]
+        if jax.process_count() > 1:  # every host's position, so each resumes its own share
+            local = np.array([hosts[0]["doc"], hosts[0]["offset"]], np.int32)
+            hosts = [{"doc": int(d), "offset": int(o)}
+                     for d, o in np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 2)]
+        ckpt.save(step, state, {"hosts": hosts}, force=force)
 
     def evaluate(step: int) -> dict:
         """Held-out loss and accuracy on the eval split, plus `kimi_jax.evaluators.run_all`."""
@@ -108,7 +111,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
         sums = jax.device_get(sums)
         tokens = max(float(sums["tokens"]), 1.0)
         results = {"eval_loss": float(sums["nll"]) / tokens, "eval_accuracy": float(sums["correct"]) / tokens}
-        if config.get("evals") is not None:  # the evaluators of eval.py, on the live parameters
+        if config.get("evals") is not None and config.evals.get("train_tasks"):  # eval.py's evaluators
             from kimi_jax import evaluators
 
             results.update(evaluators.run_all(config, nnx.merge(graphdef, state["params"], state["rest"]), step))

@@ -21,7 +21,8 @@ ITEMS = ("params", "rest", "opt_state")
 
 
 def checkpoint_dir(workdir: str) -> epath.Path:
-    return epath.Path(os.path.abspath(workdir)) / "checkpoints"
+    """`<workdir>/checkpoints` (local paths made absolute; URLs such as gs://... kept)."""
+    return epath.Path(workdir if "://" in workdir else os.path.abspath(workdir)) / "checkpoints"
 
 
 class Checkpointer:

@@ -1,0 +1,31 @@
+"""A ~1.3B-parameter dense model with K3's topology, for throughput (MFU) measurements: 24 layers
+in the 3:1 KDA:MLA pattern, d_model 2048, KDA 16 heads x 128, MLA 16 heads, SiTU-GLU MLPs of
+width 4608 in every layer (no MoE), attention residuals in blocks of 12 layers, vocab 32768.
+
+    python -m kimi_jax.summary --config configs/k3_1b3_dense.py
+    python benchmarks/train.py --config configs/k3_1b3_dense.py      (one and two GPUs)
+    python train.py --config configs/k3_1b3_dense.py --workdir workdirs/k3_1b3 \\
+        --config.data.kind=files --config.data.files='corpus/*.jsonl' --config.data.seq_len=2048
+"""
+
+import ml_collections
+
+from configs import common
+from configs.model_presets import k3_model
+
+
+def get_config(arg=None):
+    arg = common.parse_arg(arg, d_model=2048, num_layers=24, vocab_size=32768)
+    config = common.base_config()
+    model = k3_model().to_dict()
+    model.update(vocab_size=arg.vocab_size, d_model=arg.d_model, num_layers=arg.num_layers,
+                 dense_layers=arg.num_layers, dense_hidden=9 * arg.d_model // 4, moe=None)
+    model = ml_collections.ConfigDict(model)
+    heads = arg.d_model // 128
+    model.mixers.kda.update(dict(num_heads=heads, head_dim=128))
+    model.mixers.mla.update(dict(num_heads=heads, q_lora_rank=arg.d_model // 2, kv_lora_rank=512))
+    config.model = model
+    config.data.batch_size, config.data.seq_len = 16, 2048
+    config.optim.lr, config.optim.warmup_steps = 3e-4, 2000
+    config.optim.compute_dtype = "bfloat16"
+    return config
