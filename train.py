@@ -22,11 +22,15 @@ from ml_collections import config_flags
 
 from kimi_jax import checkpoint, data, logging_utils, optim, sharding, train_lib
 
-config_flags.DEFINE_config_file("config", None, "Config file (configs/<name>.py[:arg]).", lock_config=True)
-flags.DEFINE_string("workdir", None, "Where checkpoints and logs go.")
-flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-host without SLURM/TPU).")
-flags.DEFINE_integer("num_processes", None, "Number of processes (with --coordinator_address).")
-flags.DEFINE_integer("process_id", None, "This process's index (with --coordinator_address).")
+
+def define_flags() -> None:
+    """Command-line flags (defined only when run as a program, so tests can import this file
+    next to eval.py)."""
+    config_flags.DEFINE_config_file("config", None, "Config file (configs/<name>.py[:arg]).", lock_config=True)
+    flags.DEFINE_string("workdir", None, "Where checkpoints and logs go.")
+    flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-host without SLURM/TPU).")
+    flags.DEFINE_integer("num_processes", None, "Number of processes (with --coordinator_address).")
+    flags.DEFINE_integer("process_id", None, "This process's index (with --coordinator_address).")
 
 
 class NonFiniteError(RuntimeError):
@@ -216,5 +220,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     flags.mark_flags_as_required(["config", "workdir"])
     app.run(main)
