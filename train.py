@@ -211,7 +211,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
 def main(argv):
     del argv
     FLAGS = flags.FLAGS
-    train_lib.maybe_initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    if FLAGS.config.distributed or FLAGS.coordinator_address:
+        train_lib.maybe_initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     try:
         train_and_evaluate(FLAGS.config, FLAGS.workdir)
     except NonFiniteError as e:
