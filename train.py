@@ -92,7 +92,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
         abstract = jax.eval_shape(train_lib.make_init(config, tx))
         restored = ckpt.restore(start_step, checkpoint.abstract_with_shardings(abstract, state_sharding))
         state = {k: restored[k] for k in checkpoint.ITEMS}
-        train_iter.set_state(restored["data"]["hosts"][jax.process_index()])
+        hosts = restored["data"]["hosts"]
+        if len(hosts) != jax.process_count():
+            raise ValueError(f"checkpoint step {start_step} was written by {len(hosts)} process(es); this run has "
+                             f"{jax.process_count()}: the data positions cannot be resumed exactly")
+        train_iter.set_state(hosts[jax.process_index()])
         _log(f"resumed from step {start_step} ({checkpoint.checkpoint_dir(workdir)})")
     else:
         state = jax.jit(train_lib.make_init(config, tx), out_shardings=state_sharding)()
