@@ -97,6 +97,16 @@ def cache_bytes(config) -> tuple[int, int]:
     return per_token, state
 
 
+def recurrent_state_bytes(config) -> int:
+    """The float32 recurrent states alone (no conv windows), summed over the layers."""
+    cfg = model_config(config)
+    total = 0
+    for name in cfg.layer_mixers:
+        mc = mixer_config(name, cfg.settings(name))
+        total += mc.recurrent_state_bytes() if hasattr(mc, "recurrent_state_bytes") else 0
+    return total
+
+
 def train_flops_per_token(config, seq_len: int) -> float:
     """Forward + backward FLOPs per token at `seq_len` (for MFU)."""
     return flops.train_flops_per_token(model_config(config), seq_len)
@@ -139,8 +149,10 @@ def report(config, seq_len: int = 4096) -> str:
                      f"{mc.cache_bytes_per_token():,} cache bytes per token, "
                      f"{mc.state_bytes():,} state bytes per sequence")
     per_token, state = cache_bytes(cfg)
+    recurrent = recurrent_state_bytes(cfg)
     lines.append(f"decode cache bytes per token={per_token:,}  fixed state bytes per sequence="
-                 f"{state:,} ({state / 2**20:.1f} MiB)")
+                 f"{state:,} ({state / 2**20:.1f} MiB; float32 recurrent state {recurrent:,} = "
+                 f"{recurrent / 2**20:.1f} MiB, the rest short-conv windows)")
     lines.append(f"train FLOPs per token at seq_len={seq_len}: "
                  f"{_fmt(train_flops_per_token(cfg, seq_len))}")
     if (line := quantize.storage_line(abstract_model(cfg))) is not None:

@@ -9,7 +9,7 @@ import pytest
 from configs import model_presets, tiny
 from kimi_jax import flops
 from kimi_jax.config import ModelConfig
-from kimi_jax.summary import cache_bytes, count_params, train_flops_per_token
+from kimi_jax.summary import cache_bytes, count_params, recurrent_state_bytes, train_flops_per_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,6 +34,7 @@ def test_k3_cache_and_state_bytes():
     assert recurrent == 414 * 2**20
     conv = 69 * 3 * 96 * 128 * 3 * 2  # (W - 1) bf16 values per q/k/v channel
     assert state == recurrent + conv
+    assert recurrent_state_bytes(cfg) == recurrent
 
 
 def test_active_params_use_top_k_experts():

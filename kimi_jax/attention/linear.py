@@ -100,13 +100,18 @@ class LinearAttentionConfig(MixerConfig):
     def cache_bytes_per_token(self) -> int:
         return 0
 
-    def state_bytes(self) -> int:
-        """float32 state H*K*V*4 plus conv windows (W-1) per q/k/v channel in the cache dtype."""
+    def recurrent_state_bytes(self) -> int:
+        """The float32 recurrent state alone, H*K*V*4 (what the K3 report's 414 MiB counts)."""
         if self.head_dim is None:
             raise ValueError("state_bytes needs an explicit head_dim (it depends on d_model otherwise)")
         H, K, V = self.dims(self.num_heads * self.head_dim)
+        return H * K * V * 4
+
+    def state_bytes(self) -> int:
+        """float32 state H*K*V*4 plus conv windows (W-1) per q/k/v channel in the cache dtype."""
+        H, K, V = self.dims(self.num_heads * self.head_dim) if self.head_dim is not None else (0, 0, 0)
         conv = max(self.conv_size - 1, 0) * (2 * H * K + H * V) * self.cache_itemsize() if self.conv_size else 0
-        return H * K * V * 4 + conv
+        return self.recurrent_state_bytes() + conv
 
     def flops_per_token(self, d_model: int, seq_len: int) -> float:
         """Projections (2 per matmul weight), the depthwise conv, and the chunked recurrence with
