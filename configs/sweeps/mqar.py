@@ -2,6 +2,8 @@
 
     python sweep.py --config configs/sweeps/mqar.py --workdir workdirs/sweeps/mqar --parallel 8 --devices 0,1,2,3,4,5,6,7
     python sweep.py --config configs/sweeps/mqar.py:tiny --workdir /tmp/mqar_tiny    # 2 trials, CPU, seconds
+    python sweep.py --config configs/sweeps/mqar.py:cpu --workdir workdirs/mqar_cpu --parallel 2
+        # every mixer at d_model 64 on (L, K) = (64, 4), 2 lrs, 800 steps of batch 64: ~15 min on 2 CPU cores
 
 Grid: softmax attention, linear attention, DeltaNet, Gated DeltaNet, KDA and the 3:1 KDA:MLA
 hybrid (the models of configs/ablations: same width, depth and MLP, differing only in the mixer)
@@ -66,6 +68,10 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
     sweep.select_over = "lr"
     # Summary plot: x axis and one line per value of `line`; one panel per value of `panel`.
     sweep.plot = dict(x="d_model", line="mixer", panel="setting")
+    if arg.cpu:  # every mixer at the smallest Zoology point, sized for a CPU
+        sweep.axes.d_model = [64]
+        sweep.axes.setting = [dict(seq_len=64, num_kv_pairs=4)]
+        sweep.axes.lr = [1e-3, 3e-3]
     if arg.tiny:  # 2 trials in seconds on CPU: softmax, width 16, 2 learning rates
         sweep.axes.mixer = ["softmax"]
         sweep.axes.d_model = [16]
@@ -77,7 +83,9 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
 def get_config(arg=None):
     arg = common.parse_arg(arg, **{**TRIAL_ARGS, "steps": 12500, "batch_size": 0},
                            mixer="kda", d_model=64, num_layers=2, seq_len=64, num_kv_pairs=4,
-                           vocab_size=8192)
+                           vocab_size=8192, cpu=False)
+    if arg.cpu:
+        arg.update(dict(steps=800, batch_size=64, eval_examples=256, decode_timing=False))
     if arg.tiny:
         arg.update(dict(TINY, vocab_size=64, num_layers=1))
     return trial_config(arg) if arg.trial else sweep_config(arg)
