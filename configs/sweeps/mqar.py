@@ -3,7 +3,7 @@
     python sweep.py --config configs/sweeps/mqar.py --workdir workdirs/sweeps/mqar --parallel 8 --devices 0,1,2,3,4,5,6,7
     python sweep.py --config configs/sweeps/mqar.py:tiny --workdir /tmp/mqar_tiny    # 2 trials, CPU, seconds
     python sweep.py --config configs/sweeps/mqar.py:cpu --workdir workdirs/mqar_cpu --parallel 2
-        # every mixer at d_model 64 on (L, K) = (64, 4), 2 lrs, 800 steps of batch 64: ~15 min on 2 CPU cores
+        # every mixer at d_model 64 on (L, K) = (64, 4), 2 lrs, 800 steps of batch 64 (12 trials)
 
 Grid: softmax attention, linear attention, DeltaNet, Gated DeltaNet, KDA and the 3:1 KDA:MLA
 hybrid (the models of configs/ablations: same width, depth and MLP, differing only in the mixer)
