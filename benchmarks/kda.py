@@ -3,6 +3,7 @@
     python benchmarks/kda.py                      # H200: the four shapes below, every impl and peer
     python benchmarks/kda.py --quick              # a tiny shape, few iterations (runs on CPU too)
     python benchmarks/kda.py --shapes 8x4096x16x128 --impls chunk --peers fla,cudnn
+    python benchmarks/kda.py --decode             # one decoding step, B=64, H=32, K=V=128
 
 Ours: `kda(..., impl=...)` for `naive` (only where its autodiff states fit, else skipped with the
 reason), `chunk` and `pallas_gpu` (when it imports and takes the call), all with lower_bound=-5.
@@ -22,6 +23,10 @@ FLOP and byte model (per head and token, chunk C = 64, key dim K, value dim V, b
   Attention FLOPs      causal forward 2 T D per query (half of QK^T and PV), backward 2.5x forward;
   attention bytes      q, k, v, o (+ do, dq, dk, dv for the backward) in bf16.
 Achieved TFLOP/s and GB/s are set against one H200: 790 TFLOP/s dense bf16 and 4.3 TB/s.
+
+Decode (`--decode`): `kda_step` with impl `pallas_gpu` (the Mosaic GPU decode kernel) and `naive`
+(the plain-JAX step), and fla's `fused_recurrent_kda` at T = 1 when installed; bytes = the float32
+state read once and written once, plus q, k, v, o (bf16), g (f32) and beta (f32).
 """
 
 from __future__ import annotations
@@ -250,6 +255,92 @@ def table(rows) -> str:
     return markdown_table(header, out)
 
 
+DECODE_SHAPE = (64, 32, 128, 128)  # B, H, K, V
+QUICK_DECODE_SHAPE = (2, 2, 64, 64)
+
+
+def decode_bytes(B, H, K, V):
+    """Unavoidable HBM traffic of one step: the f32 state read + written, the vectors once."""
+    return B * H * (2 * 4 * K * V + 2 * (2 * K + V) + 4 * K + 4 + 2 * V)
+
+
+def _decode_inputs(B, H, K, V, seed=0):
+    rng = np.random.default_rng(seed)
+    normal = lambda *s: rng.standard_normal(s, dtype=np.float32)
+    q, k = normal(B, H, K), normal(B, H, K)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    g = (LOWER_BOUND / (1.0 + np.exp(-normal(B, H, K)))).astype(np.float32)
+    beta = (1.0 / (1.0 + np.exp(-normal(B, H)))).astype(np.float32)
+    return dict(state=0.1 * normal(B, H, K, V), q=q, k=k, v=normal(B, H, V), g=g, beta=beta)
+
+
+def _decode_ours(impl, x):
+    from kernels.kda import kda_step
+
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+    args = (jnp.asarray(x["state"]), bf(x["q"]), bf(x["k"]), bf(x["v"]), jnp.asarray(x["g"]), jnp.asarray(x["beta"]))
+    f = jax.jit(lambda *a: kda_step(*a, impl=impl))
+    o, S = f(*args)
+    return time_jax(f, *args, warmup=args_timing["warmup"], iters=max(args_timing["iters"], 50)), (o, S)
+
+
+def _decode_fla(x):
+    import torch
+    from fla.ops.kda import fused_recurrent_kda
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("skipped: flash-linear-attention needs a CUDA device")
+    dev = torch.device("cuda")
+    t = lambda a, dt: torch.from_numpy(a).to(dev).to(dt)
+    q, k, v = (t(x[n][:, None], torch.bfloat16) for n in ("q", "k", "v"))  # [B, 1, H, D]
+    g, beta = t(x["g"][:, None], torch.float32), t(x["beta"][:, None], torch.bfloat16)
+    h0 = t(x["state"], torch.float32)
+
+    def step():
+        with torch.no_grad():
+            return fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+
+    o, S = step()
+    ms = time_torch(step, warmup=args_timing["warmup"], iters=max(args_timing["iters"], 50))
+    return ms, (o[:, 0].float().cpu().numpy(), S.float().cpu().numpy())
+
+
+def run_decode(shape, peers):
+    """Rows for one decoding step at shape (B, H, K, V): us, GB/s, % of the H200's 4.3 TB/s."""
+    x = _decode_inputs(*shape)
+    nbytes = decode_bytes(*shape)
+    cases = [(f"kda_step {i}", "ours", lambda i=i: _decode_ours(i, x)) for i in ("pallas_gpu", "naive")]
+    if "fla" in peers:
+        cases.append(("fla fused_recurrent_kda", "peer", lambda: _decode_fla(x)))
+    rows, ref = [], None
+    for name, kind, fn in cases:
+        res, err = attempt(fn)
+        ms = None if res is None else res[0]
+        gbps = None if ms is None else nbytes / (ms * 1e-3) / 1e9
+        row = dict(name=name, kind=kind, shape=list(shape), us=None if ms is None else 1e3 * ms, gbps=gbps,
+                   pct_hbm=None if gbps is None else 100 * gbps / (1e3 * PEAK_TBPS), bytes=nbytes, error=err)
+        if res is not None:
+            o, S = (np.asarray(a, np.float32) for a in res[1])
+            if ref is None and name.endswith("naive"):
+                ref = (o, S)
+            row["outputs"] = (o, S)
+        rows.append(row)
+    for row in rows:
+        outs = row.pop("outputs", None)
+        if outs is not None and ref is not None:
+            row["o_rel_err_vs_naive"], row["S_rel_err_vs_naive"] = rel_rms(ref[0], outs[0]), rel_rms(ref[1], outs[1])
+    return rows
+
+
+def decode_table(rows) -> str:
+    header = ["B,H,K,V", "impl", "us", "GB/s", "% of 4.3 TB/s", "o err", "S err", "note"]
+    out = [[",".join(map(str, r["shape"])), r["name"], fmt(r["us"], 1), fmt(r["gbps"], 0), fmt(r["pct_hbm"], 1),
+            fmt(r.get("o_rel_err_vs_naive"), 4), fmt(r.get("S_rel_err_vs_naive"), 4), (r["error"] or "")]
+           for r in rows]  # fmt: skip
+    return markdown_table(header, out)
+
+
 def _parse_shapes(s):
     try:
         return [tuple(int(n) for n in item.lower().split("x")) for item in s.split(",") if item]
@@ -266,6 +357,7 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny shape, 1 warm-up and 3 timed calls")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--decode", action="store_true", help="time one decoding step (kda_step) instead")
     a = p.parse_args(argv)
     shapes = _parse_shapes(a.shapes) if a.shapes else list(QUICK_SHAPES if a.quick else SHAPES)
     args_timing.update(warmup=1 if a.quick else a.warmup, iters=3 if a.quick else a.iters)
@@ -277,6 +369,16 @@ def main(argv=None):
     env = environment()
     print(f"# KDA benchmark: {env['device']} ({env['platform']}), jax {env['jax']}, torch {env['torch']}, "
           f"fla {env['fla']}, jla {env['jla']}, {env['date']}", flush=True)  # fmt: skip
+    if a.decode:
+        shape = QUICK_DECODE_SHAPE if a.quick else DECODE_SHAPE
+        rows = run_decode(shape, peers)
+        report = decode_table(rows)
+        print(report, flush=True)
+        config = dict(decode_shape=list(shape), peers=peers, lower_bound=LOWER_BOUND, **args_timing)
+        result = dict(env=env, config=config, peak=dict(tflops=PEAK_TFLOPS, tbps=PEAK_TBPS), rows=rows, table=report)
+        path = write_json(result, a.out, "kda-decode")
+        print(f"\nwrote {path}")
+        return result
     rows, path = [], a.out
     config = dict(shapes=[list(s) for s in shapes], impls=impls, peers=peers, lower_bound=LOWER_BOUND, **args_timing)
     for shape in shapes:

@@ -1,14 +1,20 @@
 """GPU check and timing of impl="pallas_gpu" against impl="chunk" (and the decode kernel).
 
     JAX_PLATFORMS=cuda python -m kernels.kda.pallas_gpu_bench
+    python -m kernels.kda.pallas_gpu_bench --stages --out kda_stages.json   # where the time goes
+    python -m kernels.kda.pallas_gpu_bench --stages --quick                 # tiny shape, CPU too
 
-Prints parity (relative RMS vs impl="naive") at a small shape, then mean milliseconds of 10
+Default: parity (relative RMS vs impl="naive") at a small shape, then mean milliseconds of 10
 calls after 3 warm-ups: forward, forward+backward, the state kernel alone, and decode with its
 achieved state bandwidth (bytes read + written).
+`--stages`: each stage of both impls jitted on its own at (8, 4096, 16, 128) bf16,
+lower_bound=-5 (see `kernels.kda.pallas_gpu_stages`), written as JSON.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
 
 import jax
@@ -93,7 +99,22 @@ def decode(B=64, H=32, D=128):
         print(f"decode {i:10s} B={B} H={H} D={D}: {ms * 1e3:8.1f} us  {nbytes / ms / 1e9:6.2f} TB/s", flush=True)
 
 
-def main():
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--stages", action="store_true", help="time every stage separately")
+    p.add_argument("--quick", action="store_true", help="with --stages: a tiny shape (runs on CPU)")
+    p.add_argument("--out", help="with --stages: JSON path")
+    a = p.parse_args(argv)
+    if a.stages:
+        from kernels.kda.pallas_gpu_stages import run_stages
+
+        shape = (1, 128, 2, 64) if a.quick else (8, 4096, 16, 128)
+        res = run_stages(shape, warmup=1 if a.quick else 2, iters=2 if a.quick else 5)
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=2)
+            print(f"wrote {a.out}")
+        return res
     print(jax.devices(), flush=True)
     parity()
     decode()

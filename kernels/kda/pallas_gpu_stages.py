@@ -1,0 +1,170 @@
+"""Stage-by-stage GPU timing of chunked KDA: where the forward and backward time goes.
+
+Each stage of impl="chunk" (pure JAX) and impl="pallas_gpu" (Mosaic GPU) is jitted on its own,
+fed with the real outputs of the stages before it, and timed (mean ms of `iters` calls after
+`warmup`; the first call's compile+run seconds are recorded too). Stages:
+
+  chunk.*       intra pieces (`chunk_intra.prep`, bounded), the WY inverse, the state scan, the
+                output products; the whole backward (`chunk._core_bwd`) with the bounded and the
+                exact intra path, and its pieces (prep's vjp, the reverse state scan).
+  pallas_gpu.*  the exact XLA intra stage (`pallas_gpu_prep.prepare`) and its cast to kernel
+                operands, the Mosaic GPU state kernel alone, the Mosaic GPU intra kernel alone.
+  whole         kda(...) forward and forward+backward for both impls (pallas_gpu with each
+                intra stage). A failing stage is recorded with its error; the others still run.
+
+    python -m kernels.kda.pallas_gpu_bench --stages --out kda_stages.json
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from kernels.kda import chunk, kda, mosaic_intra, mosaic_state, pallas_gpu, pallas_gpu_prep
+from kernels.kda.chunk_intra import to_chunks
+
+LOWER_BOUND = -5.0
+
+
+def _time(f, args, warmup, iters):
+    """(first call s, mean ms of `iters` calls after `warmup`)."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    first = time.perf_counter() - t0
+    for _ in range(warmup):
+        jax.block_until_ready(f(*args))
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = f(*args)
+    jax.block_until_ready(out)
+    return first, (time.perf_counter() - t0) / iters * 1e3
+
+
+def _inputs(B, T, H, D):
+    from kernels.kda.pallas_gpu_bench import inputs
+
+    return inputs(B, T, H, D)
+
+
+class _Recorder:
+    def __init__(self, warmup, iters):
+        self.warmup, self.iters, self.rows = warmup, iters, []
+
+    def __call__(self, name, f, *args):
+        """Time jit(f)(*args), record it, return its output (None on failure)."""
+        fj = jax.jit(f)
+        try:
+            first, ms = _time(fj, args, self.warmup, self.iters)
+            out = fj(*args)
+            self.rows.append(dict(stage=name, ms=ms, first_call_s=first, error=None))
+            print(f"{name:40s} {ms:9.3f} ms   (first call {first:6.1f} s)", flush=True)
+            return out
+        except Exception as e:  # noqa: BLE001 - one failing stage must not end the run
+            err = traceback.format_exception_only(type(e), e)[-1].strip()[:300]
+            self.rows.append(dict(stage=name, ms=None, first_call_s=None, error=err))
+            print(f"{name:40s} failed: {err}", flush=True)
+            return None
+
+
+def _chunk_stages(rec, q, k, v, g, beta, scale):
+    nm = chunk._Numerics(q.dtype)
+    B, T, H, K = q.shape
+    cq, ck, cv = (to_chunks(x) for x in (q, k, v))
+    cg, cb = to_chunks(g.astype(nm.sdt)), to_chunks(beta.astype(nm.sdt))
+    h0 = jnp.zeros((B, H, K, v.shape[-1]), nm.sdt)
+    P = rec("chunk.prep (intra scores, bounded)", lambda *a: chunk._prep(nm, *a, None, scale, True, True),
+            cq, ck, cv, cg, cb)
+    rec("chunk.prep (intra scores, exact)", lambda *a: chunk._prep(nm, *a, None, scale, False, True),
+        cq, ck, cv, cg, cb)
+    if P is None:
+        return
+    wy = rec("chunk.wy (inverse, w, u)", lambda P: chunk._wy(nm, P), P)
+    if wy is None:
+        return
+    _, w, u = wy
+    sc = rec("chunk.state_scan", lambda *a: chunk._state_scan(nm, *a), h0, w, u, P["kg"], P["decay"])
+    if sc is None:
+        return
+    states, vn, _ = sc
+    rec("chunk.output (qg S + Aqk v')",
+        lambda qg, st, A, vn: nm.mm("nbhck,nbhkv->nbhcv", qg, st) + nm.mm("nbhrc,nbhcv->nbhrv", A, vn),
+        P["qg"], states, P["Aqk"], vn)
+    do = jnp.ones(cv.shape, jnp.float32)
+    dS = jnp.ones(h0.shape, nm.sdt)
+    for bounded in (True, False):
+        res = jax.jit(lambda *a, b=bounded: chunk._core_fwd(*a, None, scale, b, True)[1])(cq, ck, cv, cg, cb, h0)
+        rec(f"chunk.bwd whole ({'bounded' if bounded else 'exact'} intra)",
+            lambda res, do, dS, b=bounded: chunk._core_bwd(scale, b, True, res, (do, dS)), res, do, dS)
+
+    def prep_vjp(*a):
+        Pb, pull = jax.vjp(lambda *x: chunk._prep(nm, *x, None, scale, True, True), *a)
+        return pull(jax.tree.map(jnp.ones_like, Pb))
+
+    rec("chunk.bwd piece: prep recompute + vjp", prep_vjp, cq, ck, cv, cg, cb)
+    dvi = jnp.ones(vn.shape, nm.sdt)
+    rec("chunk.bwd piece: reverse state scan",
+        lambda *a: chunk._grad_scan(nm, *a), dS, w, P["kg"], P["decay"], states.astype(nm.sdt), dvi)
+
+
+def _pallas_stages(rec, q, k, v, g, beta, scale):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    interpret = pallas_gpu._device_kind() == "cpu"
+    rec("pallas_gpu.prepare (exact XLA intra)",
+        lambda *a: pallas_gpu_prep.prepare(*a, scale=scale, segment_ids=None), q, k, v, g, beta)
+    ops = rec("pallas_gpu.prepare + cast to operands",
+              lambda *a: pallas_gpu._exact_operands(*a, None, scale, q.dtype), q, k, v, g, beta)
+    h0 = jnp.zeros((B * H, K, V), jnp.float32)
+    if ops is not None:
+        rec("pallas_gpu.mosaic_state alone",
+            lambda *a: mosaic_state.state_output(*a, out_dtype=v.dtype, interpret=interpret), *ops, h0)
+    C = mosaic_state.C
+    NT = -(-T // C)
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, NT * C - T)] + [(0, 0)] * (x.ndim - 2))
+    qp, kp, vp, gp, bp = (pad(x) for x in (q, k, v, g, beta))
+    Gp = jnp.cumsum(gp.reshape(B, NT, C, H, K), axis=2).reshape(B, NT * C, H, K)
+    bt = jnp.moveaxis(bp, 1, 2)
+    rec("pallas_gpu.mosaic_intra alone",
+        lambda *a: mosaic_intra.intra_bounded(*a, scale=scale, interpret=interpret), qp, kp, vp, Gp, bt)
+
+
+def _whole(rec, args):
+    def fwd(impl, intra=None):
+        kw = {} if intra is None else dict(intra=intra)
+        return lambda q, k, v, g, b: _kda(impl, kw)(q, k, v, g, b)[0]
+
+    def fwd_bwd(impl, intra=None):
+        f = fwd(impl, intra)
+        return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4))
+
+    for impl, intra in (("chunk", None), ("pallas_gpu", "xla"), ("pallas_gpu", "mosaic")):
+        label = impl if intra is None else f"{impl} intra={intra}"
+        rec(f"whole {label} fwd", fwd(impl, intra), *args)
+        if intra != "mosaic":  # the backward does not depend on the intra stage (each compile costs seconds)
+            rec(f"whole {label} fwd+bwd", fwd_bwd(impl, intra), *args)
+
+
+def _kda(impl, kw):
+    if impl == "pallas_gpu":
+        return lambda *a: pallas_gpu.kda_impl(*a, scale=a[0].shape[-1] ** -0.5, initial_state=None, segment_ids=None,
+                                              lower_bound=LOWER_BOUND, **kw)
+    return lambda *a: kda(*a, lower_bound=LOWER_BOUND, impl=impl)
+
+
+def run_stages(shape, *, warmup=2, iters=5):
+    """Time every stage at `shape` = (B, T, H, D), bf16, lower_bound=-5. Returns a JSON-able dict."""
+    t0 = time.perf_counter()
+    q, k, v, g, beta = _inputs(*shape)
+    scale = shape[-1] ** -0.5
+    rec = _Recorder(warmup, iters)
+    print(f"# stages at {shape} bf16 lower_bound={LOWER_BOUND} on {jax.devices()[0].device_kind}", flush=True)
+    _whole(rec, (q, k, v, g, beta))
+    _chunk_stages(rec, q, k, v, g, beta, scale)
+    _pallas_stages(rec, q, k, v, g, beta, scale)
+    d = jax.devices()[0]
+    return dict(shape=list(shape), dtype="bfloat16", lower_bound=LOWER_BOUND, warmup=warmup, iters=iters,
+                device=getattr(d, "device_kind", str(d)), platform=d.platform, jax=jax.__version__,
+                wall_s=time.perf_counter() - t0, stages=rec.rows)
