@@ -1,19 +1,27 @@
-"""MoE routed-expert throughput: the Pallas grouped matmul (`kernels.gmm`) against
-`jax.lax.ragged_dot`, forward + backward, counting active FLOPs only.
+"""MoE routed-expert throughput on one GPU: the Pallas grouped matmul (`kernels.gmm`) against
+XLA baselines, per kernel and for the whole expert FFN / routed layer, counting active FLOPs.
 
-    python benchmarks/moe.py                  # on a Hopper GPU: K3 per-device + k3_small shapes
-    python benchmarks/moe.py --quick          # tiny shapes on CPU (Pallas interpreted), a smoke test
+    python benchmarks/moe.py --out DIR             # Hopper GPU: K3 per-device + k3_small shapes
+    python benchmarks/moe.py --out DIR --sweep     # + a tile sweep, best tile per kernel
+    python benchmarks/moe.py --quick --out DIR     # tiny shapes on CPU (Pallas interpreted)
 
-Workloads (bf16, f32 accumulation, SwiGLU experts):
-- "k3_device": one device's share of K3's LatentMoE experts: latent 3584, expert width 3072,
-  128 experts, top-16 routing of 32768 tokens (524288 token-expert rows);
-- "k3_small": the expert shapes of `configs/k3_small.py` (read from the config), 32768 tokens.
-Routing is the top-k of random scores (near-uniform loads). Two measurements per workload and
-impl: "ffn" (the grouped expert FFN over tokens already sorted by expert: three grouped matmuls)
-and "layer" (the whole routed path of `moe_dispatch.ragged_dispatch`: sort, FFN, un-sort,
-weighted combine). FLOPs = 3 matmuls x 2*rows*D*F forward, x3 for forward + backward; TFLOP/s
-and the fraction of the H200's 790 TFLOP/s dense bf16 peak are reported, with the ratio of the
-Pallas time to ragged_dot's. Writes JSON and a markdown table under benchmarks/results/.
+Workloads (bf16, f32 accumulation, SwiGLU experts, routing = top-k of random scores):
+- "k3_device": one device's share of K3's LatentMoE experts: latent D=3584, expert width F=3072,
+  128 experts, top-16 routing of 32768 tokens (M = 524288 token-expert rows);
+- "k3_small": the expert shapes of configs/k3_small.py (D=256, F=224, 8 experts, top-2).
+
+Rows of the JSON (rewritten after every measurement, so a crash or timeout keeps what ran):
+- kind "kernel": one grouped matmul alone, [M, K] x [E, K, N] as gmm_fwd (gate/up: K=D, N=F;
+  down: K=F, N=D), gmm_dlhs (dout [M, F] x W^T), tgmm (the weight gradient [E, D, F]);
+  FLOPs 2*M*K*N. Pallas per tile (bm, bn, bk, stages), ragged_dot, padded_bmm.
+- kind "step": "ffn" (three grouped matmuls over rows already sorted by expert) and "layer"
+  (`moe_dispatch.ragged_dispatch`: sort, FFN, un-sort, weighted combine), forward + backward;
+  FLOPs 9 * 2*M*D*F. Pallas with the default tiles and with the best tile of every kernel.
+Impls: "pallas_gpu"; "ragged_dot" (jax.lax.ragged_dot; XLA's GPU lowering can materialise a
+dense [M, E, N] intermediate, so the compiled program's memory is checked against the device
+first and the run is skipped with the estimate when it does not fit); "padded_bmm" (every
+expert's rows scattered into a [E, C, K] buffer, C = largest group rounded up to 128, one XLA
+batched matmul; it executes E*C/M times the active FLOPs, reported TFLOP/s count active only).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,41 +38,40 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import PEAK_TFLOPS, environment, markdown_table, time_jax  # noqa: E402
-from kernels.gmm import gmm  # noqa: E402
+from benchmarks.common import PEAK_TFLOPS, attempt, environment, markdown_table  # noqa: E402
+from kernels.gmm import pallas_gpu, reference  # noqa: E402
 from kimi_jax.moe_dispatch import (  # noqa: E402
     ExpertWeights, grouped_ffn, ragged_dispatch, sort_by_expert)
 
-IMPLS = ("pallas_gpu", "ragged_dot")
-
-
-def k3_small_shapes():
-    """(latent width, expert width, experts, top_k) of configs/k3_small.py."""
-    from configs import k3_small
-
-    moe = k3_small.get_config().model.moe
-    return moe.latent_dim, moe.expert_hidden, moe.num_experts, moe.top_k
+Blocks = pallas_gpu.Blocks
+# Tiles that fit the 227 KiB of shared memory (checked by lowering for CUDA); tgmm needs
+# 2 stages at 128x256x64 (its stages hold [bm, bk] and [bm, bn] tiles).
+SWEEP = (Blocks(128, 128, 64, 4), Blocks(128, 256, 64, 3), Blocks(128, 256, 64, 2),
+         Blocks(64, 256, 64, 4), Blocks(128, 128, 128, 3))
+KERNELS = ("gmm_fwd_gate", "gmm_fwd_down", "gmm_dlhs", "tgmm")
 
 
 def workloads(quick: bool):
     if quick:
-        return [dict(name="quick", tokens=32, d=64, f=64, experts=2, top_k=2)]
-    d, f, e, k = k3_small_shapes()
-    return [dict(name="k3_device", tokens=32768, d=3584, f=3072, experts=128, top_k=16),
-            dict(name="k3_small", tokens=32768, d=d, f=f, experts=e, top_k=k)]
+        return [dict(name="quick", tokens=64, d=64, f=128, experts=3, top_k=2)]
+    # k3_small: configs/k3_small.py's moe (latent_dim, expert_hidden, num_experts, top_k); not
+    # read from the config so that this script needs no ml_collections.
+    # k3_small first: it takes seconds, and the time budget then goes to k3_device.
+    return [dict(name="k3_small", tokens=32768, d=256, f=224, experts=8, top_k=2),
+            dict(name="k3_device", tokens=32768, d=3584, f=3072, experts=128, top_k=16)]
 
 
 def _inputs(w, seed=0):
-    rng = np.random.default_rng(seed)
+    """Generated on the device (host RNG for K3's 4e9 weights would take a minute)."""
     n, d, f, e, k = w["tokens"], w["d"], w["f"], w["experts"], w["top_k"]
-    x = jnp.asarray(rng.normal(size=(n, d)), jnp.bfloat16)
-    idx = jnp.asarray(np.argsort(-rng.normal(size=(n, e)), axis=1)[:, :k], jnp.int32)
-    weights = jnp.asarray(rng.uniform(size=(n, k)) / k, jnp.float32)
-    scale = lambda fan_in: 1.0 / np.sqrt(fan_in)  # noqa: E731
+    keys = jax.random.split(jax.random.key(seed), 6)
+    x = jax.random.normal(keys[0], (n, d), jnp.bfloat16)
+    idx = jax.lax.top_k(jax.random.normal(keys[1], (n, e)), k)[1].astype(jnp.int32)
+    weights = jax.random.uniform(keys[2], (n, k), jnp.float32) / k
     experts = ExpertWeights(
-        jnp.asarray(rng.normal(size=(e, d, f)) * scale(d), jnp.bfloat16),
-        jnp.asarray(rng.normal(size=(e, d, f)) * scale(d), jnp.bfloat16),
-        jnp.asarray(rng.normal(size=(e, f, d)) * scale(f), jnp.bfloat16))
+        (jax.random.normal(keys[3], (e, d, f), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16),
+        (jax.random.normal(keys[4], (e, d, f), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16),
+        (jax.random.normal(keys[5], (e, f, d), jnp.float32) / np.sqrt(f)).astype(jnp.bfloat16))
     return x, idx, weights, experts
 
 
@@ -71,95 +79,267 @@ def _swiglu(gate, up):
     return jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
 
 
-def _steps(impl):
-    matmul = lambda a, b, gs: gmm(a, b, gs, impl=impl)  # noqa: E731
+def padded_bmm(capacity: int):
+    """gmm/tgmm as XLA batched matmuls over experts padded to `capacity` rows each."""
 
-    def ffn_loss(xs, ex, gs):
-        return jnp.sum(grouped_ffn(xs, gs, ex, _swiglu, matmul=matmul).astype(jnp.float32))
+    def slots(group_sizes, m):
+        offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes)])
+        rows = jnp.arange(m, dtype=jnp.int32)
+        g = jnp.searchsorted(offsets[1:], rows, side="right")
+        slot = g * capacity + rows - offsets[jnp.minimum(g, group_sizes.shape[0] - 1)]
+        return jnp.where(g < group_sizes.shape[0], slot, group_sizes.shape[0] * capacity)
 
-    def layer_loss(x, ex, idx, w):
-        return jnp.sum(ragged_dispatch(x, idx, w, ex, _swiglu, matmul=matmul))
+    def to_padded(a, slot, e):
+        buf = jnp.zeros((e * capacity, a.shape[1]), a.dtype).at[slot].set(a, mode="drop")
+        return buf.reshape(e, capacity, a.shape[1])
 
-    return (jax.jit(jax.value_and_grad(ffn_loss, argnums=(0, 1))),
-            jax.jit(jax.value_and_grad(layer_loss, argnums=(0, 1))))
+    def gmm(lhs, rhs, group_sizes, transpose_rhs=False):
+        e, m = rhs.shape[0], lhs.shape[0]
+        slot = slots(group_sizes, m)
+        eq = "eck,enk->ecn" if transpose_rhs else "eck,ekn->ecn"
+        out = jnp.einsum(eq, to_padded(lhs, slot, e), rhs, preferred_element_type=jnp.float32)
+        out = out.reshape(e * capacity, -1).astype(lhs.dtype)
+        return jnp.take(out, slot, axis=0, mode="fill", fill_value=0)
 
+    def tgmm(lhs, dout, group_sizes):
+        e = group_sizes.shape[0]
+        slot = slots(group_sizes, lhs.shape[0])
+        return jnp.einsum("eck,ecn->ekn", to_padded(lhs, slot, e), to_padded(dout, slot, e),
+                          preferred_element_type=jnp.float32).astype(lhs.dtype)
 
-def run(quick: bool, iters: int):
-    timing = dict(warmup=0 if quick else 3, iters=iters)  # quick: one call, compile included
-    rows = []
-    for w in workloads(quick):
-        x, idx, weights, experts = _inputs(w)
-        order, token, group_sizes = sort_by_expert(idx, w["experts"])
-        x_sorted = x[token]
-        pairs = w["tokens"] * w["top_k"]
-        flops = 3 * 3 * 2 * pairs * w["d"] * w["f"]
-        times, errors = {}, {}
-        for impl in IMPLS:
-            ffn_step, layer_step = _steps(impl)
-            steps = dict(ffn=(ffn_step, (x_sorted, experts, group_sizes)),
-                         layer=(layer_step, (x, experts, idx, weights)))
-            times[impl] = {}
-            for part, (fn, args) in steps.items():
-                # One impl failing (e.g. ragged_dot running out of memory at K3's shape on GPU)
-                # is recorded in the row and does not abort the others.
-                try:
-                    times[impl][part] = time_jax(fn, *args, **timing)
-                except Exception as e:  # noqa: BLE001
-                    times[impl][part] = None
-                    errors[f"{impl}/{part}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                    print(f"{w['name']} {impl} {part}: {errors[f'{impl}/{part}']}", flush=True)
-        for part in ("ffn", "layer"):
-            row = dict(workload=w["name"], part=part, **{k: w[k] for k in
-                       ("tokens", "d", "f", "experts", "top_k")}, gflop=flops / 1e9)
-            for impl in IMPLS:
-                ms = times[impl][part]
-                tflops = None if ms is None else flops / (ms * 1e-3) / 1e12
-                row.update({f"{impl}_ms": ms, f"{impl}_tflops": tflops,
-                            f"{impl}_peak_frac": None if tflops is None else tflops / PEAK_TFLOPS,
-                            f"{impl}_error": errors.get(f"{impl}/{part}")})
-            both = times["ragged_dot"][part] is not None and times["pallas_gpu"][part] is not None
-            row["pallas_over_ragged_speedup"] = (
-                times["ragged_dot"][part] / times["pallas_gpu"][part] if both else None)
-            rows.append(row)
-    return rows
+    return gmm, tgmm
 
 
-def _cells(r, impl):
-    if r[impl + "_ms"] is None:
-        return ["failed", r[impl + "_error"] or ""]
-    return [f"{r[impl + '_ms']:.2f}", f"{r[impl + '_tflops']:.1f} ({100 * r[impl + '_peak_frac']:.1f}%)"]
+def _kernel_fn(kernel, impl, blocks, capacity):
+    """(fn(x_sorted, dout_f, dout_d, experts, group_sizes), (M, K, N)) of one kernel alone."""
+    if impl == "pallas_gpu":
+        interpret = jax.devices()[0].platform != "gpu"
+        gmm = lambda a, b, gs, t=False: pallas_gpu.gmm(  # noqa: E731
+            a, b, gs, transpose_rhs=t, blocks=blocks, interpret=interpret)
+        tgmm = lambda a, d, gs: pallas_gpu.tgmm(  # noqa: E731
+            a, d, gs, blocks=blocks, interpret=interpret)
+    elif impl == "ragged_dot":
+        tgmm = reference.tgmm
+        gmm = lambda a, b, gs, t=False: reference.gmm(a, b, gs, transpose_rhs=t)  # noqa: E731
+    else:
+        gmm, tgmm = padded_bmm(capacity)
+    return {
+        "gmm_fwd_gate": lambda x, df, dd, ex, gs: gmm(x, ex.gate, gs),
+        "gmm_fwd_down": lambda x, df, dd, ex, gs: gmm(df, ex.down, gs),
+        "gmm_dlhs": lambda x, df, dd, ex, gs: gmm(df, ex.gate, gs, True),
+        "tgmm": lambda x, df, dd, ex, gs: tgmm(x, df, gs),
+    }[kernel]
+
+
+def _kernel_mkn(kernel, w):
+    m, d, f = w["tokens"] * w["top_k"], w["d"], w["f"]
+    return {"gmm_fwd_gate": (m, d, f), "gmm_fwd_down": (m, f, d), "gmm_dlhs": (m, f, d),
+            "tgmm": (m, d, f)}[kernel]
+
+
+def _step_fn(part, impl, blocks, capacity):
+    if impl == "pallas_gpu":
+        interpret = jax.devices()[0].platform != "gpu"
+        matmul = lambda a, b, gs: pallas_gpu.gmm_vjp(a, b, gs, blocks, interpret)  # noqa: E731
+    elif impl == "ragged_dot":
+        matmul = reference.gmm
+    else:
+        matmul = padded_bmm(capacity)[0]
+    if part == "ffn":
+        def loss(xs, ex, gs):
+            return jnp.sum(grouped_ffn(xs, gs, ex, _swiglu, matmul=matmul).astype(jnp.float32))
+    else:
+        def loss(x, ex, idx, wts):
+            return jnp.sum(ragged_dispatch(x, idx, wts, ex, _swiglu, matmul=matmul))
+    return jax.value_and_grad(loss, argnums=(0, 1))
+
+
+def _device_bytes():
+    stats = attempt(lambda: jax.devices()[0].memory_stats())[0] or {}
+    return stats.get("bytes_limit")
+
+
+def measure(fn, args, warmup, iters):
+    """Compile, check the compiled memory against the device, then time (median ms).
+    Returns dict(ms, compile_s, mem_gib, error)."""
+    t0 = time.perf_counter()
+    compiled, err = attempt(lambda: jax.jit(fn).lower(*args).compile())
+    out = dict(ms=None, compile_s=round(time.perf_counter() - t0, 2), mem_gib=None, error=err)
+    if compiled is None:
+        return out
+    mem = attempt(compiled.memory_analysis)[0]
+    if mem is not None:
+        need = (mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes)
+        out["mem_gib"] = round(need / 2**30, 2)
+        limit = _device_bytes()
+        if limit and need > 0.95 * limit:
+            out["error"] = f"skipped: needs {need / 2**30:.0f} GiB > device {limit / 2**30:.0f} GiB"
+            return out
+
+    def timed():
+        for _ in range(warmup):
+            jax.block_until_ready(compiled(*args))
+        times = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            times.append(time.perf_counter() - t)
+        return 1e3 * float(np.median(times))
+
+    out["ms"], out["error"] = attempt(timed)
+    out["compiled"] = compiled
+    return out
+
+
+def rel_rms(ref, got):
+    """Relative RMS difference of two arrays (f32), on the device."""
+    ref, got = jnp.asarray(ref, jnp.float32), jnp.asarray(got, jnp.float32)
+    return float(jnp.sqrt(jnp.mean((ref - got) ** 2) / jnp.maximum(jnp.mean(ref ** 2), 1e-30)))
+
+
+class Recorder:
+    """Keeps the rows and rewrites <out>/<stem>.json and .md after every row."""
+
+    def __init__(self, out_dir, stem, meta):
+        self.rows, self.meta, self.t0 = [], meta, time.perf_counter()
+        os.makedirs(out_dir, exist_ok=True)
+        self.json_path = os.path.join(out_dir, stem + ".json")
+        self.md_path = os.path.join(out_dir, stem + ".md")
+
+    def add(self, row, flops):
+        tf = None if row["ms"] is None else flops / (row["ms"] * 1e-3) / 1e12
+        row.update(gflop=flops / 1e9, tflops=tf, peak_frac=None if tf is None else tf / PEAK_TFLOPS)
+        self.rows.append(row)
+        elapsed = time.perf_counter() - self.t0
+        shown = "failed: " + str(row["error"]) if row["ms"] is None else \
+            f"{row['ms']:.3f} ms {tf:.1f} TFLOP/s ({100 * row['peak_frac']:.1f}%)"
+        if row.get("check"):
+            shown += f" rel_rms vs {row['check']['against']} {row['check']['rel_rms']}"
+        print(f"[{elapsed:6.1f}s] {row['workload']} {row['kind']} {row['name']} {row['impl']} "
+              f"{row.get('blocks') or ''} compile {row['compile_s']}s: {shown}", flush=True)
+        with open(self.json_path, "w") as f:
+            json.dump(dict(meta=self.meta, rows=self.rows), f, indent=1)
+        with open(self.md_path, "w") as f:
+            f.write(f"MoE routed experts, {self.meta['device']}, jax {self.meta['jax']}, "
+                    f"{self.meta['date']}\n\n{markdown(self.rows)}")
+
+    def elapsed(self):
+        return time.perf_counter() - self.t0
+
+
+def _blocks_str(b):
+    if b is None:
+        return None
+    if isinstance(b, Blocks):
+        return f"{b.bm}x{b.bn}x{b.bk}/{b.stages}"
+    return " ".join(_blocks_str(x) for x in b)
+
+
+def run_workload(w, rec, *, sweep, iters, warmup, budget_s, baselines):
+    x, idx, weights, experts = _inputs(w)
+    order, token, group_sizes = sort_by_expert(idx, w["experts"])
+    x_sorted = x[token]
+    m = x_sorted.shape[0]
+    gs_host = np.asarray(group_sizes)
+    capacity = int(-(-gs_host.max() // 128) * 128)
+    keys = jax.random.split(jax.random.key(1), 2)
+    dout_f = jax.random.normal(keys[0], (m, w["f"]), jnp.bfloat16)
+    dout_d = jax.random.normal(keys[1], (m, w["d"]), jnp.bfloat16)
+    kargs = (x_sorted, dout_f, dout_d, experts, group_sizes)
+    base = dict(workload=w["name"], **{k: w[k] for k in ("tokens", "d", "f", "experts", "top_k")},
+                rows=m, max_group=int(gs_host.max()), min_group=int(gs_host.min()))
+    tiles = SWEEP if sweep else (Blocks(),)
+    best = {}
+    for kernel in KERNELS:
+        mm, kk, nn = _kernel_mkn(kernel, w)
+        flops = 2 * mm * kk * nn
+        impls = [(i, None) for i in baselines] + [("pallas_gpu", b) for b in tiles]
+        ref = None  # the first baseline's output: pallas rows record their error against it
+        for impl, b in impls:
+            if rec.elapsed() > budget_s:
+                print(f"time budget {budget_s}s spent: skipping {kernel} {impl}", flush=True)
+                continue
+            r = measure(_kernel_fn(kernel, impl, b, capacity), kargs, warmup, iters)
+            compiled = r.pop("compiled", None)
+            if r["ms"] is not None and (ref is None or impl == "pallas_gpu"):
+                out = compiled(*kargs)
+                if ref is None:
+                    ref = (impl, out)
+                else:
+                    err = attempt(lambda: rel_rms(ref[1], out))[0]
+                    r["check"] = dict(against=ref[0], rel_rms=err)
+                del out
+            del compiled
+            rec.add(dict(base, kind="kernel", name=kernel, impl=impl, blocks=_blocks_str(b),
+                         mkn=[mm, kk, nn], **r), flops)
+            wrong = (r.get("check") or {}).get("rel_rms")
+            wrong = wrong is None and "check" in r or (wrong or 0) > 2e-2
+            if impl == "pallas_gpu" and r["ms"] is not None and not wrong and \
+                    (kernel not in best or r["ms"] < best[kernel][0]):
+                best[kernel] = (r["ms"], b)
+        ref = None
+    pick = lambda k: best.get(k, (0, Blocks()))[1]  # noqa: E731
+    tuned = (pick("gmm_fwd_gate"), pick("gmm_dlhs"), pick("tgmm"))
+    variants = [("pallas_gpu", Blocks())] + ([("pallas_gpu", tuned)] if tuned != (Blocks(),) * 3
+                                             else []) + [(i, None) for i in baselines]
+    flops = 9 * 2 * m * w["d"] * w["f"]
+    for part, args in (("ffn", (x_sorted, experts, group_sizes)),
+                       ("layer", (x, experts, idx, weights))):
+        for impl, b in variants:
+            if rec.elapsed() > budget_s:
+                print(f"time budget {budget_s}s spent: skipping {part} {impl}", flush=True)
+                continue
+            r = measure(_step_fn(part, impl, b, capacity), args, warmup, iters)
+            r.pop("compiled", None)
+            rec.add(dict(base, kind="step", name=part, impl=impl, blocks=_blocks_str(b), **r),
+                    flops)
 
 
 def markdown(rows) -> str:
-    header = ["workload", "part", "rows x D x F, E, k", "pallas ms", "pallas TFLOP/s (% peak)",
-              "ragged_dot ms", "ragged_dot TFLOP/s (% peak)", "speedup"]
-    body = [[r["workload"], r["part"],
-             f"{r['tokens'] * r['top_k']} x {r['d']} x {r['f']}, {r['experts']}, {r['top_k']}"]
-            + [v for impl in IMPLS for v in _cells(r, impl)]
-            + ["–" if r["pallas_over_ragged_speedup"] is None else f"{r['pallas_over_ragged_speedup']:.2f}x"]
-            for r in rows]
+    header = ["workload", "kind", "name", "impl", "tiles bm x bn x bk / stages", "ms",
+              "TFLOP/s (% of 790)", "vs best baseline"]
+    best_base = {}
+    for r in rows:
+        if r["impl"] != "pallas_gpu" and r["ms"] is not None:
+            key = (r["workload"], r["kind"], r["name"])
+            best_base[key] = min(best_base.get(key, np.inf), r["ms"])
+    body = []
+    for r in rows:
+        key = (r["workload"], r["kind"], r["name"])
+        if r["ms"] is None:
+            cells = [str(r["error"])[:80], "–", "–"]
+        else:
+            ratio = (f"{best_base[key] / r['ms']:.2f}x" if r["impl"] == "pallas_gpu"
+                     and key in best_base else "–")
+            cells = [f"{r['ms']:.2f}", f"{r['tflops']:.1f} ({100 * r['peak_frac']:.1f}%)", ratio]
+        body.append([r["workload"], r["kind"], r["name"], r["impl"], r["blocks"] or "–"] + cells)
     return markdown_table(header, body) + "\n"
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
+    parser.add_argument("--sweep", action="store_true", help="time every tile of SWEEP")
     parser.add_argument("--iters", type=int, default=None, help="timed calls (median)")
+    parser.add_argument("--workloads", default=None, help="comma-separated subset")
+    parser.add_argument("--baselines", default="ragged_dot,padded_bmm")
+    parser.add_argument("--budget_s", type=float, default=260.0,
+                        help="stop starting measurements after this many seconds")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
-    iters = args.iters or (1 if args.quick else 10)
-    rows = run(args.quick, iters)
-    meta = dict(environment(), quick=args.quick, iters=iters, peak_tflops=PEAK_TFLOPS)
-    os.makedirs(args.out, exist_ok=True)
-    stem = "moe_quick" if args.quick else "moe"
-    with open(os.path.join(args.out, stem + ".json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    table = markdown(rows)
-    with open(os.path.join(args.out, stem + ".md"), "w") as f:
-        f.write(f"MoE routed experts, fwd+bwd, {meta['device']}, jax {meta['jax']}, "
-                f"{meta['date']}\n\n{table}")
-    print(table)
-    return rows
+    iters = args.iters or (1 if args.quick else 5)
+    warmup = 0 if args.quick else 1
+    meta = dict(environment(), quick=args.quick, iters=iters, warmup=warmup, sweep=args.sweep,
+                peak_tflops=PEAK_TFLOPS)
+    rec = Recorder(args.out, "moe_quick" if args.quick else "moe", meta)
+    chosen = args.workloads.split(",") if args.workloads else None
+    baselines = [b for b in args.baselines.split(",") if b]
+    for w in workloads(args.quick):
+        if chosen is None or w["name"] in chosen:
+            run_workload(w, rec, sweep=args.sweep, iters=iters, warmup=warmup,
+                         budget_s=args.budget_s, baselines=baselines)
+    print(markdown(rec.rows))
+    return rec.rows
 
 
 if __name__ == "__main__":

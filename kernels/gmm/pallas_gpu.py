@@ -269,22 +269,32 @@ def tgmm(lhs, dout, group_sizes, *, blocks=Blocks(), interpret=False, out_dtype=
     return out[:, :k, :n]
 
 
+def split_blocks(blocks):
+    """(forward, dlhs, drhs) tiles from one `Blocks` (used for all three) or a 3-tuple."""
+    if isinstance(blocks, Blocks):
+        return blocks, blocks, blocks
+    fwd, dlhs, drhs = blocks
+    return fwd, dlhs, drhs
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def gmm_vjp(lhs, rhs, group_sizes, blocks=Blocks(), interpret=False):
-    """Differentiable gmm: dlhs = gmm(dout, rhs^T), drhs = tgmm(lhs, dout), both kernels."""
-    return gmm(lhs, rhs, group_sizes, blocks=blocks, interpret=interpret)
+    """Differentiable gmm: dlhs = gmm(dout, rhs^T), drhs = tgmm(lhs, dout), both kernels.
+    `blocks`: one `Blocks` or a (forward, dlhs, drhs) tuple, tuned per kernel."""
+    return gmm(lhs, rhs, group_sizes, blocks=split_blocks(blocks)[0], interpret=interpret)
 
 
 def _gmm_fwd(lhs, rhs, group_sizes, blocks, interpret):
-    out = gmm(lhs, rhs, group_sizes, blocks=blocks, interpret=interpret)
+    out = gmm(lhs, rhs, group_sizes, blocks=split_blocks(blocks)[0], interpret=interpret)
     return out, (lhs, rhs, group_sizes)
 
 
 def _gmm_bwd(blocks, interpret, res, dout):
     lhs, rhs, group_sizes = res
+    _, b_dlhs, b_drhs = split_blocks(blocks)
     dout = dout.astype(lhs.dtype)
-    dlhs = gmm(dout, rhs, group_sizes, transpose_rhs=True, blocks=blocks, interpret=interpret)
-    drhs = tgmm(lhs, dout, group_sizes, blocks=blocks, interpret=interpret, out_dtype=rhs.dtype)
+    dlhs = gmm(dout, rhs, group_sizes, transpose_rhs=True, blocks=b_dlhs, interpret=interpret)
+    drhs = tgmm(lhs, dout, group_sizes, blocks=b_drhs, interpret=interpret, out_dtype=rhs.dtype)
     return dlhs, drhs, np.zeros(group_sizes.shape, jax.dtypes.float0)
 
 

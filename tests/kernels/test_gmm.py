@@ -132,23 +132,51 @@ def test_compiled_kernels_on_gpu(rng):
                  np.asarray(gmm(lhs, rhs, gs, impl="pallas_gpu"), np.float32), 5e-3)
 
 
-def test_benchmark_quick_mode(tmp_path):
-    """`benchmarks/moe.py --quick` runs both impls at tiny shapes and writes JSON + markdown."""
+def _load_benchmark():
     import importlib.util
-    import json
     import os
 
     path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "moe.py")
     spec = importlib.util.spec_from_file_location("bench_moe", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_benchmark_quick_mode(tmp_path):
+    """`benchmarks/moe.py --quick` times every kernel and step of all impls at tiny shapes,
+    checks the Pallas outputs against the first baseline and writes JSON + markdown."""
+    import json
+
+    bench = _load_benchmark()
     rows = bench.main(["--quick", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "moe_quick.json").read_text())
-    assert [r["part"] for r in data["rows"]] == ["ffn", "layer"] and data["meta"]["quick"]
+    assert data["meta"]["quick"] and len(data["rows"]) == len(rows)
+    kernels = {(r["name"], r["impl"]) for r in rows if r["kind"] == "kernel"}
+    assert kernels == {(k, i) for k in bench.KERNELS
+                       for i in ("pallas_gpu", "ragged_dot", "padded_bmm")}
+    steps = {(r["name"], r["impl"]) for r in rows if r["kind"] == "step"}
+    assert steps == {(p, i) for p in ("ffn", "layer")
+                     for i in ("pallas_gpu", "ragged_dot", "padded_bmm")}
     for r in rows:
-        assert r["pallas_gpu_ms"] > 0 and r["ragged_dot_ms"] > 0
-        assert r["gflop"] == 9 * 2 * r["tokens"] * r["top_k"] * r["d"] * r["f"] / 1e9
-    assert "| quick | layer |" in (tmp_path / "moe_quick.md").read_text()
+        assert r["ms"] > 0 and r["error"] is None
+        if r["kind"] == "step":
+            assert r["gflop"] == 9 * 2 * r["tokens"] * r["top_k"] * r["d"] * r["f"] / 1e9
+        if r["kind"] == "kernel" and r["impl"] == "pallas_gpu":
+            assert r["check"]["against"] == "ragged_dot" and r["check"]["rel_rms"] < 1e-2
+    assert "| quick | step | layer | pallas_gpu |" in (tmp_path / "moe_quick.md").read_text()
+
+
+def test_padded_bmm_baseline_matches_ragged_dot(rng):
+    """The benchmark's capacity-padded batched-matmul baseline computes the same gmm/tgmm."""
+    m, k, n, sizes = CASES[0]
+    lhs, rhs, gs = _inputs(rng, m, k, n, sizes, jnp.float32)
+    dout = jnp.asarray(rng.normal(size=(m, n)), jnp.float32)
+    gmm_p, tgmm_p = _load_benchmark().padded_bmm(capacity=max(sizes))
+    assert_close("pad", reference.gmm(lhs, rhs, gs), gmm_p(lhs, rhs, gs), 1e-5)
+    assert_close("pad_t", reference.gmm(dout, rhs, gs, transpose_rhs=True),
+                 gmm_p(dout, rhs, gs, True), 1e-5)
+    assert_close("pad_tgmm", reference.tgmm(lhs, dout, gs), tgmm_p(lhs, dout, gs), 1e-5)
 
 
 def test_kernels_lower_for_cuda():
