@@ -9,7 +9,13 @@ trial, and how a trial is scored (an entry of its eval/results.json; an empty `s
 takes the task's only entry). Trials whose
 DIR/trials/<name>/DONE exists are skipped, so a restarted sweep continues. `--parallel N` runs N
 trials at once on this machine; `--devices` gives each running trial one of the listed devices
-(through `--device_env`, CUDA_VISIBLE_DEVICES by default). On a TPU pod slice or a multi-host GPU
+(through `--device_env`, CUDA_VISIBLE_DEVICES by default), `--trials_per_device N` lets N trials
+share each one (small models leave a GPU mostly idle; their cost is process start, compiling and
+host-side data), each then without preallocation and with 0.9/N of the device memory (JAX's
+XLA_PYTHON_CLIENT_* variables). `--deadline_s` bounds the sweep's wall time: no trial starts after
+it, running ones are stopped (SIGTERM, as does a SIGTERM to the sweep) and the summary is written
+from the trials that finished. A failed trial is recorded, with the tail of its log, in
+DIR/status.json and DIR/summary.md, and the sweep goes on. On a TPU pod slice or a multi-host GPU
 cluster every trial must run on the whole slice: `--launcher` is the same launch train.py uses
 there (a command prefix, or a template with {cmd}, e.g. gcloud's `--worker=all --command '{cmd}'`),
 and trials run one after another. Writes DIR/summary.json, DIR/summary.md and DIR/summary.png:
@@ -23,8 +29,10 @@ import json
 import os
 import queue
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -37,8 +45,11 @@ def _define_flags():
     global absl flags free for train.py and eval.py."""
     config_flags.DEFINE_config_file("config", None, "Sweep config (configs/sweeps/<name>.py[:arg]).")
     flags.DEFINE_string("workdir", None, "Sweep directory (one sub-directory per trial).")
-    flags.DEFINE_integer("parallel", 1, "Trials run at once on this machine.")
+    flags.DEFINE_integer("parallel", 0, "Trials run at once on this machine (0: one per device slot, else 1).")
     flags.DEFINE_string("devices", "", "Comma-separated device ids handed out one per running trial.")
+    flags.DEFINE_integer("trials_per_device", 1, "Trials sharing each device of --devices.")
+    flags.DEFINE_float("mem_fraction", 0.0, "Device memory fraction per shared trial (0: 0.9 / trials_per_device).")
+    flags.DEFINE_float("deadline_s", 0.0, "Wall-clock budget of the sweep in seconds (0: none).")
     flags.DEFINE_string("device_env", "CUDA_VISIBLE_DEVICES", "Variable that pins a trial to its device.")
     flags.DEFINE_string("launcher", "", "Multi-host launch prefix or template with {cmd}.")
     flags.DEFINE_bool("dry_run", False, "Print the trial commands and stop.")
@@ -91,6 +102,17 @@ class Trial:
     def done_file(self) -> str:
         return os.path.join(self.workdir, "DONE")
 
+    @property
+    def failed_file(self) -> str:
+        return os.path.join(self.workdir, "FAILED")
+
+    def failure(self) -> dict:
+        """What the runner recorded of the last failed attempt ({} if none)."""
+        if not os.path.exists(self.failed_file):
+            return {}
+        with open(self.failed_file) as f:
+            return json.load(f)
+
     def done(self) -> bool:
         return os.path.exists(self.done_file)
 
@@ -116,11 +138,36 @@ def make_trials(sweep, root: str) -> list[Trial]:
 
 
 # ------------------------------------------------------------------------------------- run
-class SubprocessRunner:
-    """Runs a trial's commands, logging to <workdir>/{train,eval}.log; returns success."""
+LOG_TAIL_LINES = 30
 
-    def __init__(self, launcher: str = "", device_env: str = "CUDA_VISIBLE_DEVICES"):
+
+def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
+    """The last `lines` lines of a log (what a failed trial reports)."""
+    if not os.path.exists(path):
+        return ""
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+
+
+def device_slots(devices, per_device: int = 1) -> list[str]:
+    """Each device id `per_device` times, interleaved (0,1,0,1,...) so that a partly filled
+    sweep spreads over the devices."""
+    return [d for _ in range(max(per_device, 1)) for d in devices]
+
+
+class SubprocessRunner:
+    """Runs a trial's commands, logging to <workdir>/{train,eval}.log, their wall times to
+    <workdir>/times.json; returns success. A failure leaves <workdir>/FAILED: the reason and the
+    log's tail. Setting `stop` ends the running command (SIGTERM to its process group, SIGKILL
+    after `grace_s`): train.py then saves a checkpoint, so a restarted sweep resumes the trial.
+    `share` > 1 trials per device run without preallocation, each with `mem_fraction` (default
+    0.9 / share) of the device memory."""
+
+    def __init__(self, launcher: str = "", device_env: str = "CUDA_VISIBLE_DEVICES", *, share: int = 1,
+                 mem_fraction: float = 0.0, stop: threading.Event | None = None, grace_s: float = 10.0):
         self.launcher, self.device_env = launcher, device_env
+        self.share, self.mem_fraction, self.grace_s = share, mem_fraction, grace_s
+        self.stop = stop or threading.Event()
 
     def wrap(self, cmd: list[str]) -> list[str]:
         if not self.launcher:
@@ -129,48 +176,117 @@ class SubprocessRunner:
             return ["bash", "-c", self.launcher.format(cmd=shlex.join(cmd))]
         return [*shlex.split(self.launcher), *cmd]
 
-    def __call__(self, trial: Trial, device: str | None) -> bool:
-        os.makedirs(trial.workdir, exist_ok=True)
+    def env(self, device: str | None) -> dict:
         env = dict(os.environ)
         if device is not None:
             env[self.device_env] = device
-        for cmd, log in zip(trial.commands(), ("train.log", "eval.log")):
-            with open(os.path.join(trial.workdir, log), "w") as f:
-                rc = subprocess.run(self.wrap(cmd), stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+        if self.share > 1:
+            env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{self.mem_fraction or 0.9 / self.share:.4f}"
+        return env
+
+    def _run(self, cmd: list[str], log: str, env: dict) -> int | None:
+        """The command's exit status, or None when `stop` ended it."""
+        with open(log, "w") as f:
+            proc = subprocess.Popen(self.wrap(cmd), stdout=f, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+            while True:
+                try:
+                    return proc.wait(timeout=0.2)
+                except subprocess.TimeoutExpired:
+                    if self.stop.is_set():
+                        break
+            for sig, wait in ((signal.SIGTERM, self.grace_s), (signal.SIGKILL, None)):
+                try:
+                    os.killpg(proc.pid, sig)
+                    proc.wait(timeout=wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+                except ProcessLookupError:
+                    break
+            proc.wait()
+            return None
+
+    def __call__(self, trial: Trial, device: str | None) -> bool:
+        os.makedirs(trial.workdir, exist_ok=True)
+        if os.path.exists(trial.failed_file):
+            os.remove(trial.failed_file)
+        env, times = self.env(device), {}
+        for cmd, name in zip(trial.commands(), ("train.log", "eval.log")):
+            log, start = os.path.join(trial.workdir, name), time.time()
+            rc = self._run(cmd, log, env)
+            program = os.path.basename(cmd[1])
+            times[program] = round(time.time() - start, 1)
+            with open(os.path.join(trial.workdir, "times.json"), "w") as f:
+                json.dump(times, f)
             if rc != 0:
-                print(f"[sweep] {trial.name}: {cmd[1]} exited {rc} (see {trial.workdir}/{log})", flush=True)
+                reason = f"{program} stopped" if rc is None else f"{program} exited {rc}"
+                with open(trial.failed_file, "w") as f:
+                    json.dump({"reason": reason, "stopped": rc is None, "log": log, "tail": log_tail(log)}, f)
                 return False
         return True
 
 
-def run_trials(trials: list[Trial], runner, *, parallel: int = 1, devices=()) -> dict:
-    """Run the trials not yet done, `parallel` at a time, each holding one device of `devices`
-    while it runs; returns {name: "done" | "skipped" | "failed"}."""
+def run_trials(trials: list[Trial], runner, *, parallel: int = 1, devices=(), stop=None,
+               log=print) -> dict:
+    """Run the trials not yet done, `parallel` at a time, each holding one slot of `devices` (an
+    id repeated for trials sharing it) while it runs, with a progress line per finished trial.
+    Once `stop` is set no trial starts. Returns {name: "done" | "skipped" | "failed" | "stopped" |
+    "not_run"} ("stopped": ended by `stop` while running)."""
+    stop = stop or threading.Event()
     status = {t.name: "skipped" for t in trials if t.done()}
     todo = [t for t in trials if not t.done()]
     if devices and parallel > len(devices):
-        raise ValueError(f"--parallel {parallel} exceeds the {len(devices)} devices given")
+        raise ValueError(f"--parallel {parallel} exceeds the {len(devices)} device slots given")
     free: queue.Queue = queue.Queue()
     for d in devices or [None] * parallel:
         free.put(d)
+    lock, start, finished = threading.Lock(), time.time(), []
 
-    def one(trial: Trial) -> tuple[str, bool]:
+    def one(trial: Trial) -> tuple[str, str]:
         device = free.get()
         try:
-            start = time.time()
+            if stop.is_set():
+                return trial.name, "not_run"
+            begin = time.time()
             ok = runner(trial, device)
             if ok:
+                os.makedirs(trial.workdir, exist_ok=True)
                 with open(trial.done_file, "w") as f:
-                    json.dump({"point": trial.point, "seconds": time.time() - start}, f)
-            print(f"[sweep] {trial.name}: {'done' if ok else 'FAILED'} score={trial.score()}", flush=True)
-            return trial.name, ok
+                    json.dump({"point": trial.point, "seconds": time.time() - begin, "device": device}, f)
+            state = "done" if ok else "stopped" if trial.failure().get("stopped") else "failed"
+            with lock:
+                finished.append(state)
+                counts = ", ".join(f"{s} {finished.count(s)}" for s in ("done", "failed", "stopped") if s in finished)
+                extra = f"score={trial.score()}" if ok else trial.failure().get("reason", "")
+                log(f"[sweep] {len(finished)}/{len(todo)} ({counts}) at {time.time() - start:.0f}s: "
+                    f"{trial.name} {state} in {time.time() - begin:.0f}s on {device}: {extra}", flush=True)
+            return trial.name, state
         finally:
             free.put(device)
 
     with ThreadPoolExecutor(max_workers=max(parallel, 1)) as pool:
-        for name, ok in pool.map(one, todo):
-            status[name] = "done" if ok else "failed"
+        for name, state in pool.map(one, todo):
+            status[name] = state
     return status
+
+
+def trial_records(trials: list[Trial], status: dict) -> dict:
+    """{name: status, score, seconds and per-command times, and for a failure its reason and log
+    tail}: what DIR/status.json keeps of every trial."""
+    records = {}
+    for t in trials:
+        rec = {"status": status.get(t.name, "not_run"), "score": t.score() if t.done() else None}
+        for path, keys in ((t.done_file, ("seconds", "device")), (os.path.join(t.workdir, "times.json"), None)):
+            if os.path.exists(path):
+                with open(path) as f:
+                    data = json.load(f)
+                rec.update({k: data[k] for k in keys if k in data} if keys else {"times": data})
+        if rec["status"] in ("failed", "stopped"):
+            rec.update({k: v for k, v in t.failure().items() if k in ("reason", "tail")})
+        records[t.name] = rec
+    return records
 
 
 # --------------------------------------------------------------------------------- summary
@@ -190,15 +306,26 @@ def summarize(sweep, trials: list[Trial]) -> list[dict]:
     return list(best.values())
 
 
-def write_summary(sweep, rows: list[dict], root: str) -> None:
+def write_summary(sweep, rows: list[dict], root: str, records: dict | None = None) -> None:
+    """summary.json (the rows), summary.md (their table, then the trials that did not finish
+    with the last line of their log), summary.png; with `records`, status.json (every trial)."""
     with open(os.path.join(root, "summary.json"), "w") as f:
         json.dump(rows, f, indent=2)
+    if records is not None:
+        with open(os.path.join(root, "status.json"), "w") as f:
+            json.dump(records, f, indent=2)
     keys = [k for k in rows[0] if k not in ("score", sweep.select_over, "trials")] if rows else []
     lines = ["| " + " | ".join(keys) + f" | best {sweep.select_over} | score |",
              "|" + "---|" * (len(keys) + 2)]
     for r in rows:
         score = "-" if r["score"] is None else f"{r['score']:.3f}"
         lines.append("| " + " | ".join(str(r[k]) for k in keys) + f" | {r[sweep.select_over]} | {score} |")
+    missing = {n: r for n, r in (records or {}).items() if r["status"] not in ("done", "skipped")}
+    if missing:
+        lines += ["", f"Not finished ({len(missing)}; logs in status.json):", ""]
+        for name, r in missing.items():
+            last = (r.get("tail") or "").strip().splitlines()[-1:] or [""]
+            lines.append(f"- {name}: {r['status']}, {r.get('reason', '')} {last[0][:200]}".rstrip())
     with open(os.path.join(root, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     plot_summary(sweep, rows, os.path.join(root, "summary.png"))
@@ -240,17 +367,27 @@ def main(argv):
             for cmd in t.commands():
                 print(shlex.join(cmd))
         return
-    if FLAGS.launcher and FLAGS.parallel > 1:
+    devices = [d for d in FLAGS.devices.split(",") if d]
+    slots = device_slots(devices, FLAGS.trials_per_device)
+    parallel = FLAGS.parallel or max(len(slots), 1)
+    if FLAGS.launcher and parallel > 1:
         raise ValueError("--launcher runs each trial on the whole slice; use --parallel 1")
     os.makedirs(root, exist_ok=True)
-    devices = [d for d in FLAGS.devices.split(",") if d]
-    status = run_trials(trials, SubprocessRunner(FLAGS.launcher, FLAGS.device_env),
-                        parallel=FLAGS.parallel, devices=devices)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    if FLAGS.deadline_s:
+        timer = threading.Timer(FLAGS.deadline_s, stop.set)
+        timer.daemon = True
+        timer.start()
+    runner = SubprocessRunner(FLAGS.launcher, FLAGS.device_env, stop=stop, mem_fraction=FLAGS.mem_fraction,
+                              share=FLAGS.trials_per_device if devices else 1)
+    print(f"[sweep] {len(trials)} trials, {parallel} at a time on {slots or 'this machine'}", flush=True)
+    status = run_trials(trials, runner, parallel=parallel, devices=slots, stop=stop)
     rows = summarize(sweep, trials)
-    write_summary(sweep, rows, root)
-    counts = {s: list(status.values()).count(s) for s in ("done", "skipped", "failed")}
-    print(f"[sweep] {len(trials)} trials: {counts}; summary in {root}/summary.md")
-    if counts["failed"]:
+    write_summary(sweep, rows, root, trial_records(trials, status))
+    counts = {s: list(status.values()).count(s) for s in ("done", "skipped", "failed", "stopped", "not_run")}
+    print(f"[sweep] {len(trials)} trials: {counts}; summary in {root}/summary.md", flush=True)
+    if counts["failed"] or counts["stopped"] or counts["not_run"]:
         sys.exit(1)
 
 

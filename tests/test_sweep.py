@@ -130,14 +130,17 @@ def test_tiny_sweep_end_to_end(tmp_path):
     assert again.returncode == 0 and "'skipped': 2" in again.stdout
 
 
-@pytest.mark.parametrize("name,count", [("mqar", 6 * 3 * 4 * 4), ("kimi", 3 * 4 * 4 * 4)])
-def test_every_trial_of_the_sweep_configs_builds(name, count):
+@pytest.mark.parametrize("name,variant,count", [("mqar", None, 6 * 3 * 4 * 4), ("mqar", "gpu", 6 * 2 * 2 * 2),
+                                                ("mqar", "cpu", 6 * 2), ("kimi", None, 3 * 4 * 4 * 4)])
+def test_every_trial_of_the_sweep_configs_builds(name, variant, count):
+    """Every trial's config: its task and its model (e.g. the 3:1 hybrid needs 4 layers)."""
     import importlib
 
+    from kimi_jax.config import ModelConfig
     from kimi_jax.tasks import make_task
 
     module = importlib.import_module(f"configs.sweeps.{name}")
-    sweep = module.get_config()
+    sweep = module.get_config(variant)
     trials = sw.make_trials(sweep, "/nonexistent")
     assert len(trials) == count
     seen = set()
@@ -149,6 +152,7 @@ def test_every_trial_of_the_sweep_configs_builds(name, count):
         config = module.get_config(arg)
         task = make_task(config.data.task, **config.data.task_kwargs)
         assert task.vocab_size <= config.model.vocab_size and config.total_steps > 0
+        ModelConfig.from_config_dict(config.model)
         assert t.score_key[0] == task.name
         assert t.score_key[1] in ("", task.setting)
 
@@ -164,3 +168,24 @@ def test_score_of_the_only_setting(tmp_path):
     json.dump({"mqar": {"L16_K2": 0.25, "L32_K4": 0.5}}, open(path, "w"))
     with pytest.raises(ValueError, match="several settings"):
         t.score()
+
+
+def test_mqar_gpu_variant_trials():
+    """The gpu grid's trials: half Zoology's batch, no in-training eval, one final checkpoint;
+    keys given in the arg win over the variant's values."""
+    from configs.sweeps import mqar
+
+    sweep = mqar.get_config("gpu")
+    trials = sw.make_trials(sweep, "/nonexistent")
+    by_len = {}
+    for t in trials:
+        config = mqar.get_config(t.config.split(":", 1)[1])
+        by_len[config.data.task_kwargs.seq_len] = config.data.batch_size
+        assert config.total_steps == 1000 and config.eval_every_steps == 0
+        assert config.checkpoint_every_steps == 1000 and config.keep_checkpoints == 1
+        assert config.evals.decode_lengths == () and config.evals.num_examples == 1000
+    assert by_len == {64: 256, 256: 128}
+    short = mqar.get_config("gpu,steps=4")
+    t = sw.make_trials(short, "/nonexistent")[0]
+    assert mqar.get_config(t.config.split(":", 1)[1]).total_steps == 4
+    assert mqar.get_config("cpu,steps=8,trial").total_steps == 8

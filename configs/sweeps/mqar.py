@@ -4,6 +4,8 @@
     python sweep.py --config configs/sweeps/mqar.py:tiny --workdir /tmp/mqar_tiny    # 2 trials, CPU, seconds
     python sweep.py --config configs/sweeps/mqar.py:cpu --workdir workdirs/mqar_cpu --parallel 2
         # every mixer at d_model 64 on (L, K) = (64, 4), 2 lrs, 800 steps of batch 64 (12 trials)
+    python sweep.py --config configs/sweeps/mqar.py:gpu --workdir /tmp/mqar_gpu --devices 0,1 \
+        --trials_per_device 12 --deadline_s 420       # 48 trials in about 6 minutes on 2 H200s
 
 Grid: softmax attention, linear attention, DeltaNet, Gated DeltaNet, KDA and the 3:1 KDA:MLA
 hybrid (the models of configs/ablations: same width, depth and MLP, differing only in the mixer)
@@ -12,7 +14,16 @@ lr in logspace(-4, -2, 4); each (mixer, width, setting) keeps its best lr, as Zo
 Data as Zoology: vocab 8192, alpha 0.01, no random filler, batch 512 / 256 / 128 for
 L <= 128 / 256 / 512; 12.5k steps (64 epochs of 100k examples at batch 512), fresh examples
 each step. Differences from Zoology: 2 layers WITH the ablation MLP (Zoology: none), a short
-conv in every recurrent mixer and RoPE in attention (Zoology: learned positions), no early stop.
+conv in every recurrent mixer and RoPE in attention (Zoology: learned positions), no early stop;
+the 3:1 hybrid has 4 layers (3 KDA + 1 MLA, the shortest 3:1 stack), the other mixers 2.
+
+`:gpu` is the grid that fits a few minutes on 2 GPUs, where the cost of a trial is host-side:
+about 40-60 s of fixed cost (process start, compiling the train, init and eval programs in two
+processes) plus the MQAR generator, about 0.25 ms per example on one core. Every mixer x d_model
+{64, 128} x (L, K) in {(64, 4), (256, 16)} x lr {1e-3, 3e-3} (48 trials), 1000 steps at batch
+256 (L=64) / 128 (L=256): 256k / 128k training examples, 2.6% / 1.3% of Zoology's 64 epochs of
+100k (half Zoology's batch, 8% of its steps); two learning rates instead of four; no in-training
+eval; eval.py on 1000 held-out examples (Zoology: 3000).
 
 The same file is the trial config: `configs/sweeps/mqar.py:trial,mixer=kda,d_model=64,seq_len=64,
 num_kv_pairs=4` is the full training config of one grid point (sweep.py adds `--config.optim.lr`).
@@ -24,25 +35,28 @@ import ml_collections
 import numpy as np
 
 from configs import common
-from configs.model_presets import ABLATION_MIXERS, ablation_config
+from configs.model_presets import ABLATION_MIXERS, HYBRID, ablation_config
 from configs.sweeps.common import TINY, TRIAL_ARGS, schedule, trial_arg
 
 SETTINGS = ((64, 4), (128, 8), (256, 16), (512, 64))
 
 
-def batch_size(seq_len: int) -> int:
-    return 512 if seq_len <= 128 else 256 if seq_len <= 256 else 128
+def batch_size(seq_len: int, gpu: bool = False) -> int:
+    """Zoology's batch per length; the gpu variant halves it (the generator is the cost)."""
+    full = 512 if seq_len <= 128 else 256 if seq_len <= 256 else 128
+    return full // 2 if gpu else full
 
 
 def trial_config(arg) -> ml_collections.ConfigDict:
     """One grid point: the ablation model of `mixer` trained on MQAR (L, K)."""
-    config = ablation_config(arg.mixer, f"d_model={arg.d_model},num_layers={arg.num_layers},"
+    layers = max(arg.num_layers, len(HYBRID)) if arg.mixer == "hybrid" else arg.num_layers
+    config = ablation_config(arg.mixer, f"d_model={arg.d_model},num_layers={layers},"
                                         f"vocab_size={arg.vocab_size}")
     config.data.task = "mqar"
     config.data.task_kwargs = ml_collections.ConfigDict(dict(
         seq_len=arg.seq_len, num_kv_pairs=arg.num_kv_pairs, vocab_size=arg.vocab_size,
         power_a=0.01, num_passes=1, random_non_queries=False))
-    arg.batch_size = arg.batch_size or batch_size(arg.seq_len)
+    arg.batch_size = arg.batch_size or batch_size(arg.seq_len, arg.gpu)
     schedule(config, arg, arg.seq_len)
     return config
 
@@ -51,7 +65,7 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
     sweep = ml_collections.ConfigDict()
     sweep.trial_config = "configs/sweeps/mqar.py"
     sweep.trial_arg = trial_arg(("mixer", "d_model", "seq_len", "num_kv_pairs"), arg) + (
-        f",num_layers={arg.num_layers},vocab_size={arg.vocab_size}")
+        f",num_layers={arg.num_layers},vocab_size={arg.vocab_size}" + (",gpu" if arg.gpu else ""))
     # Grid axes: each a list; `setting` entries are dicts expanded into the template.
     sweep.axes = ml_collections.ConfigDict()
     sweep.axes.mixer = list(ABLATION_MIXERS)
@@ -72,6 +86,10 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
         sweep.axes.d_model = [64]
         sweep.axes.setting = [dict(seq_len=64, num_kv_pairs=4)]
         sweep.axes.lr = [1e-3, 3e-3]
+    if arg.gpu:  # every mixer, the two small widths, an easy and a hard setting (48 trials)
+        sweep.axes.d_model = [64, 128]
+        sweep.axes.setting = [dict(seq_len=64, num_kv_pairs=4), dict(seq_len=256, num_kv_pairs=16)]
+        sweep.axes.lr = [1e-3, 3e-3]
     if arg.tiny:  # 2 trials in seconds on CPU: softmax, width 16, 2 learning rates
         sweep.axes.mixer = ["softmax"]
         sweep.axes.d_model = [16]
@@ -80,12 +98,21 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
     return sweep
 
 
+# Trial-arg values of the size variants; keys given explicitly in the arg win.
+VARIANTS = dict(
+    cpu=dict(steps=800, batch_size=64, eval_examples=256, decode_timing=False),
+    gpu=dict(steps=1000, eval_examples=1000, decode_timing=False, final_only=True),
+    tiny=dict(TINY, vocab_size=64, num_layers=1),
+)
+
+
 def get_config(arg=None):
-    arg = common.parse_arg(arg, **{**TRIAL_ARGS, "steps": 12500, "batch_size": 0},
+    arg_str = arg or ""
+    arg = common.parse_arg(arg_str, **{**TRIAL_ARGS, "steps": 12500, "batch_size": 0},
                            mixer="kda", d_model=64, num_layers=2, seq_len=64, num_kv_pairs=4,
-                           vocab_size=8192, cpu=False)
-    if arg.cpu:
-        arg.update(dict(steps=800, batch_size=64, eval_examples=256, decode_timing=False))
-    if arg.tiny:
-        arg.update(dict(TINY, vocab_size=64, num_layers=1))
+                           vocab_size=8192, cpu=False, gpu=False)
+    given = {item.partition("=")[0] for item in arg_str.split(",")}
+    for name, values in VARIANTS.items():
+        if arg[name]:
+            arg.update({k: v for k, v in values.items() if k not in given})
     return trial_config(arg) if arg.trial else sweep_config(arg)

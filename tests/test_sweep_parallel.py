@@ -1,0 +1,111 @@
+"""sweep.py: several trials sharing a device, failed trials recorded with their log tail, the
+deadline that stops running trials and starts no more, and the status written beside the summary.
+Trials run short Python scripts in place of train.py / eval.py."""
+
+import json
+import os
+import sys
+import threading
+import time
+
+import sweep as sw
+from tests.test_sweep import _sweep
+
+SCRIPT = """import json, os, sys, time
+mode = sys.argv[1]
+if mode == "fail":
+    print("loading"); print("boom: out of memory", flush=True); sys.exit(3)
+if mode == "hang":
+    time.sleep(60)
+if sys.argv[2] == "eval":
+    os.makedirs(os.path.join(sys.argv[3], "eval"), exist_ok=True)
+    json.dump({"mqar": {sys.argv[4]: 0.5}}, open(os.path.join(sys.argv[3], "eval", "results.json"), "w"))
+print(os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"))
+"""
+
+
+def _script_trials(tmp_path, modes: dict):
+    """The sweep's trials, each running SCRIPT in `modes[name]` ("ok" unless listed)."""
+    script = tmp_path / "trial.py"
+    script.write_text(SCRIPT)
+    trials = sw.make_trials(_sweep(), str(tmp_path / "sweep"))
+    for t in trials:
+        mode, setting = modes.get(t.name, "ok"), t.score_key[1]
+        t.commands = lambda python=sys.executable, m=mode, t=t, s=setting: [
+            [python, str(script), m, "train", t.workdir, s], [python, str(script), "ok", "eval", t.workdir, s]]
+    return trials
+
+
+def test_device_slots_and_shared_env():
+    assert sw.device_slots(["0", "1"], 3) == ["0", "1"] * 3
+    assert sw.device_slots(["0"], 0) == ["0"]
+    env = sw.SubprocessRunner(share=4).env("1")
+    assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert float(env["XLA_PYTHON_CLIENT_MEM_FRACTION"]) == 0.225
+    assert sw.SubprocessRunner(share=2, mem_fraction=0.3).env(None)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.3000"
+    alone = sw.SubprocessRunner().env("0")
+    assert alone.get("XLA_PYTHON_CLIENT_PREALLOCATE") == os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")
+
+
+def test_trials_share_each_device(tmp_path):
+    """Two slots per device: at most two trials hold a device at once, and two do at some point."""
+    trials = sw.make_trials(_sweep(), str(tmp_path))
+    lock, held, peak = threading.Lock(), {}, {}
+
+    def runner(trial, device):
+        with lock:
+            held[device] = held.get(device, 0) + 1
+            peak[device] = max(peak.get(device, 0), held[device])
+        time.sleep(0.1)
+        with lock:
+            held[device] -= 1
+        return True
+
+    lines = []
+    status = sw.run_trials(trials, runner, parallel=4, devices=sw.device_slots(["0", "1"], 2),
+                           log=lambda msg, **kw: lines.append(msg))
+    assert list(status.values()).count("done") == 8 and peak == {"0": 2, "1": 2}
+    assert len(lines) == 8 and lines[-1].startswith("[sweep] 8/8 (done 8)")
+
+
+def test_failed_trial_is_recorded_and_the_sweep_goes_on(tmp_path):
+    sweep = _sweep()
+    probe = sw.make_trials(sweep, str(tmp_path / "sweep"))
+    failing = probe[2].name
+    trials = _script_trials(tmp_path, {failing: "fail"})
+    runner = sw.SubprocessRunner(share=2)
+    status = sw.run_trials(trials, runner, parallel=4, devices=sw.device_slots(["0", "1"], 2),
+                           log=lambda *a, **k: None)
+    assert status[failing] == "failed" and list(status.values()).count("done") == 7
+    records = sw.trial_records(trials, status)
+    bad = records[failing]
+    assert bad["reason"].endswith("exited 3") and "boom: out of memory" in bad["tail"] and bad["score"] is None
+    assert set(bad["times"]) == {"trial.py"}
+    good = next(r for n, r in records.items() if n != failing)
+    assert good["status"] == "done" and good["score"] == 0.5 and good["device"] in ("0", "1")
+    log = open(os.path.join(trials[0].workdir, "train.log")).read().split()
+    assert log[0] in ("0", "1") and float(log[1]) == 0.45
+    root = str(tmp_path / "sweep")
+    sw.write_summary(sweep, sw.summarize(sweep, trials), root, records)
+    assert json.load(open(os.path.join(root, "status.json")))[failing]["status"] == "failed"
+    md = open(os.path.join(root, "summary.md")).read()
+    assert f"- {failing}: failed" in md and "boom: out of memory" in md
+    # The failure is cleared when a rerun succeeds.
+    trials = _script_trials(tmp_path, {})
+    status = sw.run_trials(trials, sw.SubprocessRunner(), parallel=2, log=lambda *a, **k: None)
+    assert status[failing] == "done" and not os.path.exists(trials[2].failed_file)
+
+
+def test_stop_ends_running_trials_and_starts_no_more(tmp_path):
+    trials = _script_trials(tmp_path, {t.name: "hang" for t in sw.make_trials(_sweep(), str(tmp_path / "sweep"))})
+    stop = threading.Event()
+    threading.Timer(1.0, stop.set).start()
+    start = time.time()
+    status = sw.run_trials(trials, sw.SubprocessRunner(stop=stop, grace_s=2.0), parallel=2, stop=stop,
+                           log=lambda *a, **k: None)
+    assert time.time() - start < 20
+    assert list(status.values()).count("stopped") == 2 and list(status.values()).count("not_run") == 6
+    records = sw.trial_records(trials, status)
+    stopped = [r for r in records.values() if r["status"] == "stopped"]
+    assert all(r["reason"] == "trial.py stopped" for r in stopped)
+    assert all(r["score"] is None and "times" not in r for r in records.values() if r["status"] == "not_run")
