@@ -3,22 +3,33 @@ on 1 device and on 2 devices (data parallel), for a K3-topology dense model of a
 parameters (configs/k3_1b3_dense.py).
 
     python benchmarks/train.py                         # on the GPU machine: 1 and 2 GPUs
-    python benchmarks/train.py --devices 1 --batch_size 8 --seq_len 4096
+    python benchmarks/train.py --devices 1 --batch_size 4 --seq_len 4096 --compile_cache /tmp/jc
+    python benchmarks/train.py --compile_only          # abstract lower + compile, memory analysis
     python benchmarks/train.py --quick                 # tiny config on CPU, a smoke test
 
-FLOPs per token come from `kimi_jax.summary.train_flops_per_token` (forward + backward,
-mixer-aware); MFU = FLOPs/token x tokens/s / (devices x peak), the peak from the device table in
-kimi_jax/logging_utils.py (H200 bf16: 790 TFLOP/s measured) or --peak_flops. Writes JSON and a
-markdown table under benchmarks/results/.
+Every phase is timed apart and printed as it ends: init compile, step compile
+(`.lower(...).compile()`), the warm-up steps, then each timed step. The JSON is rewritten after
+every row (one row per device count and batch size); a row that runs out of memory is recorded
+with its error and the next row runs.
+
+FLOPs per token (`flops_per_token`) are the model's forward + backward FLOPs from
+`kimi_jax.flops` (2 per multiply-add, backward = 2 x forward): every projection and MLP matmul,
+the head, MLA's attention over the average causal context T/2, the KDA chunked recurrence
+(chunk 64) and the attention-residual reads. Recomputation by remat is NOT counted (MFU is model
+FLOPs utilisation). MFU = flops_per_token x tokens/s / (devices x peak), the peak from the device
+table in kimi_jax/logging_utils.py (H200 bf16: 790 TFLOP/s measured matmul peak) or --peak_flops;
+`mfu_vendor` divides by the vendor's dense bf16 figure instead (H100/H200 SXM: 989 TFLOP/s).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import importlib.util
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -28,9 +39,18 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kimi_jax import logging_utils, optim, sharding, train_lib  # noqa: E402
+from kimi_jax import flops, logging_utils, optim, sharding, train_lib  # noqa: E402
+from kimi_jax.remat import POLICIES  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+VENDOR_PEAK = {"h100": 989e12, "h200": 989e12}  # dense bf16, SXM
+FLOPS_NOTE = ("model FLOPs, forward + backward (3 x forward, 2 per multiply-add) from kimi_jax.flops: "
+              "projections, MLP, head, MLA attention over the mean causal context T/2, KDA chunked "
+              "recurrence (chunk 64), attention-residual reads; remat recomputation not counted")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def load_config(path: str):
@@ -50,85 +70,189 @@ def synthetic_batch(rng, batch: int, seq_len: int, vocab: int) -> dict:
             "segment_ids": np.ones((batch, seq_len), np.int32)}
 
 
-def bench_devices(config, n: int, batch_per_device: int, seq_len: int, steps: int, warmup: int) -> dict:
-    """Time `steps` train steps on the first `n` devices (data parallel) after `warmup` steps."""
+def abstract_batch(batch: int, seq_len: int, spec) -> dict:
+    dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "loss_mask": jnp.bool_, "segment_ids": jnp.int32}
+    return {k: jax.ShapeDtypeStruct((batch, seq_len), d, sharding=spec) for k, d in dtypes.items()}
+
+
+def memory_gib(compiled) -> dict:
+    """Argument / output / temporary bytes of a compiled executable, in GiB (None where the
+    backend does not report them)."""
+    try:
+        ma = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - not every backend implements it
+        return {}
+    keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes")
+    return {k.replace("_size_in_bytes", "_gib"): round(getattr(ma, k) / 2**30, 3) for k in keys if hasattr(ma, k)}
+
+
+def is_oom(e: Exception) -> bool:
+    text = str(e)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or "Out of memory" in text
+
+
+def flop_counts(config, seq_len: int) -> tuple[float, dict]:
+    """(train FLOPs per token, forward FLOPs per token by component)."""
+    from kimi_jax import summary
+
+    cfg = summary.model_config(config)
+    return flops.train_flops_per_token(cfg, seq_len), flops.forward_flops_breakdown(cfg, seq_len)
+
+
+def bench_row(config, n: int, batch_per_device: int, seq_len: int, steps: int, warmup: int,
+              compile_only: bool) -> dict:
+    """Compile and time the train step on the first `n` devices (data parallel)."""
     devices = jax.devices()[:n]
-    if len(devices) < n:
-        raise ValueError(f"{n} devices requested, {len(devices)} present")
     mesh = sharding.make_mesh({"data": n}, devices=devices)
     graphdef, params, rest = train_lib.abstract_model(config)
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     tx, schedule = optim.make_optimizer(config.optim, config.total_steps, train_lib.param_names(params))
     shardings = train_lib.state_shardings(tx, params, rest, mesh)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    state = jax.jit(train_lib.make_init(config, tx), out_shardings=shardings)()
+    batch_spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(sharding.BATCH_AXES))
+    batch_size = batch_per_device * n
+    row = {"devices": n, "device_kind": devices[0].device_kind, "params": num_params, "batch": batch_size,
+           "seq_len": seq_len, "remat": train_lib.remat_policy(config)}
+    init_fn = jax.jit(train_lib.make_init(config, tx), out_shardings=shardings)
     step_fn = jax.jit(train_lib.make_train_step(config, graphdef, tx, schedule), donate_argnums=(0,),
                       out_shardings=(shardings, replicated))
-    batch_size = batch_per_device * n
-    batch = synthetic_batch(np.random.default_rng(0), batch_size, seq_len, config.model.vocab_size)
     with jax.set_mesh(mesh):
+        t0 = time.perf_counter()
+        abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                      jax.eval_shape(train_lib.make_init(config, tx)), shardings)
+        lowered = step_fn.lower(abstract_state, abstract_batch(batch_size, seq_len, batch_spec),
+                                jax.ShapeDtypeStruct((), jnp.int32))
+        row["step_lower_s"] = time.perf_counter() - t0
+        log(f"{n} device(s), batch {batch_size} x {seq_len}, remat {row['remat']}: step lowered in "
+            f"{row['step_lower_s']:.1f} s; compiling")
+        t0 = time.perf_counter()
+        step = lowered.compile()
+        row["step_compile_s"] = time.perf_counter() - t0
+        row["memory"] = memory_gib(step)
+        log(f"step compiled in {row['step_compile_s']:.1f} s; memory (GiB per device) {row['memory']}")
+        if compile_only:
+            return row
+        t0 = time.perf_counter()
+        init = init_fn.lower().compile()
+        row["init_compile_s"] = time.perf_counter() - t0
+        log(f"init compiled in {row['init_compile_s']:.1f} s")
+        state = init()
+        batch = synthetic_batch(np.random.default_rng(0), batch_size, seq_len, config.model.vocab_size)
         batch = train_lib.global_batch(batch, mesh)
-        t0 = time.perf_counter()
-        for i in range(warmup):
-            state, metrics = step_fn(state, batch, jnp.asarray(i + 1, jnp.int32))
-        jax.block_until_ready(metrics)
-        compile_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for i in range(steps):
-            state, metrics = step_fn(state, batch, jnp.asarray(warmup + i + 1, jnp.int32))
-        jax.block_until_ready(metrics)
-        elapsed = (time.perf_counter() - t0) / steps
+        times = []
+        for i in range(warmup + steps):
+            t0 = time.perf_counter()
+            state, metrics = step(state, batch, jnp.asarray(i + 1, jnp.int32))
+            loss = float(metrics["loss"])
+            times.append(time.perf_counter() - t0)
+            log(f"step {i + 1}/{warmup + steps}{' (warm-up)' if i < warmup else ''}: {1000 * times[-1]:.1f} ms, "
+                f"loss {loss:.4f}")
+        del state
+    timed = times[warmup:]
+    elapsed = statistics.median(timed)
     tokens_per_sec = batch_size * seq_len / elapsed
-    flops_token = logging_utils.flops_per_token(config, seq_len, num_params)
+    flops_token, breakdown = flop_counts(config, seq_len)
     peak = logging_utils.peak_flops_per_device(config.peak_flops)
-    return {"devices": n, "device_kind": devices[0].device_kind, "params": num_params, "batch": batch_size,
-            "seq_len": seq_len, "step_ms": 1000 * elapsed, "tokens_per_sec": tokens_per_sec,
-            "tokens_per_sec_per_device": tokens_per_sec / n, "flops_per_token": flops_token,
-            "mfu": flops_token * tokens_per_sec / (peak * n) if peak else None,
-            "warmup_s": compile_s, "loss": float(metrics["loss"])}
+    kind = devices[0].device_kind.lower()
+    vendor = next((v for k, v in VENDOR_PEAK.items() if k in kind), None)
+    row.update({
+        "step_ms": 1000 * elapsed, "step_ms_mean": 1000 * statistics.mean(timed),
+        "step_ms_min": 1000 * min(timed), "warmup_s": sum(times[:warmup]),
+        "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_device": tokens_per_sec / n,
+        "flops_per_token": flops_token, "forward_flops_per_token_by_part": breakdown,
+        "peak_flops": peak, "mfu": flops_token * tokens_per_sec / (peak * n) if peak else None,
+        "mfu_vendor": flops_token * tokens_per_sec / (vendor * n) if vendor else None, "loss": loss})
+    log(f"{n} device(s): {row['step_ms']:.1f} ms/step, {tokens_per_sec:,.0f} tokens/s"
+        + (f", MFU {row['mfu']:.1%}" if row["mfu"] is not None else ""))
+    return row
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| devices | device | params | batch x seq | step ms | tokens/s | tokens/s/device | MFU |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| devices | device | params | batch x seq | remat | step ms | tokens/s | tokens/s/device | MFU "
+             "(790 TF) | MFU (989 TF) | step compile s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    pct = lambda v: f"{v:.1%}" if v is not None else "n/a"  # noqa: E731
     for r in rows:
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        if "error" in r:
+            lines.append(f"| {r['devices']} | | | {r['batch']} x {r['seq_len']} | {r['remat']} | {r['error'][:60]} "
+                         "| | | | | |")
+            continue
+        if "step_ms" not in r:  # compile only
+            lines.append(f"| {r['devices']} | {r['device_kind']} | {r['params'] / 1e6:,.1f}M | {r['batch']} x "
+                         f"{r['seq_len']} | {r['remat']} | | | | | | {r['step_compile_s']:.1f} |")
+            continue
         lines.append(f"| {r['devices']} | {r['device_kind']} | {r['params'] / 1e6:,.1f}M | {r['batch']} x {r['seq_len']} "
-                     f"| {r['step_ms']:.1f} | {r['tokens_per_sec']:,.0f} | {r['tokens_per_sec_per_device']:,.0f} "
-                     f"| {mfu} |")
+                     f"| {r['remat']} | {r['step_ms']:.1f} | {r['tokens_per_sec']:,.0f} "
+                     f"| {r['tokens_per_sec_per_device']:,.0f} | {pct(r['mfu'])} | {pct(r['mfu_vendor'])} "
+                     f"| {r['step_compile_s']:.1f} |")
     return "\n".join(lines)
+
+
+def scaling(rows: list[dict]) -> dict:
+    """tokens/s of each multi-device row over n x the one-device row of the same per-device batch."""
+    ones = {r["batch"]: r for r in rows if r["devices"] == 1 and "tokens_per_sec" in r}
+    out = {}
+    for r in rows:
+        base = ones.get(r["batch"] // r["devices"]) if r["devices"] > 1 and "tokens_per_sec" in r else None
+        if base:
+            out[f"{r['devices']}x{r['batch'] // r['devices']}"] = r["tokens_per_sec"] / (r["devices"] * base["tokens_per_sec"])
+    return out
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/k3_1b3_dense.py")
     parser.add_argument("--devices", default="1,2", help="comma-separated device counts (data parallel)")
-    parser.add_argument("--batch_size", type=int, default=4, help="sequences per device")
+    parser.add_argument("--batch_size", default="4", help="sequences per device; comma-separated for several rows")
     parser.add_argument("--seq_len", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--remat", default=None, choices=sorted(POLICIES), help="default: the config's")
+    parser.add_argument("--compile_cache", default="", help="persistent compilation cache folder")
+    parser.add_argument("--compile_only", action="store_true", help="lower + compile with abstract inputs only")
     parser.add_argument("--peak_flops", type=float, default=0.0, help="per device; 0 = device table")
     parser.add_argument("--quick", action="store_true", help="configs/tiny.py, tiny shapes (CPU smoke test)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train_<time>.json)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.config, args.batch_size, args.seq_len, args.steps, args.warmup = "configs/tiny.py", 2, 32, 2, 1
+        args.config, args.batch_size, args.seq_len, args.steps, args.warmup = "configs/tiny.py", "2", 32, 2, 1
+    if args.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     config = load_config(args.config)
     config.peak_flops = args.peak_flops or config.peak_flops
+    if args.remat is not None:
+        config.remat = args.remat
     counts = [int(n) for n in args.devices.split(",") if n]
     available = [n for n in counts if n <= jax.device_count()]
     if len(available) < len(counts):
-        print(f"skipping device counts {sorted(set(counts) - set(available))}: {jax.device_count()} present")
-    rows = [bench_devices(config, n, args.batch_size, args.seq_len, args.steps, args.warmup) for n in available]
-    table = markdown(rows)
-    print(table)
+        log(f"skipping device counts {sorted(set(counts) - set(available))}: {jax.device_count()} present")
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = args.out or os.path.join(RESULTS, f"train_{'quick_' if args.quick else ''}{stamp}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    result = {"config": args.config, "jax": jax.__version__, "time": stamp, "rows": rows, "markdown": table}
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {out}")
+    log(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}; writing {out}")
+    rows = []
+    result = {}
+    for n in available:
+        for b in [int(v) for v in args.batch_size.split(",") if v]:
+            try:
+                rows.append(bench_row(config, n, b, args.seq_len, args.steps, args.warmup, args.compile_only))
+            except Exception as e:  # noqa: BLE001 - record the failure, go on with the next row
+                kind = "OOM" if is_oom(e) else type(e).__name__
+                log(f"{n} device(s), batch {b * n}: {kind}: {str(e)[:2000]}")
+                rows.append({"devices": n, "batch": b * n, "seq_len": args.seq_len,
+                             "remat": train_lib.remat_policy(config), "error": f"{kind}: {str(e)[:500]}"})
+            gc.collect()
+            result = {"config": args.config, "jax": jax.__version__, "time": stamp,
+                      "xla_flags": os.environ.get("XLA_FLAGS", ""), "flops_counting": FLOPS_NOTE,
+                      "rows": rows, "scaling_efficiency": scaling(rows), "markdown": markdown(rows)}
+            with open(out, "w") as f:
+                json.dump(result, f, indent=1)
+    print(result.get("markdown", ""), flush=True)
+    if result.get("scaling_efficiency"):
+        log(f"scaling efficiency (tokens/s over n x one device): {result['scaling_efficiency']}")
+    log(f"wrote {out}")
     return result
 
 

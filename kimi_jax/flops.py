@@ -53,3 +53,16 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Forward + backward FLOPs per trained token at sequence length `seq_len`."""
     return 3.0 * forward_flops_per_token(cfg, seq_len)
+
+
+def forward_flops_breakdown(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
+    """Forward FLOPs per token by component ("head", "mixer <name>", "ffn", "attn_res"); the
+    values sum to `forward_flops_per_token`."""
+    out = {"head": 2.0 * cfg.d_model * cfg.vocab_size, "ffn": 0.0}
+    for layer, name in enumerate(cfg.layer_mixers):
+        key = f"mixer {name}"
+        out[key] = out.get(key, 0.0) + mixer_config(name, cfg.settings(name)).flops_per_token(cfg.d_model, seq_len)
+        out["ffn"] += ffn_flops_per_token(cfg, layer)
+    if cfg.residual == "attn_res":
+        out["attn_res"] = sum(4.0 * cfg.d_model * s for s in attn_res_sources(cfg))
+    return out

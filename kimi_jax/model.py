@@ -4,6 +4,7 @@ attention residuals) -> final norm -> untied head. Built from a `ModelConfig`.
     model = build_model(config, rngs=nnx.Rngs(0))                 # reads config.model
     logits = model(tokens [B, T])                                 # [B, T, vocab] float32
     logits, aux = model(tokens, return_aux=True)                  # aux: see `AUX_KEYS`
+    logits = model(tokens, remat="dots")                          # per-layer checkpointing
     cache = model.init_cache(batch_size, max_len)
     logits, cache = model.decode_step(tokens [B, 1], cache)       # equals the full forward
 """
@@ -19,6 +20,7 @@ from kimi_jax.config import ModelConfig
 from kimi_jax.ffn import MLP
 from kimi_jax.layers import Embed, Linear, RMSNorm
 from kimi_jax.moe import STAT_KEYS, MoE
+from kimi_jax.remat import check_policy, checkpointed_block
 from kimi_jax.sharding import constrain
 
 # aux keys: aux_loss [] (sum over MoE layers), moe_load [L, E] (fraction of routed pairs per
@@ -77,14 +79,13 @@ class Model(nnx.Module):
         self.norm = RMSNorm(d, eps=config.norm_eps, **kw)
         self.head = Linear(d, config.vocab_size, axes=("embed", "vocab"), **kw)
 
-    def __call__(self, tokens, segment_ids=None, *, return_aux: bool = False):
-        """tokens [B, T] int -> logits [B, T, vocab] float32 (and aux with return_aux)."""
+    def __call__(self, tokens, segment_ids=None, *, return_aux: bool = False, remat: str = "none"):
+        """tokens [B, T] int -> logits [B, T, vocab] float32 (and aux with return_aux); `remat`
+        checkpoints every block with a policy of `kimi_jax.remat.POLICIES`."""
         self._check_tokens(tokens)
+        check_policy(remat)
         stream = self._stream(tokens)
-        stats = []
-        for block in self.blocks:
-            _, s = block(stream, segment_ids=segment_ids)
-            stats.append(s)
+        stats = [checkpointed_block(block, stream, remat, segment_ids=segment_ids) for block in self.blocks]
         logits = self._logits(stream)
         return (logits, collect_aux(stats)) if return_aux else logits
 

@@ -107,6 +107,14 @@ def _cast(params, dtype):
                         params)
 
 
+def remat_policy(config) -> str:
+    """`config.remat` (top-level, optional): the per-layer checkpointing policy of the train step
+    (`kimi_jax.remat.POLICIES`); "none" when absent."""
+    from kimi_jax.remat import check_policy
+
+    return check_policy(str(config.get("remat", "none") or "none"))
+
+
 def make_loss_fn(config, graphdef):
     """loss(params, rest, batch, num_tokens) -> (loss, (sums, aux, rest)): the mean cross-entropy
     over the global batch's trained tokens, plus z-loss and the MoE auxiliary loss."""
@@ -115,10 +123,12 @@ def make_loss_fn(config, graphdef):
         raise ValueError(f"Unknown optim.compute_dtype={config.optim.compute_dtype!r}; "
                          f"expected one of {sorted(COMPUTE_DTYPES)}")
     z_coef, accum = float(config.optim.z_loss), int(config.optim.grad_accum_steps)
+    remat = remat_policy(config)
+    kw = {} if remat == "none" else {"remat": remat}
 
     def loss_fn(params, rest, batch, num_tokens):
         model = nnx.merge(graphdef, _cast(params, dtype), rest)
-        logits, aux = model(batch["inputs"], segment_ids=batch["segment_ids"], return_aux=True)
+        logits, aux = model(batch["inputs"], segment_ids=batch["segment_ids"], return_aux=True, **kw)
         mask = batch["loss_mask"].astype(jnp.float32)
         nll, z2, correct = token_losses(logits, batch["targets"])
         sums = {"nll": jnp.sum(nll * mask), "z": jnp.sum(z2 * mask), "correct": jnp.sum(correct * mask)}
@@ -216,4 +226,4 @@ def global_batch(local_batch: dict, mesh) -> dict:
 
 __all__ = ["abstract_model", "apply_balancing", "build_model", "global_batch", "make_eval_step", "make_init",
            "make_loss_fn", "make_train_step", "maybe_initialize_distributed", "param_names", "path_name",
-           "state_shardings", "token_losses"]
+           "remat_policy", "state_shardings", "token_losses"]
