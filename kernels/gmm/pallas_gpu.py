@@ -3,12 +3,13 @@
 Layout: rows of `lhs [M, K]` are sorted by group; `group_sizes [G]` says how many rows each group
 owns (empty groups allowed, rows past the total are zero in the output).
 
-gmm  (forward and dlhs): one program per (M block, N block). It walks the groups that overlap its
+gmm  (forward and dlhs): one program per (M block, N block), launched in bands of N blocks
+     for L2 reuse (`_banded`). It walks the groups that overlap its
      block of rows (usually one; two or more only at group boundaries), runs a K-pipeline of
      wgmma against that group's weights and keeps only the rows of that group (row mask on the
      accumulator). Each output row belongs to exactly one group, so the masked merge is exact
      and the whole [bm, bn] tile leaves with one TMA store; no ragged stores are needed.
-tgmm (drhs): one program per (N block, K block, group). It pipelines over the M blocks that
+tgmm (drhs): one program per (group, K block, N block). It pipelines over the M blocks that
      overlap the group, zeroes the rows of `dout` outside the group in the boundary blocks and
      accumulates lhs_blk^T @ dout_blk into a [bk, bn] tile of out[g].
 
@@ -38,6 +39,7 @@ class Blocks:
     bn: int = 128
     bk: int = 64
     stages: int = 4
+    band: int = 8  # launch order: `band` N blocks of one M block, then the next M block (L2)
 
     def __post_init__(self):
         for name in ("bm", "bn", "bk"):
@@ -46,6 +48,8 @@ class Blocks:
                 raise ValueError(f"Blocks.{name}={v} must be a multiple of 64 (wgmma tiles)")
         if self.stages < 2:
             raise ValueError(f"Blocks.stages={self.stages} must be >= 2 (one wgmma in flight)")
+        if self.band < 1:
+            raise ValueError(f"Blocks.band={self.band} must be >= 1")
 
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -75,6 +79,18 @@ def _block_groups(offsets, num_m_blocks, bm):
     return first, last
 
 
+def _banded(t, num_m, num_n, band):
+    """Tile (mb, nb) of launch index t: the N blocks are cut into bands of `band` columns and
+    each band is walked M block by M block, N fastest. The CTAs resident at one time then
+    share ~132/band lhs row blocks and `band` weight column blocks, which stay in L2 (lhs is
+    read num_n/band times from HBM instead of num_n times with an M-fastest order)."""
+    full = num_m * band
+    b = t // full
+    width = jnp.minimum(band, num_n - b * band)
+    r = t - b * full
+    return r // width, b * band + r % width
+
+
 def _row_iota(shape):
     """Row index of every element, in the wgmma accumulator's register layout."""
     return plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
@@ -99,13 +115,13 @@ def _check_dtypes(*xs):
 
 
 def grouped_rows_kernel(group_acc, group_sizes, inputs, *, shape, tile, out_dtype, scratch=(),
-                        interpret=False):
+                        band=8, interpret=False):
     """Run the (M block, N block) program shared by the grouped matmuls that produce rows.
 
     `group_acc(g, mb, nb, in_refs, scratch_refs) -> [bm, bn] f32` computes M block mb of the
     rows against group g's weights for N block nb; this keeps, per group, only that group's rows
     (a row mask; each row belongs to one group) and stores the tile once. `inputs` are padded
-    GMEM operands, `shape` = (M, N) padded to `tile` = (bm, bn).
+    GMEM operands, `shape` = (M, N) padded to `tile` = (bm, bn); `band`: see `_banded`.
     """
     bm, bn = tile
     num_m, num_n = shape[0] // bm, shape[1] // bn
@@ -115,8 +131,7 @@ def grouped_rows_kernel(group_acc, group_sizes, inputs, *, shape, tile, out_dtyp
 
     def body(off_ref, first_ref, last_ref, *refs):
         in_refs, (out_ref, o_smem, *scratch_refs) = refs[:n_in], refs[n_in:]
-        mb = jax.lax.axis_index("m")
-        nb = jax.lax.axis_index("n")
+        mb, nb = _banded(jax.lax.axis_index("t"), num_m, num_n, min(band, num_n))
         row0 = mb * bm
         o_smem[...] = jnp.zeros((bm, bn), out_dtype)
 
@@ -141,8 +156,8 @@ def grouped_rows_kernel(group_acc, group_sizes, inputs, *, shape, tile, out_dtyp
         body,
         out_type=jax.ShapeDtypeStruct(shape, out_dtype),
         scratch_types=[plgpu.SMEM((bm, bn), out_dtype), *scratch],
-        grid=(num_m, num_n),  # the long M axis first: CUDA caps the other grid axes at 65535
-        grid_names=("m", "n"),
+        grid=(num_m * num_n,),  # 1-D: CUDA caps the y and z grid axes at 65535
+        grid_names=("t",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_params(interpret),
     )
@@ -189,7 +204,8 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, blocks=Blocks(), interpre
         return pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
 
     out = grouped_rows_kernel(group_acc, group_sizes, (lhs_p, rhs_p), shape=(mp, np_),
-                              tile=(bm, bn), out_dtype=out_dtype, interpret=interpret)
+                              tile=(bm, bn), out_dtype=out_dtype, band=blocks.band,
+                              interpret=interpret)
     return out[:m, :n]
 
 
@@ -208,9 +224,10 @@ def tgmm(lhs, dout, group_sizes, *, blocks=Blocks(), interpret=False, out_dtype=
     offsets = _offsets(group_sizes)
 
     def body(off_ref, lhs_ref, dout_ref, out_ref, o_smem):
-        nb = jax.lax.axis_index("n")
-        kb = jax.lax.axis_index("k")
-        g = jax.lax.axis_index("g")
+        # Group-major: the resident CTAs work on one group, whose rows then stay in L2.
+        t = jax.lax.axis_index("t")
+        g = t // (num_k * num_n)
+        kb, nb = _banded(t - g * (num_k * num_n), num_k, num_n, min(blocks.band, num_n))
         start, end = off_ref[g], off_ref[g + 1]
         mb0 = start // bm
         num_steps = (end + bm - 1) // bm - mb0
@@ -260,8 +277,8 @@ def tgmm(lhs, dout, group_sizes, *, blocks=Blocks(), interpret=False, out_dtype=
         body,
         out_type=jax.ShapeDtypeStruct((g_count, kp, np_), out_dtype),
         scratch_types=[plgpu.SMEM((bk, bn), out_dtype)],
-        grid=(num_n, num_k, g_count),
-        grid_names=("n", "k", "g"),
+        grid=(g_count * num_k * num_n,),
+        grid_names=("t",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_params(interpret),
     )

@@ -97,5 +97,5 @@ def gmm(x, packed, scales, group_sizes, *, blocks=DEFAULT_BLOCKS, interpret=Fals
     out = grouped_rows_kernel(group_acc, group_sizes, (x_lo, x_hi, packed_p, scales_t),
                               shape=(mp, np_), tile=(bm, bn), out_dtype=dtype,
                               scratch=[plgpu.SMEM((bn, half), dtype)] * (2 * nblk),
-                              interpret=interpret)
+                              band=blocks.band, interpret=interpret)
     return out[:m, :n]

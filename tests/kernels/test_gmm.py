@@ -101,6 +101,16 @@ def test_public_api_impls_agree(rng):
     assert resolve_impl("auto", jnp.bfloat16) == "ragged_dot"  # CPU: no Hopper
 
 
+@pytest.mark.parametrize("num_m,num_n,band", [(5, 7, 3), (4, 8, 8), (3, 2, 8), (6, 5, 1)])
+def test_banded_launch_order_covers_every_tile_once(num_m, num_n, band):
+    t = jnp.arange(num_m * num_n)
+    mb, nb = pallas_gpu._banded(t, num_m, num_n, min(band, num_n))
+    tiles = sorted(zip(np.asarray(mb).tolist(), np.asarray(nb).tolist()))
+    assert tiles == [(m, n) for m in range(num_m) for n in range(num_n)]
+    # the first launches walk N within one M block, `band` columns wide
+    assert np.asarray(nb[:min(band, num_n)]).tolist() == list(range(min(band, num_n)))
+
+
 def test_bad_input_raises(rng):
     lhs, rhs, gs = _inputs(rng, 8, 16, 8, [4, 4])
     with pytest.raises(ValueError, match="Unknown impl"):
