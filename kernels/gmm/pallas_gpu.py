@@ -40,6 +40,7 @@ class Blocks:
     bk: int = 64
     stages: int = 4
     band: int = 8  # launch order: `band` N blocks of one M block, then the next M block (L2)
+    wgs: int = 1  # 2: gmm runs the warp-specialized kernel of `pallas_gpu_ws` (tgmm ignores it)
 
     def __post_init__(self):
         for name in ("bm", "bn", "bk"):
@@ -50,6 +51,8 @@ class Blocks:
             raise ValueError(f"Blocks.stages={self.stages} must be >= 2 (one wgmma in flight)")
         if self.band < 1:
             raise ValueError(f"Blocks.band={self.band} must be >= 1")
+        if self.wgs not in (1, 2):
+            raise ValueError(f"Blocks.wgs={self.wgs} must be 1 or 2 (compute warpgroups)")
 
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -167,6 +170,11 @@ def grouped_rows_kernel(group_acc, group_sizes, inputs, *, shape, tile, out_dtyp
 def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, blocks=Blocks(), interpret=False,
         out_dtype=None):
     """lhs [M, K] x rhs [G, K, N] (or [G, N, K] with transpose_rhs) -> [M, N] by group."""
+    if blocks.wgs == 2:
+        from kernels.gmm import pallas_gpu_ws  # it builds on this module's helpers
+
+        return pallas_gpu_ws.gmm(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
+                                 blocks=blocks, interpret=interpret, out_dtype=out_dtype)
     _check_dtypes(lhs, rhs)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     m, k = lhs.shape

@@ -101,6 +101,36 @@ def test_public_api_impls_agree(rng):
     assert resolve_impl("auto", jnp.bfloat16) == "ragged_dot"  # CPU: no Hopper
 
 
+WS_BLOCKS = pallas_gpu.Blocks(bm=64, bn=128, bk=64, stages=2, band=2, wgs=2)
+
+
+@pytest.mark.parametrize("m,k,n,sizes", [CASES[0], (130, 64, 200, [0, 0, 7, 64, 0, 50, 0])])
+def test_warp_specialized_forward(rng, m, k, n, sizes):
+    """The persistent 2-warpgroup kernel: several tiles per SM, groups across tile boundaries,
+    N not a multiple of the CTA tile, empty groups and rows past the total."""
+    lhs, rhs, gs = _inputs(rng, m, k, n, sizes)
+    out = pallas_gpu.gmm(lhs, rhs, gs, blocks=WS_BLOCKS, interpret=True)
+    assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+    assert_close("gmm_ws", _numpy_gmm(lhs, rhs, sizes), out, 5e-3)
+    out_t = pallas_gpu.gmm(lhs, jnp.swapaxes(rhs, 1, 2), gs, transpose_rhs=True,
+                           blocks=WS_BLOCKS, interpret=True)
+    np.testing.assert_array_equal(np.asarray(out_t, np.float32), np.asarray(out, np.float32))
+
+
+def test_per_kernel_blocks_in_vjp(rng):
+    """gmm_vjp with (warp-specialized forward, warp-specialized dlhs, tgmm) tiles."""
+    m, k, n, sizes = CASES[0]
+    lhs, rhs, gs = _inputs(rng, m, k, n, sizes)
+    w = jnp.asarray(rng.normal(size=(m, n)), jnp.float32)
+    blocks = (WS_BLOCKS, WS_BLOCKS, BLOCKS)
+    got = jax.grad(lambda a, b: jnp.sum(pallas_gpu.gmm_vjp(a, b, gs, blocks, True) * w),
+                   argnums=(0, 1))(lhs, rhs)
+    want = jax.grad(lambda a, b: jnp.sum(reference.gmm(a, b, gs) * w), argnums=(0, 1))(
+        lhs.astype(jnp.float32), rhs.astype(jnp.float32))
+    assert_close("dlhs_ws", want[0], got[0], 1e-2)
+    assert_close("drhs", want[1], got[1], 1e-2)
+
+
 @pytest.mark.parametrize("num_m,num_n,band", [(5, 7, 3), (4, 8, 8), (3, 2, 8), (6, 5, 1)])
 def test_banded_launch_order_covers_every_tile_once(num_m, num_n, band):
     t = jnp.arange(num_m * num_n)
@@ -123,6 +153,8 @@ def test_bad_input_raises(rng):
         pallas_gpu.gmm(lhs.astype(jnp.float32), rhs.astype(jnp.float32), gs, interpret=True)
     with pytest.raises(ValueError, match="multiple of 64"):
         pallas_gpu.Blocks(bm=48)
+    with pytest.raises(ValueError, match="warpgroups"):
+        pallas_gpu.gmm(lhs, rhs, gs, blocks=pallas_gpu.Blocks(bn=64, wgs=2), interpret=True)
 
 
 @pytest.mark.gpu
@@ -198,8 +230,12 @@ def test_kernels_lower_for_cuda():
     rhs = jax.ShapeDtypeStruct((4, 256, 384), jnp.bfloat16)
     dout = jax.ShapeDtypeStruct((1024, 384), jnp.bfloat16)
     gs = jax.ShapeDtypeStruct((4,), jnp.int32)
+    ws = pallas_gpu.Blocks(bm=128, bn=256, bk=64, stages=3, wgs=2)
     for fn, args in ((pallas_gpu.gmm, (lhs, rhs, gs)),
                      (functools.partial(pallas_gpu.gmm, transpose_rhs=True), (dout, rhs, gs)),
-                     (pallas_gpu.tgmm, (lhs, dout, gs))):
+                     (pallas_gpu.tgmm, (lhs, dout, gs)),
+                     (functools.partial(pallas_gpu.gmm, blocks=ws), (lhs, rhs, gs)),
+                     (functools.partial(pallas_gpu.gmm, transpose_rhs=True, blocks=ws),
+                      (dout, rhs, gs))):
         module = export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
         assert "mosaic_gpu" in module

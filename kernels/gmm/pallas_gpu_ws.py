@@ -1,0 +1,169 @@
+"""Grouped matmul on Hopper, warp-specialized and persistent (Pallas Mosaic GPU).
+
+The layout and group handling are those of `pallas_gpu.gmm` (rows sorted by group; one output
+tile per (M block, N block), recomputed for every group that overlaps its rows and merged with a
+row mask). What changes is how the tile is computed, after the structure of fast Hopper GEMMs:
+
+- a CTA tile of bm x bn rows/columns is shared by two compute warpgroups (bm x bn/2 each, a
+  128 x 128 f32 accumulator = 128 registers per thread at the default 128 x 256), fed by a third
+  warpgroup that only issues TMA loads (`emit_pipeline_warp_specialized`), so loads, the two
+  wgmma streams and the epilogue overlap;
+- one CTA per SM walks the tiles (`nd_loop` over the SMs), in the banded order of
+  `pallas_gpu._banded`, so the next tile's loads start while the last one is being stored;
+- operand tiles use the 128-byte swizzle wgmma reads without bank conflicts.
+Shared memory: stages x (bm*bk + bk*bn) + bm*bn 16-bit values; 3 stages at 128 x 256 x 64 fit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels.gmm.pallas_gpu import (
+    Blocks, _banded, _block_groups, _check_dtypes, _offsets, _pad_to, _params, _row_iota)
+
+NUM_COMPUTE_WGS = 2
+MEMORY_REGISTERS = 40  # the TMA warpgroup gives its registers to the compute warpgroups
+
+
+def _transforms(minor: int, dtype):
+    bits = jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(minor * bits)
+    return (plgpu.TilingTransform((8, 8 * swizzle // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def _num_sms(interpret: bool) -> int:
+    if interpret:
+        return 2
+    return getattr(jax.devices()[0], "core_count", None) or 132
+
+
+def check_blocks(blocks: Blocks):
+    if blocks.bn % (64 * NUM_COMPUTE_WGS):
+        raise ValueError(f"warp-specialized gmm splits bn={blocks.bn} over "
+                         f"{NUM_COMPUTE_WGS} warpgroups: it must be a multiple of "
+                         f"{64 * NUM_COMPUTE_WGS}")
+
+
+def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, blocks=Blocks(bn=256, stages=3),
+        interpret=False, out_dtype=None):
+    """lhs [M, K] x rhs [G, K, N] (or [G, N, K] with transpose_rhs) -> [M, N] by group."""
+    _check_dtypes(lhs, rhs)
+    check_blocks(blocks)
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    m, k = lhs.shape
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
+    wn = bn // NUM_COMPUTE_WGS
+    lhs_p = _pad_to(_pad_to(lhs, 0, bm), 1, bk)
+    rhs_p = _pad_to(_pad_to(rhs, 1, bn if transpose_rhs else bk), 2, bk if transpose_rhs else bn)
+    mp, kp = lhs_p.shape
+    np_ = rhs_p.shape[1] if transpose_rhs else rhs_p.shape[2]
+    num_m, num_n, num_k = mp // bm, np_ // bn, kp // bk
+    band = min(blocks.band, num_n)
+    offsets = _offsets(group_sizes)
+    first, last = _block_groups(offsets, num_m, bm)
+    lhs_tf = _transforms(bk, lhs.dtype)
+    rhs_tf = _transforms(bk if transpose_rhs else bn, rhs.dtype)
+    out_tf = _transforms(wn, out_dtype)
+
+    def make_pipeline(mma_body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            mma_body,
+            grid=(num_k,),
+            memory_registers=MEMORY_REGISTERS,
+            in_specs=[
+                plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=lhs_tf,
+                                delay_release=0),
+                plgpu.BlockSpec((bn, bk) if transpose_rhs else (bk, bn),
+                                (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
+                                transforms=rhs_tf, delay_release=0),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=NUM_COMPUTE_WGS,
+            max_concurrent_steps=blocks.stages,
+            compute_context=compute_context,
+        )
+
+    def rhs_view(rhs_ref, g, nb):
+        cols = pl.ds(nb * bn, bn)
+        return rhs_ref.at[g, cols, :] if transpose_rhs else rhs_ref.at[g, :, cols]
+
+    def body(off_ref, first_ref, last_ref, lhs_ref, rhs_ref, out_ref):
+        ignore = lambda *_, **__: None  # noqa: E731
+
+        @functools.partial(
+            pl.run_scoped,
+            allocs=make_pipeline(ignore, ignore).get_allocations(
+                lhs_ref.at[pl.ds(0, bm), :], rhs_view(rhs_ref, 0, 0)),
+            o_smem=plgpu.SMEM((NUM_COMPUTE_WGS, bm, wn), out_dtype, transforms=out_tf),
+            collective_axes="wg",
+        )
+        def scope(allocs, o_smem):
+            wg = jax.lax.axis_index("wg")
+            is_compute = wg < NUM_COMPUTE_WGS
+
+            @plgpu.nd_loop((num_m * num_n,), collective_axes="sm")
+            def tile_loop(info):
+                mb, nb = _banded(info.index[0], num_m, num_n, band)
+                row0 = mb * bm
+
+                @pl.when(is_compute)
+                def _():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    o_smem[wg] = jnp.zeros((bm, wn), out_dtype)
+
+                def one_group(g, carry):
+                    start, end = off_ref[g], off_ref[g + 1]
+
+                    def compute_context(eval_pipeline):
+                        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, wn)))
+                        def _(acc_ref):
+                            eval_pipeline(acc_ref)
+                            plgpu.wgmma_wait(0)
+                            rows = row0 + _row_iota((bm, wn))
+                            keep = (rows >= start) & (rows < end)
+                            o_smem[wg] = jnp.where(keep, acc_ref[...].astype(out_dtype),
+                                                   o_smem[wg])
+
+                    def mma_body(_, lhs_smem, rhs_smem, acc_ref):
+                        wcols = pl.ds(wg * wn, wn)
+                        b = (rhs_smem.at[wcols, :].transpose((1, 0)) if transpose_rhs
+                             else rhs_smem.at[:, wcols])
+                        plgpu.wgmma(acc_ref, lhs_smem, b)
+                        plgpu.wgmma_wait(0)
+                        return acc_ref
+
+                    @pl.when(end > start)
+                    def _():
+                        make_pipeline(mma_body, compute_context)(
+                            lhs_ref.at[pl.ds(row0, bm), :], rhs_view(rhs_ref, g, nb),
+                            allocations=allocs)
+
+                    return carry
+
+                jax.lax.fori_loop(first_ref[mb], last_ref[mb], one_group, 0)
+
+                @pl.when(is_compute)
+                def _():
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(
+                        o_smem.at[wg], out_ref.at[pl.ds(row0, bm), pl.ds(nb * bn + wg * wn, wn)])
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        grid=(_num_sms(interpret),),
+        grid_names=("sm",),
+        num_threads=NUM_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=_params(interpret),
+    )
+    return kernel(offsets, first, last, lhs_p, rhs_p)[:m, :n]
