@@ -4,6 +4,7 @@
     python benchmarks/kda.py --quick              # a tiny shape, few iterations (runs on CPU too)
     python benchmarks/kda.py --shapes 8x4096x16x128 --impls chunk --peers fla,cudnn
     python benchmarks/kda.py --decode             # one decoding step, B=64, H=32, K=V=128
+    python benchmarks/kda.py --impls chunk,pallas_gpu:mosaic_bf16 --peers fla   # a chosen intra stage
 
 Ours: `kda(..., impl=...)` for `naive` (only where its autodiff states fit, else skipped with the
 reason), `chunk` and `pallas_gpu` (when it imports and takes the call), all with lower_bound=-5.
@@ -60,6 +61,9 @@ from kernels.testing import rel_rms  # noqa: E402
 SHAPES = ((8, 4096, 16, 128), (2, 16384, 16, 128), (1, 65536, 16, 128), (4, 8192, 32, 128))
 QUICK_SHAPES = ((1, 128, 2, 32),)
 IMPLS = ("naive", "chunk", "pallas_gpu")
+# pallas_gpu with a chosen intra-chunk stage ("pallas_gpu:mosaic_bf16"); plain "pallas_gpu" uses
+# the module's DEFAULT_INTRA.
+PALLAS_INTRA = ("xla", "mosaic", "mosaic_bf16")
 PEERS = ("fla", "jla", "cudnn")
 LOWER_BOUND = -5.0
 CHUNK = 64
@@ -115,6 +119,7 @@ def _jax_timings(f, x, args):
 
 def _ours(impl, x, shape):
     B, T, H, D = shape
+    impl, _, intra = impl.partition(":")
     if impl == "naive" and B * T * H * D * D * 4 > NAIVE_MAX_BYTES:
         gb = B * T * H * D * D * 4 / 2**30
         return None, f"skipped: the token-serial reference keeps every state for autodiff ({gb:.0f} GiB)"
@@ -127,7 +132,16 @@ def _ours(impl, x, shape):
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)
     args = (bf(x["q"]), bf(x["k"]), bf(x["v"]), jnp.asarray(x["g"]), jnp.asarray(x["beta"]))
     f = lambda q, k, v, g, beta: kda(q, k, v, g, beta, lower_bound=LOWER_BOUND, impl=impl)[0]
-    return attempt(lambda: _jax_timings(f, x, args))
+    if not intra:
+        return attempt(lambda: _jax_timings(f, x, args))
+    from kernels.kda import pallas_gpu
+
+    default = pallas_gpu.DEFAULT_INTRA
+    pallas_gpu.DEFAULT_INTRA = intra  # read while the jitted functions trace (their first call)
+    try:
+        return attempt(lambda: _jax_timings(f, x, args))
+    finally:
+        pallas_gpu.DEFAULT_INTRA = default
 
 
 def _jla(impl, x):
@@ -195,8 +209,7 @@ def run_shape(shape, impls, peers):
     x = make_inputs(shape)
     rows, outs = [], {}
     for impl in impls:
-        if impl not in IMPLS:
-            raise ValueError(f"Unknown impl {impl!r}; expected one of {IMPLS}")
+        _check_impl(impl)
         res, err = _ours(impl, x, shape)
         rows.append(_row(f"{impl}", "ours", shape, res, err))
         if res is not None and res[2] is not None:
@@ -216,6 +229,12 @@ def run_shape(shape, impls, peers):
             if p["kind"] == "peer" and p["fwd_ms"] is not None and row["kind"] == "ours"
         }
     return rows
+
+
+def _check_impl(impl):
+    name, sep, intra = impl.partition(":")
+    if name not in IMPLS or (sep and (name != "pallas_gpu" or intra not in PALLAS_INTRA)):
+        raise ValueError(f"Unknown impl {impl!r}; expected one of {IMPLS} or pallas_gpu:<{'|'.join(PALLAS_INTRA)}>")
 
 
 def _ratio(a, b):
@@ -351,7 +370,8 @@ def _parse_shapes(s):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", help="comma-separated BxTxHxD (D = K = V)")
-    p.add_argument("--impls", default=",".join(IMPLS), help=f"ours, from {IMPLS}")
+    p.add_argument("--impls", default=",".join(IMPLS),
+                   help=f"ours, from {IMPLS}; pallas_gpu:<intra> picks its intra stage from {PALLAS_INTRA}")
     p.add_argument("--peers", default=",".join(PEERS), help=f"from {PEERS}, or 'none'")
     p.add_argument("--out", help="JSON path (default benchmarks/results/kda-<time>.json)")
     p.add_argument("--quick", action="store_true", help="tiny shape, 1 warm-up and 3 timed calls")

@@ -2,9 +2,11 @@
 
 Forward, intra-chunk stage (decayed q k^T and k k^T, the unit-triangular inverse, w, u):
 chunk-parallel XLA (`pallas_gpu_prep.prepare`), exact for any gate g <= 0 and with exact
-segment resets; or, with `intra="mosaic"`, `lower_bound >= -5` and no resets, a Mosaic GPU
-kernel on the tensor cores (`mosaic_intra.intra_bounded`; correct, but slower than XLA on an
-H200 today, so not the default). The inter-chunk stage (state recurrence + output, the serial part) is a Mosaic GPU kernel
+segment resets; or, with `lower_bound >= -5` and no resets, a Mosaic GPU kernel on the tensor
+cores: `intra="mosaic"` (`mosaic_intra.intra_bounded`, split-bf16 products, one program per SM;
+slower than XLA on an H200) or `intra="mosaic_bf16"` (`mosaic_intra_bf16.intra_bf16`: bf16
+operands like flash-linear-attention's, ~108 KiB of SMEM so two programs share an SM). The
+default stays "xla" until the lean kernel is measured on a GPU. The inter-chunk stage (state recurrence + output, the serial part) is a Mosaic GPU kernel
 (`mosaic_state.state_output`: TMA double-buffering, three wgmma products per chunk, the
 state in f32 registers). The state kernel's grid is (B*H, V/64) and it loops over chunks
 inside, so any T runs (1,048,576 tokens and more) with no grid limit.
@@ -34,14 +36,14 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from kernels.kda import mosaic_decode, mosaic_intra, mosaic_state
+from kernels.kda import mosaic_decode, mosaic_intra, mosaic_intra_bf16, mosaic_state
 from kernels.kda.pallas_gpu_prep import chunked_reference, prepare, unchunk
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_DIMS = (64, 128)
 BOUNDED_GATE = -5.0  # lower_bound at or above this may take the Mosaic GPU intra-chunk kernel
-INTRA_STAGES = ("xla", "mosaic")
+INTRA_STAGES = ("xla", "mosaic", "mosaic_bf16")
 # Measured on one H200 at (8, 4096, 16, 128) bf16: the XLA intra stage takes 6.0 ms, the
 # Mosaic GPU intra kernel about 9 ms (one CTA per SM, register-bound), so XLA is the default.
 DEFAULT_INTRA = "xla"
@@ -101,8 +103,9 @@ def _exact_operands(q, k, v, g, beta, seg, scale, dt):
     return op(p["qg"]), op(-p["w"]), op(p["kg"]), op(p["u"]), op(p["a"]), flat(p["d"])
 
 
-def _bounded_operands(q, k, v, g, beta, scale, interpret):
-    """State-kernel operands from the Mosaic GPU intra-chunk kernel (g >= -5, no resets)."""
+def _bounded_operands(q, k, v, g, beta, scale, interpret, kernel="mosaic"):
+    """State-kernel operands from a Mosaic GPU intra-chunk kernel (g >= -5, no resets):
+    `mosaic_intra.intra_bounded` ("mosaic") or the lean `mosaic_intra_bf16.intra_bf16`."""
     B, T, H, K = q.shape
     C = mosaic_state.C
     NT = -(-T // C)
@@ -111,28 +114,30 @@ def _bounded_operands(q, k, v, g, beta, scale, interpret):
     G = jnp.cumsum(g.reshape(B, NT, C, H, K), axis=2)
     d = jnp.moveaxis(jnp.exp(G[:, :, -1]), 2, 1).reshape(B * H, NT, K)
     G = G.reshape(B, NT * C, H, K)
-    outs = mosaic_intra.intra_bounded(q, k, v, G, jnp.moveaxis(beta, 1, 2), scale=scale, interpret=interpret)
+    intra = mosaic_intra_bf16.intra_bf16 if kernel == "mosaic_bf16" else mosaic_intra.intra_bounded
+    outs = intra(q, k, v, G, jnp.moveaxis(beta, 1, 2), scale=scale, interpret=interpret)
     return (*outs, d)
 
 
-def resolve_intra(intra, lower_bound, segment_ids) -> bool:
-    """True when the Mosaic GPU intra-chunk kernel runs: asked for (`intra`, default
-    DEFAULT_INTRA), a bounded gate (lower_bound >= -5) and no segment resets."""
+def resolve_intra(intra, lower_bound, segment_ids) -> str | None:
+    """The Mosaic GPU intra-chunk kernel that runs ("mosaic" or "mosaic_bf16"), or None for the
+    exact XLA stage: a kernel runs when asked for (`intra`, default DEFAULT_INTRA), with a
+    bounded gate (lower_bound >= -5) and no segment resets."""
     intra = DEFAULT_INTRA if intra is None else intra
     if intra not in INTRA_STAGES:
         raise ValueError(f"Unknown intra={intra!r}; expected one of {list(INTRA_STAGES)}")
     bounded = lower_bound is not None and float(lower_bound) >= BOUNDED_GATE
-    return intra == "mosaic" and bounded and segment_ids is None
+    return intra if intra != "xla" and bounded and segment_ids is None else None
 
 
 def _kernel_forward(q, k, v, g, beta, h0, seg, scale, bounded, interpret):
-    """Chunk operands (the Mosaic GPU intra kernel when `bounded`, else exact XLA), then the
+    """Chunk operands (the Mosaic GPU intra kernel named by `bounded`, else exact XLA), then the
     Mosaic GPU state kernel: (o [B,T,H,V], S [B,H,K,V])."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dt = q.dtype if jnp.dtype(q.dtype).itemsize == 2 else jnp.float32
     if bounded:
-        ops = _bounded_operands(q.astype(dt), k.astype(dt), v.astype(dt), g, beta, scale, interpret)
+        ops = _bounded_operands(q.astype(dt), k.astype(dt), v.astype(dt), g, beta, scale, interpret, bounded)
     else:
         ops = _exact_operands(q, k, v, g, beta, seg, scale, dt)
     o, S = mosaic_state.state_output(*ops, h0.reshape(B * H, K, V), out_dtype=v.dtype, interpret=interpret)
@@ -197,9 +202,9 @@ def kda_impl(
 ):
     """Canonical-form KDA on Mosaic GPU kernels; see `kernels.kda.kda` for the contract.
 
-    `intra` "mosaic" with `lower_bound` >= -5 (the caller guarantees g >= lower_bound) and no
-    segment resets runs the all-tensor-core intra-chunk kernel; otherwise ("xla", the default
-    while it is the faster) the exact XLA stage runs.
+    `intra` "mosaic" (split-bf16 products) or "mosaic_bf16" (bf16 operands, two programs per
+    SM) with `lower_bound` >= -5 (the caller guarantees g >= lower_bound) and no segment resets
+    runs an all-tensor-core intra-chunk kernel; otherwise ("xla") the exact XLA stage runs.
     `interpret` None means: the Mosaic GPU interpreter on a CPU-only machine, compiled on a GPU.
     """
     del output_final_state

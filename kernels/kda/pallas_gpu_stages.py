@@ -8,7 +8,8 @@ fed with the real outputs of the stages before it, and timed (mean ms of `iters`
                 output products; the whole backward (`chunk._core_bwd`) with the bounded and the
                 exact intra path, and its pieces (prep's vjp, the reverse state scan).
   pallas_gpu.*  the exact XLA intra stage (`pallas_gpu_prep.prepare`) and its cast to kernel
-                operands, the Mosaic GPU state kernel alone, the Mosaic GPU intra kernel alone.
+                operands, the Mosaic GPU state kernel alone, the Mosaic GPU intra kernels alone
+                (`mosaic_intra`, `mosaic_intra_bf16`) and their XLA inputs (cumsum, pad).
   whole         kda(...) forward and forward+backward for both impls (pallas_gpu with each
                 intra stage). A failing stage is recorded with its error; the others still run.
 
@@ -23,7 +24,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from kernels.kda import chunk, kda, mosaic_intra, mosaic_state, pallas_gpu, pallas_gpu_prep
+from kernels.kda import chunk, kda, mosaic_intra, mosaic_intra_bf16, mosaic_state, pallas_gpu, pallas_gpu_prep
 from kernels.kda.chunk_intra import to_chunks
 
 LOWER_BOUND = -5.0
@@ -127,8 +128,12 @@ def _pallas_stages(rec, q, k, v, g, beta, scale):
     qp, kp, vp, gp, bp = (pad(x) for x in (q, k, v, g, beta))
     Gp = jnp.cumsum(gp.reshape(B, NT, C, H, K), axis=2).reshape(B, NT * C, H, K)
     bt = jnp.moveaxis(bp, 1, 2)
+    rec("pallas_gpu.cumsum + pad (bounded intra inputs)",
+        lambda g, b: (jnp.cumsum(pad(g).reshape(B, NT, C, H, K), axis=2), jnp.moveaxis(pad(b), 1, 2)), g, beta)
     rec("pallas_gpu.mosaic_intra alone",
         lambda *a: mosaic_intra.intra_bounded(*a, scale=scale, interpret=interpret), qp, kp, vp, Gp, bt)
+    rec("pallas_gpu.mosaic_intra_bf16 alone",
+        lambda *a: mosaic_intra_bf16.intra_bf16(*a, scale=scale, interpret=interpret), qp, kp, vp, Gp, bt)
 
 
 def _whole(rec, args):
@@ -140,10 +145,10 @@ def _whole(rec, args):
         f = fwd(impl, intra)
         return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4))
 
-    for impl, intra in (("chunk", None), ("pallas_gpu", "xla"), ("pallas_gpu", "mosaic")):
+    for impl, intra in (("chunk", None), ("pallas_gpu", "xla"), ("pallas_gpu", "mosaic"), ("pallas_gpu", "mosaic_bf16")):
         label = impl if intra is None else f"{impl} intra={intra}"
         rec(f"whole {label} fwd", fwd(impl, intra), *args)
-        if intra != "mosaic":  # the backward does not depend on the intra stage (each compile costs seconds)
+        if intra in (None, "xla"):  # the backward does not depend on the intra stage (compiles cost seconds)
             rec(f"whole {label} fwd+bwd", fwd_bwd(impl, intra), *args)
 
 

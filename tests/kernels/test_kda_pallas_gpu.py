@@ -172,7 +172,7 @@ def test_sharded_over_batch_and_heads(rng, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n_docs, intra", [(0, "mosaic"), (0, "xla"), (8, "xla")])
+@pytest.mark.parametrize("n_docs, intra", [(0, "mosaic_bf16"), (0, "mosaic"), (0, "xla"), (8, "xla")])
 def test_gpu_parity_large(rng, monkeypatch, n_docs, intra):
     monkeypatch.setattr(pallas_gpu, "DEFAULT_INTRA", intra)
     _check_parity(rng, 2, 4096, 16, 128, 128, "channel", jnp.bfloat16, BF16_TOL, n_docs=n_docs, lower_bound=-5.0)
