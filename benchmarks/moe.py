@@ -44,14 +44,15 @@ from kimi_jax.moe_dispatch import (  # noqa: E402
     ExpertWeights, grouped_ffn, ragged_dispatch, sort_by_expert)
 
 Blocks = pallas_gpu.Blocks
-# Tiles that fit the 227 KiB of shared memory (checked by lowering for CUDA); tgmm needs
-# 2 stages at 128x256x64 (its stages hold [bm, bk] and [bm, bn] tiles).
-# band=1 is the M-fastest launch order (the L2 reference point); wgs=2 the warp-specialized
-# persistent gmm (tgmm has no such variant: those tiles are skipped for it).
-SWEEP = (Blocks(128, 128, 64, 4), Blocks(128, 128, 64, 4, band=1), Blocks(128, 256, 64, 3),
-         Blocks(128, 256, 64, 2), Blocks(64, 256, 64, 4), Blocks(128, 128, 128, 3),
-         Blocks(128, 256, 64, 3, wgs=2), Blocks(128, 128, 64, 4, wgs=2),
-         Blocks(128, 256, 64, 3, band=4, wgs=2))
+# Tiles that fit the 227 KiB of shared memory (checked by lowering for CUDA). band=1 is the
+# M-fastest launch order (the L2 reference point); wgs=2 the warp-specialized persistent kernels.
+# tgmm's tiles are (bm contracted rows, output bk x bn) and its stages hold [bm, bk] + [bm, bn].
+SWEEP_GMM = (Blocks(128, 128, 64, 4, band=1), Blocks(128, 256, 64, 3), Blocks(64, 256, 64, 4),
+             Blocks(128, 128, 128, 3), Blocks(128, 256, 64, 3, wgs=2),
+             Blocks(128, 128, 64, 4, wgs=2), Blocks(128, 256, 64, 3, band=4, wgs=2))
+SWEEP_TGMM = (Blocks(128, 128, 64, 4, band=1), Blocks(128, 128, 128, 3), Blocks(128, 256, 64, 2),
+              Blocks(64, 256, 128, 3, wgs=2), Blocks(128, 128, 128, 3, wgs=2),
+              Blocks(64, 256, 64, 4, wgs=2))
 KERNELS = ("gmm_fwd_gate", "gmm_fwd_down", "gmm_dlhs", "tgmm")
 
 
@@ -61,7 +62,7 @@ def workloads(quick: bool):
     # k3_small: configs/k3_small.py's moe (latent_dim, expert_hidden, num_experts, top_k); not
     # read from the config so that this script needs no ml_collections.
     # k3_small first: it takes seconds, and the time budget then goes to k3_device.
-    return [dict(name="k3_small", tokens=32768, d=256, f=224, experts=8, top_k=2),
+    return [dict(name="k3_small", tokens=32768, d=256, f=224, experts=8, top_k=2, share=0.3),
             dict(name="k3_device", tokens=32768, d=3584, f=3072, experts=128, top_k=16)]
 
 
@@ -239,7 +240,10 @@ def _blocks_str(b):
     return " ".join(_blocks_str(x) for x in b)
 
 
-def run_workload(w, rec, *, sweep, iters, warmup, budget_s, baselines):
+def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines):
+    """Rows in order of value, so that the time budget cuts the least useful ones: baselines
+    and default-tile kernels, the fwd+bwd steps with default tiles, the tile sweep, and last
+    the steps with the best tile of every kernel."""
     x, idx, weights, experts = _inputs(w)
     order, token, group_sizes = sort_by_expert(idx, w["experts"])
     x_sorted = x[token]
@@ -252,52 +256,57 @@ def run_workload(w, rec, *, sweep, iters, warmup, budget_s, baselines):
     kargs = (x_sorted, dout_f, dout_d, experts, group_sizes)
     base = dict(workload=w["name"], **{k: w[k] for k in ("tokens", "d", "f", "experts", "top_k")},
                 rows=m, max_group=int(gs_host.max()), min_group=int(gs_host.min()))
-    tiles = SWEEP if sweep else (Blocks(),)
-    best = {}
-    for kernel in KERNELS:
+    refs, best = {}, {}  # per kernel: the first baseline's output; the fastest correct tile
+
+    def kernel_rows(kernel, impls):
         mm, kk, nn = _kernel_mkn(kernel, w)
-        flops = 2 * mm * kk * nn
-        impls = [(i, None) for i in baselines] + [
-            ("pallas_gpu", b) for b in tiles if not (kernel == "tgmm" and b.wgs == 2)]
-        ref = None  # the first baseline's output: pallas rows record their error against it
         for impl, b in impls:
-            if rec.elapsed() > budget_s:
-                print(f"time budget {budget_s}s spent: skipping {kernel} {impl}", flush=True)
+            if rec.elapsed() > deadline:
+                print(f"time budget spent: skipping {kernel} {impl}", flush=True)
                 continue
             r = measure(_kernel_fn(kernel, impl, b, capacity), kargs, warmup, iters)
             compiled = r.pop("compiled", None)
-            if r["ms"] is not None and (ref is None or impl == "pallas_gpu"):
+            if r["ms"] is not None and (kernel not in refs or impl == "pallas_gpu"):
                 out = compiled(*kargs)
-                if ref is None:
-                    ref = (impl, out)
+                if kernel not in refs:
+                    refs[kernel] = (impl, out)
                 else:
-                    err = attempt(lambda: rel_rms(ref[1], out))[0]
-                    r["check"] = dict(against=ref[0], rel_rms=err)
+                    err = attempt(lambda: rel_rms(refs[kernel][1], out))[0]
+                    r["check"] = dict(against=refs[kernel][0], rel_rms=err)
                 del out
             del compiled
             rec.add(dict(base, kind="kernel", name=kernel, impl=impl, blocks=_blocks_str(b),
-                         mkn=[mm, kk, nn], **r), flops)
-            wrong = (r.get("check") or {}).get("rel_rms")
-            wrong = wrong is None and "check" in r or (wrong or 0) > 2e-2
-            if impl == "pallas_gpu" and r["ms"] is not None and not wrong and \
-                    (kernel not in best or r["ms"] < best[kernel][0]):
+                         mkn=[mm, kk, nn], **r), 2 * mm * kk * nn)
+            err = (r.get("check") or {}).get("rel_rms")
+            ok = r["ms"] is not None and err is not None and err < 2e-2
+            if impl == "pallas_gpu" and ok and (kernel not in best or r["ms"] < best[kernel][0]):
                 best[kernel] = (r["ms"], b)
-        ref = None
+
+    def step_rows(variants):
+        for part, args in (("ffn", (x_sorted, experts, group_sizes)),
+                           ("layer", (x, experts, idx, weights))):
+            for impl, b in variants:
+                if rec.elapsed() > deadline:
+                    print(f"time budget spent: skipping {part} {impl}", flush=True)
+                    continue
+                r = measure(_step_fn(part, impl, b, capacity), args, warmup, iters)
+                r.pop("compiled", None)
+                rec.add(dict(base, kind="step", name=part, impl=impl, blocks=_blocks_str(b),
+                             **r), 9 * 2 * m * w["d"] * w["f"])
+
+    for kernel in KERNELS:
+        kernel_rows(kernel, [(i, None) for i in baselines] + [("pallas_gpu", Blocks())])
+    step_rows([("pallas_gpu", Blocks())] + [(i, None) for i in baselines])
+    if not sweep:
+        return
+    for kernel in KERNELS:
+        kernel_rows(kernel, [("pallas_gpu", b)
+                             for b in (SWEEP_TGMM if kernel == "tgmm" else SWEEP_GMM)])
+    refs.clear()
     pick = lambda k: best.get(k, (0, Blocks()))[1]  # noqa: E731
     tuned = (pick("gmm_fwd_gate"), pick("gmm_dlhs"), pick("tgmm"))
-    variants = [("pallas_gpu", Blocks())] + ([("pallas_gpu", tuned)] if tuned != (Blocks(),) * 3
-                                             else []) + [(i, None) for i in baselines]
-    flops = 9 * 2 * m * w["d"] * w["f"]
-    for part, args in (("ffn", (x_sorted, experts, group_sizes)),
-                       ("layer", (x, experts, idx, weights))):
-        for impl, b in variants:
-            if rec.elapsed() > budget_s:
-                print(f"time budget {budget_s}s spent: skipping {part} {impl}", flush=True)
-                continue
-            r = measure(_step_fn(part, impl, b, capacity), args, warmup, iters)
-            r.pop("compiled", None)
-            rec.add(dict(base, kind="step", name=part, impl=impl, blocks=_blocks_str(b), **r),
-                    flops)
+    if tuned != (Blocks(),) * 3:
+        step_rows([("pallas_gpu", tuned)])
 
 
 def markdown(rows) -> str:
@@ -339,10 +348,13 @@ def main(argv=None):
     rec = Recorder(args.out, "moe_quick" if args.quick else "moe", meta)
     chosen = args.workloads.split(",") if args.workloads else None
     baselines = [b for b in args.baselines.split(",") if b]
-    for w in workloads(args.quick):
-        if chosen is None or w["name"] in chosen:
-            run_workload(w, rec, sweep=args.sweep, iters=iters, warmup=warmup,
-                         budget_s=args.budget_s, baselines=baselines)
+    todo = [w for w in workloads(args.quick) if chosen is None or w["name"] in chosen]
+    for i, w in enumerate(todo):
+        # every workload but the last gets at most `share` of the budget
+        last = i == len(todo) - 1
+        deadline = args.budget_s if last else rec.elapsed() + w.get("share", 1.0) * args.budget_s
+        run_workload(w, rec, sweep=args.sweep, iters=iters, warmup=warmup,
+                     deadline=min(deadline, args.budget_s), baselines=baselines)
     print(markdown(rec.rows))
     return rec.rows
 

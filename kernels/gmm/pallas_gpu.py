@@ -40,7 +40,7 @@ class Blocks:
     bk: int = 64
     stages: int = 4
     band: int = 8  # launch order: `band` N blocks of one M block, then the next M block (L2)
-    wgs: int = 1  # 2: gmm runs the warp-specialized kernel of `pallas_gpu_ws` (tgmm ignores it)
+    wgs: int = 1  # 2: the warp-specialized persistent kernels of `pallas_gpu_ws`
 
     def __post_init__(self):
         for name in ("bm", "bn", "bk"):
@@ -219,6 +219,11 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, blocks=Blocks(), interpre
 
 def tgmm(lhs, dout, group_sizes, *, blocks=Blocks(), interpret=False, out_dtype=None):
     """lhs [M, K], dout [M, N] -> [G, K, N], out[g] = lhs[rows_g]^T @ dout[rows_g]."""
+    if blocks.wgs == 2:
+        from kernels.gmm import pallas_gpu_ws
+
+        return pallas_gpu_ws.tgmm(lhs, dout, group_sizes, blocks=blocks, interpret=interpret,
+                                  out_dtype=out_dtype)
     _check_dtypes(lhs, dout)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     m, k = lhs.shape

@@ -11,7 +11,8 @@ row mask). What changes is how the tile is computed, after the structure of fast
 - one CTA per SM walks the tiles (`nd_loop` over the SMs), in the banded order of
   `pallas_gpu._banded`, so the next tile's loads start while the last one is being stored;
 - operand tiles use the 128-byte swizzle wgmma reads without bank conflicts.
-Shared memory: stages x (bm*bk + bk*bn) + bm*bn 16-bit values; 3 stages at 128 x 256 x 64 fit.
+Shared memory: stages x (bm*bk + bk*bn) + bm*bn 16-bit values for gmm (3 stages at 128 x 256 x
+64 fit), stages x bm*(bk + bn) + bk*bn for tgmm (3 stages at 64 x 256 x 128).
 """
 
 from __future__ import annotations
@@ -167,3 +168,122 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, blocks=Blocks(bn=256, sta
         interpret=_params(interpret),
     )
     return kernel(offsets, first, last, lhs_p, rhs_p)[:m, :n]
+
+
+def tgmm(lhs, dout, group_sizes, *, blocks=Blocks(bm=64, bn=256, bk=128, stages=3),
+         interpret=False, out_dtype=None):
+    """lhs [M, K], dout [M, N] -> [G, K, N], out[g] = lhs[rows_g]^T @ dout[rows_g].
+
+    Persistent over (group, K block, N block) tiles, group-major; the [bk, bn] output tile is
+    split over the two compute warpgroups along N, and each masks the rows of its half of the
+    `dout` tile that lie outside the group (boundary M blocks only) before its wgmma."""
+    _check_dtypes(lhs, dout)
+    check_blocks(blocks)
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    m, k = lhs.shape
+    n = dout.shape[1]
+    g_count = group_sizes.shape[0]
+    bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
+    wn = bn // NUM_COMPUTE_WGS
+    lhs_p = _pad_to(_pad_to(lhs, 0, bm), 1, bk)
+    dout_p = _pad_to(_pad_to(dout, 0, bm), 1, bn)
+    kp, np_ = lhs_p.shape[1], dout_p.shape[1]
+    num_k, num_n = kp // bk, np_ // bn
+    band = min(blocks.band, num_n)
+    offsets = _offsets(group_sizes)
+    lhs_tf = _transforms(bk, lhs.dtype)
+    dout_tf = _transforms(bn, dout.dtype)
+    out_tf = _transforms(wn, out_dtype)
+
+    def make_pipeline(mma_body, compute_context, num_steps, mb0):
+        return plgpu.emit_pipeline_warp_specialized(
+            mma_body,
+            grid=(num_steps,),
+            memory_registers=MEMORY_REGISTERS,
+            in_specs=[
+                plgpu.BlockSpec((bm, bk), lambda i: (mb0 + i, 0), transforms=lhs_tf),
+                plgpu.BlockSpec((bm, bn), lambda i: (mb0 + i, 0), transforms=dout_tf),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=NUM_COMPUTE_WGS,
+            max_concurrent_steps=blocks.stages,
+            compute_context=compute_context,
+        )
+
+    def body(off_ref, lhs_ref, dout_ref, out_ref):
+        ignore = lambda *_, **__: None  # noqa: E731
+
+        @functools.partial(
+            pl.run_scoped,
+            # a grid of `stages` steps so that the allocation holds every pipeline slot
+            allocs=make_pipeline(ignore, ignore, blocks.stages, 0).get_allocations(
+                lhs_ref.at[:, pl.ds(0, bk)], dout_ref.at[:, pl.ds(0, bn)]),
+            o_smem=plgpu.SMEM((NUM_COMPUTE_WGS, bk, wn), out_dtype, transforms=out_tf),
+            collective_axes="wg",
+        )
+        def scope(allocs, o_smem):
+            wg = jax.lax.axis_index("wg")
+            is_compute = wg < NUM_COMPUTE_WGS
+
+            @plgpu.nd_loop((g_count * num_k * num_n,), collective_axes="sm")
+            def tile_loop(info):
+                t = info.index[0]
+                g = t // (num_k * num_n)
+                kb, nb = _banded(t - g * (num_k * num_n), num_k, num_n, band)
+                start, end = off_ref[g], off_ref[g + 1]
+                mb0 = start // bm
+                num_steps = (end + bm - 1) // bm - mb0
+
+                @pl.when(is_compute)
+                def _():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    o_smem[wg] = jnp.zeros((bk, wn), out_dtype)
+
+                def compute_context(eval_pipeline):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bk, wn)))
+                    def _(acc_ref):
+                        eval_pipeline(acc_ref)
+                        plgpu.wgmma_wait(0)
+                        o_smem[wg] = acc_ref[...].astype(out_dtype)
+
+                def mma_body(idx, lhs_smem, dout_smem, acc_ref):
+                    row0 = (mb0 + idx[0]) * bm
+                    half = dout_smem.at[:, pl.ds(wg * wn, wn)]
+
+                    @pl.when((row0 < start) | (row0 + bm > end))
+                    def _():
+                        rows = row0 + _row_iota((bm, wn))
+                        keep = (rows >= start) & (rows < end)
+                        half[...] = jnp.where(keep, half[...], 0).astype(half.dtype)
+                        plgpu.commit_smem()
+
+                    plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), half)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                @pl.when(end > start)
+                def _():
+                    make_pipeline(mma_body, compute_context, num_steps, mb0)(
+                        lhs_ref.at[:, pl.ds(kb * bk, bk)], dout_ref.at[:, pl.ds(nb * bn, bn)],
+                        allocations=allocs)
+
+                @pl.when(is_compute)
+                def _():
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(
+                        o_smem.at[wg],
+                        out_ref.at[g, pl.ds(kb * bk, bk), pl.ds(nb * bn + wg * wn, wn)])
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((g_count, kp, np_), out_dtype),
+        grid=(_num_sms(interpret),),
+        grid_names=("sm",),
+        num_threads=NUM_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=_params(interpret),
+    )
+    return kernel(offsets, lhs_p, dout_p)[:, :k, :n]

@@ -117,12 +117,25 @@ def test_warp_specialized_forward(rng, m, k, n, sizes):
     np.testing.assert_array_equal(np.asarray(out_t, np.float32), np.asarray(out, np.float32))
 
 
+@pytest.mark.parametrize("m,k,n,sizes", [CASES[0], (130, 64, 200, [0, 0, 7, 64, 0, 50, 0])])
+def test_warp_specialized_tgmm(rng, m, k, n, sizes):
+    """Boundary M blocks masked per warpgroup half; empty groups give zero gradients."""
+    lhs, _, gs = _inputs(rng, m, k, n, sizes)
+    dout = jnp.asarray(rng.normal(size=(m, n)), jnp.bfloat16)
+    out = pallas_gpu.tgmm(lhs, dout, gs, blocks=WS_BLOCKS, interpret=True)
+    assert out.shape == (len(sizes), k, n)
+    assert_close("tgmm_ws", reference.tgmm(lhs.astype(jnp.float32), dout.astype(jnp.float32),
+                                           gs), out, 5e-3)
+    empty = [g for g, s in enumerate(sizes) if s == 0]
+    assert not np.any(np.asarray(out[np.asarray(empty, int)], np.float32))
+
+
 def test_per_kernel_blocks_in_vjp(rng):
-    """gmm_vjp with (warp-specialized forward, warp-specialized dlhs, tgmm) tiles."""
+    """gmm_vjp with separate (forward, dlhs, drhs) tiles: warp-specialized and plain kernels."""
     m, k, n, sizes = CASES[0]
     lhs, rhs, gs = _inputs(rng, m, k, n, sizes)
     w = jnp.asarray(rng.normal(size=(m, n)), jnp.float32)
-    blocks = (WS_BLOCKS, WS_BLOCKS, BLOCKS)
+    blocks = (WS_BLOCKS, BLOCKS, WS_BLOCKS)
     got = jax.grad(lambda a, b: jnp.sum(pallas_gpu.gmm_vjp(a, b, gs, blocks, True) * w),
                    argnums=(0, 1))(lhs, rhs)
     want = jax.grad(lambda a, b: jnp.sum(reference.gmm(a, b, gs) * w), argnums=(0, 1))(
@@ -236,6 +249,8 @@ def test_kernels_lower_for_cuda():
                      (pallas_gpu.tgmm, (lhs, dout, gs)),
                      (functools.partial(pallas_gpu.gmm, blocks=ws), (lhs, rhs, gs)),
                      (functools.partial(pallas_gpu.gmm, transpose_rhs=True, blocks=ws),
-                      (dout, rhs, gs))):
+                      (dout, rhs, gs)),
+                     (functools.partial(pallas_gpu.tgmm, blocks=pallas_gpu.Blocks(
+                         bm=64, bn=256, bk=128, stages=3, wgs=2)), (lhs, dout, gs))):
         module = export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
         assert "mosaic_gpu" in module
