@@ -104,12 +104,14 @@ def main(argv=None):
     p.add_argument("--stages", action="store_true", help="time every stage separately")
     p.add_argument("--quick", action="store_true", help="with --stages: a tiny shape (runs on CPU)")
     p.add_argument("--out", help="with --stages: JSON path")
+    p.add_argument("--only", help="with --stages: comma-separated substrings of the stage names to time")
     a = p.parse_args(argv)
     if a.stages:
         from kernels.kda.pallas_gpu_stages import run_stages
 
         shape = (1, 128, 2, 64) if a.quick else (8, 4096, 16, 128)
-        res = run_stages(shape, warmup=1 if a.quick else 2, iters=2 if a.quick else 5)
+        only = [x for x in (a.only or "").split(",") if x] or None
+        res = run_stages(shape, warmup=1 if a.quick else 2, iters=2 if a.quick else 5, only=only)
         if a.out:
             with open(a.out, "w") as f:
                 json.dump(res, f, indent=2)

@@ -51,11 +51,23 @@ def _inputs(B, T, H, D):
 
 
 class _Recorder:
-    def __init__(self, warmup, iters):
-        self.warmup, self.iters, self.rows = warmup, iters, []
+    def __init__(self, warmup, iters, only=None):
+        self.warmup, self.iters, self.rows, self.only = warmup, iters, [], only
+
+    def wants(self, name):
+        return not self.only or any(s in name for s in self.only)
+
+    def feed(self, name, f, *args):
+        """A stage whose output later stages use: timed if selected, else run once untimed."""
+        if not self.wants(name):
+            return jax.jit(f)(*args)
+        return self(name, f, *args)
 
     def __call__(self, name, f, *args):
-        """Time jit(f)(*args), record it, return its output (None on failure)."""
+        """Time jit(f)(*args), record it, return its output (None on failure or when `only`
+        (substrings of stage names) leaves it out)."""
+        if not self.wants(name):
+            return None
         fj = jax.jit(f)
         try:
             first, ms = _time(fj, args, self.warmup, self.iters)
@@ -76,17 +88,17 @@ def _chunk_stages(rec, q, k, v, g, beta, scale):
     cq, ck, cv = (to_chunks(x) for x in (q, k, v))
     cg, cb = to_chunks(g.astype(nm.sdt)), to_chunks(beta.astype(nm.sdt))
     h0 = jnp.zeros((B, H, K, v.shape[-1]), nm.sdt)
-    P = rec("chunk.prep (intra scores, bounded)", lambda *a: chunk._prep(nm, *a, None, scale, True, True),
+    P = rec.feed("chunk.prep (intra scores, bounded)", lambda *a: chunk._prep(nm, *a, None, scale, True, True),
             cq, ck, cv, cg, cb)
     rec("chunk.prep (intra scores, exact)", lambda *a: chunk._prep(nm, *a, None, scale, False, True),
         cq, ck, cv, cg, cb)
     if P is None:
         return
-    wy = rec("chunk.wy (inverse, w, u)", lambda P: chunk._wy(nm, P), P)
+    wy = rec.feed("chunk.wy (inverse, w, u)", lambda P: chunk._wy(nm, P), P)
     if wy is None:
         return
     _, w, u = wy
-    sc = rec("chunk.state_scan", lambda *a: chunk._state_scan(nm, *a), h0, w, u, P["kg"], P["decay"])
+    sc = rec.feed("chunk.state_scan", lambda *a: chunk._state_scan(nm, *a), h0, w, u, P["kg"], P["decay"])
     if sc is None:
         return
     states, vn, _ = sc
@@ -96,6 +108,8 @@ def _chunk_stages(rec, q, k, v, g, beta, scale):
     do = jnp.ones(cv.shape, jnp.float32)
     dS = jnp.ones(h0.shape, nm.sdt)
     for bounded in (True, False):
+        if not rec.wants(f"chunk.bwd whole ({'bounded' if bounded else 'exact'} intra)"):
+            continue
         res = jax.jit(lambda *a, b=bounded: chunk._core_fwd(*a, None, scale, b, True)[1])(cq, ck, cv, cg, cb, h0)
         rec(f"chunk.bwd whole ({'bounded' if bounded else 'exact'} intra)",
             lambda res, do, dS, b=bounded: chunk._core_bwd(scale, b, True, res, (do, dS)), res, do, dS)
@@ -116,7 +130,7 @@ def _pallas_stages(rec, q, k, v, g, beta, scale):
     interpret = pallas_gpu._device_kind() == "cpu"
     rec("pallas_gpu.prepare (exact XLA intra)",
         lambda *a: pallas_gpu_prep.prepare(*a, scale=scale, segment_ids=None), q, k, v, g, beta)
-    ops = rec("pallas_gpu.prepare + cast to operands",
+    ops = rec.feed("pallas_gpu.prepare + cast to operands",
               lambda *a: pallas_gpu._exact_operands(*a, None, scale, q.dtype), q, k, v, g, beta)
     h0 = jnp.zeros((B * H, K, V), jnp.float32)
     if ops is not None:
@@ -159,12 +173,13 @@ def _kda(impl, kw):
     return lambda *a: kda(*a, lower_bound=LOWER_BOUND, impl=impl)
 
 
-def run_stages(shape, *, warmup=2, iters=5):
-    """Time every stage at `shape` = (B, T, H, D), bf16, lower_bound=-5. Returns a JSON-able dict."""
+def run_stages(shape, *, warmup=2, iters=5, only=None):
+    """Time every stage at `shape` = (B, T, H, D), bf16, lower_bound=-5 (only those whose name
+    contains one of the strings in `only`, if given). Returns a JSON-able dict."""
     t0 = time.perf_counter()
     q, k, v, g, beta = _inputs(*shape)
     scale = shape[-1] ** -0.5
-    rec = _Recorder(warmup, iters)
+    rec = _Recorder(warmup, iters, only)
     print(f"# stages at {shape} bf16 lower_bound={LOWER_BOUND} on {jax.devices()[0].device_kind}", flush=True)
     _whole(rec, (q, k, v, g, beta))
     _chunk_stages(rec, q, k, v, g, beta, scale)
