@@ -170,21 +170,31 @@ def test_bad_input_raises(rng):
         pallas_gpu.gmm(lhs, rhs, gs, blocks=pallas_gpu.Blocks(bn=64, wgs=2), interpret=True)
 
 
+GPU_BLOCKS = [
+    pallas_gpu.Blocks(),
+    (pallas_gpu.Blocks(bm=128, bn=256, bk=64, stages=3, wgs=2),
+     pallas_gpu.Blocks(bm=128, bn=256, bk=64, stages=3, wgs=2),
+     pallas_gpu.Blocks(bm=64, bn=256, bk=128, stages=3, wgs=2)),
+]
+
+
 @pytest.mark.gpu
-def test_compiled_kernels_on_gpu(rng):
-    """The compiled Mosaic GPU kernels (default blocks) against ragged_dot, fwd and grads."""
+@pytest.mark.parametrize("blocks", GPU_BLOCKS, ids=["plain", "warp_specialized"])
+def test_compiled_kernels_on_gpu(rng, blocks):
+    """The compiled Mosaic GPU kernels against ragged_dot, fwd and grads."""
     m, k, n, sizes = 1000, 256, 384, [300, 0, 1, 450, 0, 200]
     lhs, rhs, gs = _inputs(rng, m, k, n, sizes)
     w = jnp.asarray(rng.normal(size=(m, n)), jnp.float32)
 
     def loss(impl, a, b):
-        return jnp.sum(gmm(a, b, gs, impl=impl).astype(jnp.float32) * w)
+        return jnp.sum(gmm(a, b, gs, impl=impl, blocks=blocks).astype(jnp.float32) * w)
 
     for out, want in zip(jax.grad(lambda a, b: loss("pallas_gpu", a, b), (0, 1))(lhs, rhs),
                          jax.grad(lambda a, b: loss("ragged_dot", a, b), (0, 1))(lhs, rhs)):
         assert_close("gpu_grad", np.asarray(want, np.float32), np.asarray(out, np.float32), 1e-2)
     assert_close("gpu_fwd", np.asarray(gmm(lhs, rhs, gs, impl="ragged_dot"), np.float32),
-                 np.asarray(gmm(lhs, rhs, gs, impl="pallas_gpu"), np.float32), 5e-3)
+                 np.asarray(gmm(lhs, rhs, gs, impl="pallas_gpu", blocks=blocks), np.float32),
+                 5e-3)
 
 
 def _load_benchmark():
