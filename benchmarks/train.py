@@ -203,7 +203,8 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/k3_1b3_dense.py")
     parser.add_argument("--devices", default="1,2", help="comma-separated device counts (data parallel)")
-    parser.add_argument("--batch_size", default="4", help="sequences per device; comma-separated for several rows")
+    parser.add_argument("--batch_size", default=None,
+                        help="sequences per device, comma-separated for several rows (default 4; --quick: 2)")
     parser.add_argument("--seq_len", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
@@ -215,7 +216,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train_<time>.json)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.config, args.batch_size, args.seq_len, args.steps, args.warmup = "configs/tiny.py", "2", 32, 2, 1
+        args.config, args.seq_len, args.steps, args.warmup = "configs/tiny.py", 32, 2, 1
+    args.batch_size = args.batch_size or ("2" if args.quick else "4")
     if args.compile_cache:
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

@@ -1,0 +1,44 @@
+"""benchmarks/train.py beyond the quick run (tests/test_train.py): the compile-only path reports
+compile times and the step's memory, and a failing row is recorded while the next row runs."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_train", os.path.join(ROOT, "benchmarks", "train.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compile_only_reports_memory(bench, tmp_path):
+    out = tmp_path / "c.json"
+    result = bench.main(["--quick", "--devices", "1", "--compile_only", "--remat", "full", "--out", str(out)])
+    (row,) = result["rows"]
+    assert row["remat"] == "full" and row["step_compile_s"] > 0 and "step_ms" not in row
+    assert row["memory"]["argument_gib"] > 0 and row["memory"]["temp_gib"] >= 0
+    assert json.loads(out.read_text())["rows"] == result["rows"]
+    assert "remat recomputation not counted" in result["flops_counting"]
+
+
+def test_failing_row_is_recorded_and_the_next_runs(bench, tmp_path, monkeypatch):
+    real = bench.bench_row
+
+    def row(config, n, b, *args):
+        if b == 1:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0GiB")
+        return real(config, n, b, *args)
+    monkeypatch.setattr(bench, "bench_row", row)
+    result = bench.main(["--quick", "--devices", "1", "--batch_size", "1,2", "--compile_only",
+                         "--out", str(tmp_path / "r.json")])
+    first, second = result["rows"]
+    assert first["error"].startswith("OOM: RESOURCE_EXHAUSTED") and first["batch"] == 1
+    assert second["batch"] == 2 and "error" not in second
+    assert "OOM" in result["markdown"]
