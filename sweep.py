@@ -325,7 +325,8 @@ def write_summary(sweep, rows: list[dict], root: str, records: dict | None = Non
         lines += ["", f"Not finished ({len(missing)}; logs in status.json):", ""]
         for name, r in missing.items():
             last = (r.get("tail") or "").strip().splitlines()[-1:] or [""]
-            lines.append(f"- {name}: {r['status']}, {r.get('reason', '')} {last[0][:200]}".rstrip())
+            detail = f"{r.get('reason', '')} {last[0][:200]}".strip()
+            lines.append(f"- {name}: {r['status']}" + (f", {detail}" if detail else ""))
     with open(os.path.join(root, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     plot_summary(sweep, rows, os.path.join(root, "summary.png"))

@@ -110,7 +110,8 @@ def trial_costs(status: dict) -> dict:
     """Median and max wall seconds of train.py and eval.py over the finished trials."""
     out = {}
     for program in ("train.py", "eval.py"):
-        times = [r["times"][program] for r in status.values() if r.get("status") == "done" and program in r.get("times", {})]
+        times = [r["times"][program] for r in status.values()
+                 if r.get("status") == "done" and program in r.get("times", {})]
         if times:
             out[program] = {"median_s": round(statistics.median(times), 1), "max_s": round(max(times), 1)}
     return out

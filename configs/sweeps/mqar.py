@@ -5,7 +5,7 @@
     python sweep.py --config configs/sweeps/mqar.py:cpu --workdir workdirs/mqar_cpu --parallel 2
         # every mixer at d_model 64 on (L, K) = (64, 4), 2 lrs, 800 steps of batch 64 (12 trials)
     python sweep.py --config configs/sweeps/mqar.py:gpu --workdir /tmp/mqar_gpu --devices 0,1 \
-        --trials_per_device 12 --deadline_s 420       # 48 trials in about 6 minutes on 2 H200s
+        --trials_per_device 12 --deadline_s 390       # 48 trials in about 5-6 minutes on 2 H200s
 
 Grid: softmax attention, linear attention, DeltaNet, Gated DeltaNet, KDA and the 3:1 KDA:MLA
 hybrid (the models of configs/ablations: same width, depth and MLP, differing only in the mixer)
@@ -17,13 +17,14 @@ each step. Differences from Zoology: 2 layers WITH the ablation MLP (Zoology: no
 conv in every recurrent mixer and RoPE in attention (Zoology: learned positions), no early stop;
 the 3:1 hybrid has 4 layers (3 KDA + 1 MLA, the shortest 3:1 stack), the other mixers 2.
 
-`:gpu` is the grid that fits a few minutes on 2 GPUs, where the cost of a trial is host-side:
-about 40-60 s of fixed cost (process start, compiling the train, init and eval programs in two
-processes) plus the MQAR generator, about 0.25 ms per example on one core. Every mixer x d_model
-{64, 128} x (L, K) in {(64, 4), (256, 16)} x lr {1e-3, 3e-3} (48 trials), 1000 steps at batch
-256 (L=64) / 128 (L=256): 256k / 128k training examples, 2.6% / 1.3% of Zoology's 64 epochs of
-100k (half Zoology's batch, 8% of its steps); two learning rates instead of four; no in-training
-eval; eval.py on 1000 held-out examples (Zoology: 3000).
+`:gpu` is the grid that fits a few minutes on 2 GPUs, where a trial's cost is on the host: fixed
+costs (measured on CPU at d_model 128, L=256: train-step compile 8 s for softmax to 36 s for the
+hybrid, start and init 10-25 s, eval.py 10-40 s) and the MQAR generator, about 0.25 ms per
+example on one core. Every mixer x d_model {64, 128} x (L, K) in {(64, 4), (256, 16)} x lr
+{1e-3, 3e-3} (48 trials), 1000 steps at batch 256 (L=64) / 128 (L=256): 256k / 128k training
+examples, 4% / 2% of Zoology's 64 epochs of 100k (half its batch, 8% of its steps); two
+learning rates instead of four; no in-training eval; eval.py on 1000 held-out examples
+(Zoology: 3000).
 
 The same file is the trial config: `configs/sweeps/mqar.py:trial,mixer=kda,d_model=64,seq_len=64,
 num_kv_pairs=4` is the full training config of one grid point (sweep.py adds `--config.optim.lr`).
