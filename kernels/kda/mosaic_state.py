@@ -41,8 +41,9 @@ def _mm(fn, shape):
     return pl.run_scoped(fn, plgpu.ACC(shape, jnp.float32))
 
 
-def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *scratch, NT, K, BV, dt):
-    (qg_s, wn_s, kg_s, u_s, a_s, d_s, s_s, vn_s, o_s, h_s, bars, h_bar) = scratch
+def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *rest, NT, K, BV, dt, with_states):
+    st_ref, rest = (rest[0], rest[1:]) if with_states else (None, rest)
+    (qg_s, wn_s, kg_s, u_s, a_s, d_s, s_s, vn_s, o_s, h_s, bars, h_bar) = rest
     bh = lax.axis_index("bh")
     v0 = lax.axis_index("v") * BV
     vs = pl.ds(v0, BV)
@@ -69,6 +70,8 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *s
             plgpu.barrier_wait(bars.at[2 * i + slot])
         s_s[...] = S.astype(dt)
         plgpu.commit_smem()
+        if with_states:  # read by TMA before the next step rewrites s_s (the wait below covers it)
+            plgpu.copy_smem_to_gmem(s_s, st_ref.at[n, bh, :, vs])
 
         u = plgpu.load(u_s.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
 
@@ -107,12 +110,14 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *s
     plgpu.wait_smem_to_gmem(0)
 
 
-def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False):
+def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_states=False):
     """Run the inter-chunk kernel.
 
     qg, wn, kg [BH, NT, C, K]; u [BH, NT, C, V]; a [BH, NT, C, C] (one operand
     dtype, bf16 on GPU); d [BH, NT, K] f32; h0 [BH, K, V] f32.
-    Returns (o [BH, NT, C, V] out_dtype, final state [BH, K, V] f32).
+    Returns (o [BH, NT, C, V] out_dtype, final state [BH, K, V] f32), and with `with_states`
+    also the incoming state of every chunk [NT, BH, K, V] in the operand dtype (the rounding
+    the products used), which the backward pass reuses instead of recomputing the forward.
     `interpret`: run under the Mosaic GPU interpreter (CPU tests).
     """
     BH, NT, Cc, K = qg.shape
@@ -136,7 +141,9 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False):
         plgpu.Barrier(num_barriers=1),
     ]
     out_type = (jax.ShapeDtypeStruct((BH, NT, C, V), out_dtype), jax.ShapeDtypeStruct((BH, K, V), jnp.float32))
-    body = functools.partial(_body, NT=NT, K=K, BV=BV, dt=dt)
+    if with_states:
+        out_type += (jax.ShapeDtypeStruct((NT, BH, K, V), dt),)
+    body = functools.partial(_body, NT=NT, K=K, BV=BV, dt=dt, with_states=with_states)
     return plgpu.kernel(
         body,
         out_type=out_type,

@@ -6,14 +6,16 @@ segment resets; or, with `lower_bound >= -5` and no resets, a Mosaic GPU kernel 
 cores: `intra="mosaic"` (`mosaic_intra.intra_bounded`, split-bf16 products, one program per SM;
 slower than XLA on an H200) or `intra="mosaic_bf16"` (`mosaic_intra_bf16.intra_bf16`: bf16
 operands like flash-linear-attention's, ~108 KiB of SMEM so two programs share an SM). The
-default stays "xla" until the lean kernel is measured on a GPU. The inter-chunk stage (state recurrence + output, the serial part) is a Mosaic GPU kernel
-(`mosaic_state.state_output`: TMA double-buffering, three wgmma products per chunk, the
-state in f32 registers). The state kernel's grid is (B*H, V/64) and it loops over chunks
+default stays "xla" until the lean kernel is measured on a GPU. The inter-chunk stage (state
+recurrence + output, the serial part) is a Mosaic GPU kernel (`mosaic_state.state_output`: TMA
+double-buffering, three wgmma products per chunk, the state in f32 registers). The state kernel's grid is (B*H, V/64) and it loops over chunks
 inside, so any T runs (1,048,576 tokens and more) with no grid limit.
 
-Backward: no Pallas backward kernel yet. It recomputes through impl="chunk" under `jax.vjp`
-(chunk's hand-written backward), or through this module's float32 plain-JAX chunked path
-(`prepare` + `scan_state_output`) when `kernels.kda.chunk` is absent.
+Backward: no Pallas backward kernel yet. The state kernel also writes the incoming state of
+every chunk (bf16, O(T K V / 64) per head), and impl="chunk"'s hand-written backward
+(`chunk._core_bwd`, on its bounded path when lower_bound >= -5) runs from those states, so the
+forward is not recomputed. Without `kernels.kda.chunk`, the backward recomputes through this
+module's float32 plain-JAX chunked path (`prepare` + `scan_state_output`) under `jax.vjp`.
 
 Decode: `kda_step_impl` runs `mosaic_decode.decode_step` (state read once, written once).
 
@@ -130,9 +132,10 @@ def resolve_intra(intra, lower_bound, segment_ids) -> str | None:
     return intra if intra != "xla" and bounded and segment_ids is None else None
 
 
-def _kernel_forward(q, k, v, g, beta, h0, seg, scale, bounded, interpret):
+def _kernel_forward(q, k, v, g, beta, h0, seg, scale, bounded, interpret, with_states=False):
     """Chunk operands (the Mosaic GPU intra kernel named by `bounded`, else exact XLA), then the
-    Mosaic GPU state kernel: (o [B,T,H,V], S [B,H,K,V])."""
+    Mosaic GPU state kernel: (o [B,T,H,V], S [B,H,K,V]) and with `with_states` the incoming
+    state of every chunk [NT, B, H, K, V] (operand dtype)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dt = q.dtype if jnp.dtype(q.dtype).itemsize == 2 else jnp.float32
@@ -140,45 +143,76 @@ def _kernel_forward(q, k, v, g, beta, h0, seg, scale, bounded, interpret):
         ops = _bounded_operands(q.astype(dt), k.astype(dt), v.astype(dt), g, beta, scale, interpret, bounded)
     else:
         ops = _exact_operands(q, k, v, g, beta, seg, scale, dt)
-    o, S = mosaic_state.state_output(*ops, h0.reshape(B * H, K, V), out_dtype=v.dtype, interpret=interpret)
+    out = mosaic_state.state_output(*ops, h0.reshape(B * H, K, V), out_dtype=v.dtype, interpret=interpret,
+                                    with_states=with_states)
+    o, S = out[:2]
     NT = o.shape[1]
-    return unchunk(o.reshape(B, H, NT, -1, V), T), S.reshape(B, H, K, V)
+    res = (unchunk(o.reshape(B, H, NT, -1, V), T), S.reshape(B, H, K, V))
+    return res + ((out[2].reshape(NT, B, H, K, V),) if with_states else ())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _kda(q, k, v, g, beta, h0, seg, scale, bounded, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _kda(q, k, v, g, beta, h0, seg, scale, bounded, chunk_bounded, interpret):
     return _kernel_forward(q, k, v, g, beta, h0, seg, scale, bounded, interpret)
 
 
-def _kda_fwd(q, k, v, g, beta, h0, seg, scale, bounded, interpret):
-    out = _kernel_forward(q, k, v, g, beta, h0, seg, scale, bounded, interpret)
-    return out, (q, k, v, g, beta, h0, seg)
+def _chunk_module():
+    try:
+        return importlib.import_module("kernels.kda.chunk")
+    except ImportError:
+        return None
 
 
-def _kda_bwd(scale, bounded, interpret, res, cts):
-    """Recompute through impl="chunk" (its hand-written backward) and pull the cotangents back;
-    without `kernels.kda.chunk`, through this module's float32 plain-JAX path. Chunk's exact
-    (unbounded) path is used: its bounded bf16 path loses accuracy in dg."""
+def _kda_fwd(q, k, v, g, beta, h0, seg, scale, bounded, chunk_bounded, interpret):
+    keep = _chunk_module() is not None
+    o, S, *states = _kernel_forward(q, k, v, g, beta, h0, seg, scale, bounded, interpret, with_states=keep)
+    return (o, S), (q, k, v, g, beta, h0, seg, states[0] if keep else None)
+
+
+def _kda_bwd(scale, bounded, chunk_bounded, interpret, res, cts):
+    """impl="chunk"'s hand-written backward (`chunk._core_bwd`) fed with the per-chunk states
+    that the forward kernel wrote, so no forward pass is recomputed; its bounded intra path
+    when `chunk_bounded` (lower_bound >= -5). Without `kernels.kda.chunk`: recompute through this
+    module's float32 plain-JAX path under `jax.vjp`."""
     del bounded, interpret
-    q, k, v, g, beta, h0, seg = res
+    q, k, v, g, beta, h0, seg, states = res
     do, dS = cts
-    impl = _fallback_impl()
+    ck = _chunk_module()
+    if ck is None:
+        def f(q, k, v, g, beta, h0):
+            return _plain_kda_impl(q, k, v, g, beta, scale=scale, initial_state=h0, segment_ids=seg)
 
-    def f(q, k, v, g, beta, h0):
-        return impl(q, k, v, g, beta, scale=scale, initial_state=h0, segment_ids=seg)
+        (o, _), pull = jax.vjp(f, q, k, v, g, beta, h0)
+        return (*pull((do.astype(o.dtype), dS.astype(jnp.float32))), None)
+    from kernels.kda.chunk_intra import CHUNK, from_chunks, segment_counts, to_chunks
+    from kernels.kda.validate import segment_starts, state_dtype
 
-    (o, _), pull = jax.vjp(f, q, k, v, g, beta, h0)
-    grads = pull((do.astype(o.dtype), dS.astype(jnp.float32)))
-    return (*grads, None)
+    B, T, H, K = q.shape
+    sdt = state_dtype(q.dtype)
+    pad = -(-T // CHUNK) * CHUNK - T
+
+    def chunked(x, dtype):
+        x = x.astype(dtype)
+        return to_chunks(jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x)
+
+    starts = segment_starts(seg, T)
+    counts = None if starts is None else segment_counts(jnp.pad(starts, [(0, 0), (0, pad)]))
+    args = (chunked(q, q.dtype), chunked(k, q.dtype), chunked(v, q.dtype), chunked(g, sdt), chunked(beta, sdt))
+    grads = ck._core_bwd(scale, chunk_bounded, True, (*args, counts, states.astype(q.dtype)),
+                         (chunked(do, sdt), dS.astype(sdt)))
+    dq, dk, dv, dg, dbeta = (from_chunks(x)[:, :T] for x in grads[:5])
+    dh0 = grads[5]
+    cast = lambda x, ref: x.astype(ref.dtype)
+    return cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g), cast(dbeta, beta), cast(dh0, h0), None
 
 
 _kda.defvjp(_kda_fwd, _kda_bwd)
 
 
-def _run(q, k, v, g, beta, h0, seg, *, scale, bounded, interpret):
+def _run(q, k, v, g, beta, h0, seg, *, scale, bounded, interpret, chunk_bounded=False):
     if h0 is None:
         h0 = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-    return _kda(q, k, v, g, beta, h0.astype(jnp.float32), seg, scale, bounded, interpret)
+    return _kda(q, k, v, g, beta, h0.astype(jnp.float32), seg, scale, bounded, chunk_bounded, interpret)
 
 
 def _shard_specs(q):
@@ -218,6 +252,9 @@ def kda_impl(
         )
     bounded = resolve_intra(intra, lower_bound, segment_ids)
     run = functools.partial(_run, scale=scale, bounded=bounded, interpret=interpret)
+    ck = _chunk_module()
+    if ck is not None and ck.use_bounded_path(lower_bound, q.dtype):
+        run = functools.partial(run, chunk_bounded=True)
     specs = _shard_specs(q)
     if specs is None:
         return run(q, k, v, g, beta, initial_state, segment_ids)

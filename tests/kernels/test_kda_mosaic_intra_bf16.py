@@ -10,7 +10,8 @@ import pytest
 from kernels.kda import mosaic_intra_bf16, pallas_gpu, pallas_gpu_prep
 from kernels.testing import assert_close
 
-BF16_TOL = dict(o=0.005, S=0.005)
+BF16_TOL = dict(o=0.005, S=0.005, dq=0.008, dk=0.008, dv=0.008, dg=0.02, dbeta=0.02, dh0=0.008)
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
 def _inputs(rng, B, T, H, K, V):
@@ -38,7 +39,8 @@ def test_operands_match_exact_stage(rng):
 
 
 def test_end_to_end_parity(rng, monkeypatch):
-    """impl="pallas_gpu" with intra="mosaic_bf16": odd T, an initial state, o and S vs naive."""
+    """impl="pallas_gpu" with intra="mosaic_bf16": odd T, an initial state; o, S and every
+    gradient vs naive (the backward runs chunk's bounded path from the kernel's chunk states)."""
     from kernels.kda import kda
 
     calls = []
@@ -47,12 +49,24 @@ def test_end_to_end_parity(rng, monkeypatch):
     monkeypatch.setattr(pallas_gpu, "DEFAULT_INTRA", "mosaic_bf16")
     q, k, v, g, beta = _inputs(rng, 1, 150, 1, 64, 64)
     h0 = jnp.asarray(rng.standard_normal((1, 1, 64, 64)) * 0.1, jnp.float32)
-    kw = dict(initial_state=h0, output_final_state=True, lower_bound=-5.0)
-    o_ref, S_ref = kda(q, k, v, g, beta, impl="naive", **kw)
-    o, S = kda(q, k, v, g, beta, impl="pallas_gpu", **kw)
+    do = jnp.asarray(rng.standard_normal(v.shape), jnp.float32)
+    dS = jnp.asarray(rng.standard_normal(h0.shape), jnp.float32)
+
+    def run(impl):
+        def loss(q, k, v, g, beta, h0):
+            o, S = kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, lower_bound=-5.0, impl=impl)
+            return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(S * dS), (o, S)
+
+        return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))(q, k, v, g, beta, h0)
+
+    (_, (o_ref, S_ref)), g_ref = run("naive")
+    (_, (o, S)), g_out = run("pallas_gpu")
     assert calls == [1]
     assert_close("o", o_ref.astype(jnp.float32), o.astype(jnp.float32), BF16_TOL["o"])
     assert_close("S", S_ref, S, BF16_TOL["S"])
+    for name, a, b in zip(GRAD_NAMES, g_ref, g_out):
+        assert b.dtype == a.dtype
+        assert_close(name, a, b, BF16_TOL[name])
 
 
 @pytest.mark.parametrize("K, V", [(128, 128), (64, 128)])
@@ -71,3 +85,16 @@ def test_lowers_for_cuda_within_two_programs_per_sm(monkeypatch, K, V):
     args = (bf(B, T, H, K), bf(B, T, H, K), bf(B, T, H, V), f32(B, T, H, K), f32(B, H, T))
     assert "mosaic_gpu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()[:4000]
     assert sizes and max(sizes) <= 113 * 1024
+
+
+def test_state_kernel_with_states_lowers_for_cuda():
+    """The state kernel's per-chunk state output (the backward's residual) lowers for CUDA."""
+    from kernels.kda import mosaic_state
+
+    BH, NT, C, K, V = 2, 3, 64, 128, 128
+    bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    f = jax.jit(lambda *a: mosaic_state.state_output(*a, out_dtype=jnp.bfloat16, with_states=True))
+    args = (bf(BH, NT, C, K), bf(BH, NT, C, K), bf(BH, NT, C, K), bf(BH, NT, C, V), bf(BH, NT, C, C),
+            f32(BH, NT, K), f32(BH, K, V))
+    assert "mosaic_gpu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()[:4000]
