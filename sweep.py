@@ -6,9 +6,9 @@
 The sweep config (configs/sweeps/*.py) names a trial config file and an arg template, grid axes
 (lists; dict entries expand into several template keys), `--config.<key>=<value>` overrides per
 trial, and how a trial is scored (an entry of its eval/results.json; an empty `score_setting`
-takes the task's only entry). Trials whose
-DIR/trials/<name>/DONE exists are skipped, so a restarted sweep continues. `--parallel N` runs N
-trials at once on this machine; `--devices` gives each running trial one of the listed devices
+takes the task's only entry). Trials whose DIR/trials/<name>/DONE exists are skipped, so a
+restarted sweep continues. `--parallel N` runs N trials at once on this machine (default: one
+per device slot); `--devices` gives each running trial one of the listed devices
 (through `--device_env`, CUDA_VISIBLE_DEVICES by default), `--trials_per_device N` lets N trials
 share each one (small models leave a GPU mostly idle; their cost is process start, compiling and
 host-side data), each then without preallocation and with 0.9/N of the device memory (JAX's
@@ -18,8 +18,9 @@ from the trials that finished. A failed trial is recorded, with the tail of its 
 DIR/status.json and DIR/summary.md, and the sweep goes on. On a TPU pod slice or a multi-host GPU
 cluster every trial must run on the whole slice: `--launcher` is the same launch train.py uses
 there (a command prefix, or a template with {cmd}, e.g. gcloud's `--worker=all --command '{cmd}'`),
-and trials run one after another. Writes DIR/summary.json, DIR/summary.md and DIR/summary.png:
-the best score over `select_over` (the learning rate) per remaining grid point.
+and trials run one after another. Writes DIR/summary.json, DIR/summary.md and DIR/summary.png
+(the best score over `select_over`, the learning rate, per remaining grid point) and
+DIR/status.json (every trial: status, score, wall times of train.py and eval.py).
 """
 
 from __future__ import annotations
