@@ -13,6 +13,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels.kda.mosaic_state import _smem
+
 BV = 64
 
 
@@ -50,7 +52,7 @@ def decode_step(state, vecs, v, *, interpret=False):
         raise ValueError(f"decode_step needs K a multiple of 64 and V of {BV}; got K={K}, V={V}")
     f32 = jnp.float32
     scratch = [
-        plgpu.SMEM((K, BV), f32),
+        _smem((K, BV), f32),
         plgpu.SMEM((4, K), f32),
         plgpu.SMEM((BV,), f32),
         plgpu.SMEM((BV,), f32),

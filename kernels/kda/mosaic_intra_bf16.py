@@ -161,7 +161,7 @@ def intra_bf16(q, k, v, G, beta_t, *, scale, interpret=False):
     dt = q.dtype
     f32 = jnp.float32
     union = plgpu.RefUnion(
-        plgpu.SMEM((C, K), f32),  # G (row side only)
+        _smem((C, K), f32),  # G (row side only; swizzled like every tile read into registers)
         _smem((C, K), dt),  # column operand (scores)
         _smem((4, C, C), dt),  # split-bf16 operands of the inverse
         (_smem((2, C, C), dt), _smem((C, K), dt)),  # Ai diag(beta) as hi + lo, -w

@@ -135,8 +135,8 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
         plgpu.SMEM((2, K), jnp.float32),
         _smem((K, BV), dt),
         _smem((C, BV), dt),
-        plgpu.SMEM((C, BV), out_dtype),
-        plgpu.SMEM((K, BV), jnp.float32),
+        _smem((C, BV), out_dtype),  # swizzled: the register stores of o and h are bank-conflict free
+        _smem((K, BV), jnp.float32),
         plgpu.Barrier(num_barriers=6 * 2, num_arrivals=1),
         plgpu.Barrier(num_barriers=1),
     ]

@@ -163,6 +163,16 @@ def _chunk_module():
         return None
 
 
+def _core_defaults(ck) -> tuple:
+    """Defaults of `chunk.chunk_core`'s static arguments after (scale, bounded, delta), which
+    its backward `_core_bwd` takes before (res, cts)."""
+    import inspect
+
+    params = list(inspect.signature(ck.chunk_core).parameters.values())
+    names = [p.name for p in params]
+    return tuple(p.default for p in params[names.index("delta") + 1 :])
+
+
 def _kda_fwd(q, k, v, g, beta, h0, seg, scale, bounded, chunk_bounded, interpret):
     keep = _chunk_module() is not None
     o, S, *states = _kernel_forward(q, k, v, g, beta, h0, seg, scale, bounded, interpret, with_states=keep)
@@ -198,7 +208,7 @@ def _kda_bwd(scale, bounded, chunk_bounded, interpret, res, cts):
     starts = segment_starts(seg, T)
     counts = None if starts is None else segment_counts(jnp.pad(starts, [(0, 0), (0, pad)]))
     args = (chunked(q, q.dtype), chunked(k, q.dtype), chunked(v, q.dtype), chunked(g, sdt), chunked(beta, sdt))
-    grads = ck._core_bwd(scale, chunk_bounded, True, (*args, counts, states.astype(q.dtype)),
+    grads = ck._core_bwd(scale, chunk_bounded, True, *_core_defaults(ck), (*args, counts, states.astype(q.dtype)),
                          (chunked(do, sdt), dS.astype(sdt)))
     dq, dk, dv, dg, dbeta = (from_chunks(x)[:, :T] for x in grads[:5])
     dh0 = grads[5]
