@@ -39,20 +39,21 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import PEAK_TFLOPS, attempt, environment, markdown_table  # noqa: E402
-from kernels.gmm import pallas_gpu, reference  # noqa: E402
+from kernels.gmm import ops as gmm_ops, pallas_gpu, reference  # noqa: E402
 from kimi_jax.moe_dispatch import (  # noqa: E402
     ExpertWeights, grouped_ffn, ragged_dispatch, sort_by_expert)
 
 Blocks = pallas_gpu.Blocks
+DEFAULT = gmm_ops.DEFAULT_BLOCKS  # (forward, dlhs, drhs) tiles the library uses
 # Tiles that fit the 227 KiB of shared memory (checked by lowering for CUDA). band=1 is the
 # M-fastest launch order (the L2 reference point); wgs=2 the warp-specialized persistent kernels.
 # tgmm's tiles are (bm contracted rows, output bk x bn) and its stages hold [bm, bk] + [bm, bn].
-SWEEP_GMM = (Blocks(128, 128, 64, 4, band=1), Blocks(128, 256, 64, 3), Blocks(64, 256, 64, 4),
-             Blocks(128, 128, 128, 3), Blocks(128, 256, 64, 3, wgs=2),
+SWEEP_GMM = (Blocks(), Blocks(128, 128, 64, 4, band=1), Blocks(128, 256, 64, 3),
+             Blocks(64, 256, 64, 4), Blocks(128, 128, 128, 3), Blocks(128, 256, 64, 3, wgs=2),
              Blocks(128, 128, 64, 4, wgs=2), Blocks(128, 256, 64, 3, band=4, wgs=2))
-SWEEP_TGMM = (Blocks(128, 128, 64, 4, band=1), Blocks(128, 128, 128, 3), Blocks(128, 256, 64, 2),
-              Blocks(64, 256, 128, 3, wgs=2), Blocks(128, 128, 128, 3, wgs=2),
-              Blocks(64, 256, 64, 4, wgs=2))
+SWEEP_TGMM = (Blocks(), Blocks(128, 128, 64, 4, band=1), Blocks(128, 128, 128, 3),
+              Blocks(128, 256, 64, 2), Blocks(64, 256, 128, 3, wgs=2),
+              Blocks(128, 128, 128, 3, wgs=2), Blocks(64, 256, 64, 4, wgs=2))
 KERNELS = ("gmm_fwd_gate", "gmm_fwd_down", "gmm_dlhs", "tgmm")
 
 
@@ -294,18 +295,19 @@ def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines):
                 rec.add(dict(base, kind="step", name=part, impl=impl, blocks=_blocks_str(b),
                              **r), 9 * 2 * m * w["d"] * w["f"])
 
+    default = dict(gmm_fwd_gate=DEFAULT[0], gmm_fwd_down=DEFAULT[0], gmm_dlhs=DEFAULT[1],
+                   tgmm=DEFAULT[2])
     for kernel in KERNELS:
-        kernel_rows(kernel, [(i, None) for i in baselines] + [("pallas_gpu", Blocks())])
-    step_rows([("pallas_gpu", Blocks())] + [(i, None) for i in baselines])
+        kernel_rows(kernel, [(i, None) for i in baselines] + [("pallas_gpu", default[kernel])])
+    step_rows([("pallas_gpu", DEFAULT)] + [(i, None) for i in baselines])
     if not sweep:
         return
     for kernel in KERNELS:
-        kernel_rows(kernel, [("pallas_gpu", b)
-                             for b in (SWEEP_TGMM if kernel == "tgmm" else SWEEP_GMM)])
+        kernel_rows(kernel, [("pallas_gpu", b) for b in (SWEEP_TGMM if kernel == "tgmm"
+                                                         else SWEEP_GMM) if b != default[kernel]])
     refs.clear()
-    pick = lambda k: best.get(k, (0, Blocks()))[1]  # noqa: E731
-    tuned = (pick("gmm_fwd_gate"), pick("gmm_dlhs"), pick("tgmm"))
-    if tuned != (Blocks(),) * 3:
+    tuned = tuple(best.get(k, (0, default[k]))[1] for k in ("gmm_fwd_gate", "gmm_dlhs", "tgmm"))
+    if tuned != tuple(DEFAULT):
         step_rows([("pallas_gpu", tuned)])
 
 

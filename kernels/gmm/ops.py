@@ -20,6 +20,10 @@ from kernels.gmm import pallas_gpu, reference
 
 IMPLS = ("ragged_dot", "pallas_gpu")
 
+# (forward, dlhs, drhs) tiles of the pallas_gpu kernels when none are given; `benchmarks/moe.py
+# --sweep` times the alternatives on a GPU at K3's expert shapes.
+DEFAULT_BLOCKS = (pallas_gpu.Blocks(), pallas_gpu.Blocks(), pallas_gpu.Blocks())
+
 
 @functools.cache
 def _is_hopper() -> bool:
@@ -53,6 +57,7 @@ def _check(lhs, rhs_or_dout, group_sizes, *, rhs_ndim):
 
 def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, impl="auto", blocks=None):
     """Grouped matmul: out[m] = lhs[m] @ rhs[group(m)] (rhs[g].T with transpose_rhs).
+    `blocks`: one `pallas_gpu.Blocks` or a (forward, dlhs, drhs) tuple; None: DEFAULT_BLOCKS.
 
     lhs [M, K]; rhs [G, K, N] ([G, N, K] with transpose_rhs); group_sizes [G] int -> [M, N]
     in lhs's dtype, f32 accumulation. Differentiable in lhs and rhs with every impl.
@@ -70,7 +75,7 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, impl="auto", blocks=None)
         raise ValueError(f"pallas_gpu gmm needs one operand dtype, got {lhs.dtype} and {rhs.dtype}")
     if transpose_rhs:
         rhs = jnp.swapaxes(rhs, 1, 2)
-    return pallas_gpu.gmm_vjp(lhs, rhs, group_sizes, blocks or pallas_gpu.Blocks(), _interpret())
+    return pallas_gpu.gmm_vjp(lhs, rhs, group_sizes, blocks or DEFAULT_BLOCKS, _interpret())
 
 
 def tgmm(lhs, dout, group_sizes, *, impl="auto", blocks=None):
@@ -82,5 +87,5 @@ def tgmm(lhs, dout, group_sizes, *, impl="auto", blocks=None):
     impl = resolve_impl(impl, lhs.dtype, dout.dtype)
     if impl == "ragged_dot":
         return reference.tgmm(lhs, dout, group_sizes)
-    return pallas_gpu.tgmm(lhs, dout, group_sizes, blocks=blocks or pallas_gpu.Blocks(),
+    return pallas_gpu.tgmm(lhs, dout, group_sizes, blocks=blocks or DEFAULT_BLOCKS[2],
                            interpret=_interpret())
