@@ -14,7 +14,6 @@ lower_bound=-5 (see `kernels.kda.pallas_gpu_stages`), written as JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import jax
@@ -111,10 +110,8 @@ def main(argv=None):
 
         shape = (1, 128, 2, 64) if a.quick else (8, 4096, 16, 128)
         only = [x for x in (a.only or "").split(",") if x] or None
-        res = run_stages(shape, warmup=1 if a.quick else 2, iters=2 if a.quick else 5, only=only)
+        res = run_stages(shape, warmup=1 if a.quick else 2, iters=2 if a.quick else 5, only=only, out=a.out)
         if a.out:
-            with open(a.out, "w") as f:
-                json.dump(res, f, indent=2)
             print(f"wrote {a.out}")
         return res
     print(jax.devices(), flush=True)

@@ -18,6 +18,7 @@ fed with the real outputs of the stages before it, and timed (mean ms of `iters`
 
 from __future__ import annotations
 
+import json
 import time
 import traceback
 
@@ -51,11 +52,13 @@ def _inputs(B, T, H, D):
 
 
 class _Recorder:
-    def __init__(self, warmup, iters, only=None):
-        self.warmup, self.iters, self.rows, self.only = warmup, iters, [], only
+    def __init__(self, warmup, iters, only=None, on_row=None):
+        self.warmup, self.iters, self.rows, self.only, self.on_row = warmup, iters, [], only, on_row
 
-    def wants(self, name):
-        return not self.only or any(s in name for s in self.only)
+    def wants(self, name, optional=False):
+        if not self.only:
+            return not optional
+        return any(s in name for s in self.only)
 
     def feed(self, name, f, *args):
         """A stage whose output later stages use: timed if selected, else run once untimed."""
@@ -63,10 +66,10 @@ class _Recorder:
             return jax.jit(f)(*args)
         return self(name, f, *args)
 
-    def __call__(self, name, f, *args):
+    def __call__(self, name, f, *args, optional=False):
         """Time jit(f)(*args), record it, return its output (None on failure or when `only`
-        (substrings of stage names) leaves it out)."""
-        if not self.wants(name):
+        (substrings of stage names) leaves it out; `optional` stages run only when named)."""
+        if not self.wants(name, optional):
             return None
         fj = jax.jit(f)
         try:
@@ -74,12 +77,14 @@ class _Recorder:
             out = fj(*args)
             self.rows.append(dict(stage=name, ms=ms, first_call_s=first, error=None))
             print(f"{name:40s} {ms:9.3f} ms   (first call {first:6.1f} s)", flush=True)
-            return out
         except Exception as e:  # noqa: BLE001 - one failing stage must not end the run
             err = traceback.format_exception_only(type(e), e)[-1].strip()[:300]
             self.rows.append(dict(stage=name, ms=None, first_call_s=None, error=err))
             print(f"{name:40s} failed: {err}", flush=True)
-            return None
+            out = None
+        if self.on_row is not None:
+            self.on_row(self.rows)
+        return out
 
 
 def _chunk_stages(rec, q, k, v, g, beta, scale):
@@ -110,9 +115,11 @@ def _chunk_stages(rec, q, k, v, g, beta, scale):
     for bounded in (True, False):
         if not rec.wants(f"chunk.bwd whole ({'bounded' if bounded else 'exact'} intra)"):
             continue
-        res = jax.jit(lambda *a, b=bounded: chunk._core_fwd(*a, None, scale, b, True)[1])(cq, ck, cv, cg, cb, h0)
+        extra = pallas_gpu._core_defaults(chunk)
+        res = rec.feed("chunk forward residuals (untimed)", lambda *a, b=bounded: chunk._core_fwd(
+            *a, None, scale, b, True, *extra)[1], cq, ck, cv, cg, cb, h0)
         rec(f"chunk.bwd whole ({'bounded' if bounded else 'exact'} intra)",
-            lambda res, do, dS, b=bounded: chunk._core_bwd(scale, b, True, res, (do, dS)), res, do, dS)
+            lambda res, do, dS, b=bounded: chunk._core_bwd(scale, b, True, *extra, res, (do, dS)), res, do, dS)
 
     def prep_vjp(*a):
         Pb, pull = jax.vjp(lambda *x: chunk._prep(nm, *x, None, scale, True, True), *a)
@@ -128,6 +135,14 @@ def _pallas_stages(rec, q, k, v, g, beta, scale):
     B, T, H, K = q.shape
     V = v.shape[-1]
     interpret = pallas_gpu._device_kind() == "cpu"
+    C = mosaic_state.C
+    NT = -(-T // C)
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, NT * C - T)] + [(0, 0)] * (x.ndim - 2))
+    qp, kp, vp, gp, bp = (pad(x) for x in (q, k, v, g, beta))
+    Gp = jnp.cumsum(gp.reshape(B, NT, C, H, K), axis=2).reshape(B, NT * C, H, K)
+    bt = jnp.moveaxis(bp, 1, 2)
+    rec("pallas_gpu.mosaic_intra_bf16 alone",
+        lambda *a: mosaic_intra_bf16.intra_bf16(*a, scale=scale, interpret=interpret), qp, kp, vp, Gp, bt)
     rec("pallas_gpu.prepare (exact XLA intra)",
         lambda *a: pallas_gpu_prep.prepare(*a, scale=scale, segment_ids=None), q, k, v, g, beta)
     ops = rec.feed("pallas_gpu.prepare + cast to operands",
@@ -136,18 +151,13 @@ def _pallas_stages(rec, q, k, v, g, beta, scale):
     if ops is not None:
         rec("pallas_gpu.mosaic_state alone",
             lambda *a: mosaic_state.state_output(*a, out_dtype=v.dtype, interpret=interpret), *ops, h0)
-    C = mosaic_state.C
-    NT = -(-T // C)
-    pad = lambda x: jnp.pad(x, [(0, 0), (0, NT * C - T)] + [(0, 0)] * (x.ndim - 2))
-    qp, kp, vp, gp, bp = (pad(x) for x in (q, k, v, g, beta))
-    Gp = jnp.cumsum(gp.reshape(B, NT, C, H, K), axis=2).reshape(B, NT * C, H, K)
-    bt = jnp.moveaxis(bp, 1, 2)
+        rec("pallas_gpu.mosaic_state alone, with chunk states",
+            lambda *a: mosaic_state.state_output(*a, out_dtype=v.dtype, interpret=interpret, with_states=True),
+            *ops, h0)
     rec("pallas_gpu.cumsum + pad (bounded intra inputs)",
         lambda g, b: (jnp.cumsum(pad(g).reshape(B, NT, C, H, K), axis=2), jnp.moveaxis(pad(b), 1, 2)), g, beta)
     rec("pallas_gpu.mosaic_intra alone",
-        lambda *a: mosaic_intra.intra_bounded(*a, scale=scale, interpret=interpret), qp, kp, vp, Gp, bt)
-    rec("pallas_gpu.mosaic_intra_bf16 alone",
-        lambda *a: mosaic_intra_bf16.intra_bf16(*a, scale=scale, interpret=interpret), qp, kp, vp, Gp, bt)
+        lambda *a: mosaic_intra.intra_bounded(*a, scale=scale, interpret=interpret), qp, kp, vp, Gp, bt, optional=True)
 
 
 def _whole(rec, args):
@@ -159,11 +169,11 @@ def _whole(rec, args):
         f = fwd(impl, intra)
         return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4))
 
-    for impl, intra in (("chunk", None), ("pallas_gpu", "xla"), ("pallas_gpu", "mosaic"), ("pallas_gpu", "mosaic_bf16")):
+    for impl, intra in (("pallas_gpu", "mosaic_bf16"), ("pallas_gpu", "xla"), ("chunk", None), ("pallas_gpu", "mosaic")):
         label = impl if intra is None else f"{impl} intra={intra}"
-        rec(f"whole {label} fwd", fwd(impl, intra), *args)
-        if intra in (None, "xla"):  # the backward does not depend on the intra stage (compiles cost seconds)
-            rec(f"whole {label} fwd+bwd", fwd_bwd(impl, intra), *args)
+        optional = intra == "mosaic"  # the older intra kernel compiles for ~25 s: only when asked for
+        rec(f"whole {label} fwd", fwd(impl, intra), *args, optional=optional)
+        rec(f"whole {label} fwd+bwd", fwd_bwd(impl, intra), *args, optional=optional)
 
 
 def _kda(impl, kw):
@@ -173,18 +183,29 @@ def _kda(impl, kw):
     return lambda *a: kda(*a, lower_bound=LOWER_BOUND, impl=impl)
 
 
-def run_stages(shape, *, warmup=2, iters=5, only=None):
+def run_stages(shape, *, warmup=2, iters=5, only=None, out=None):
     """Time every stage at `shape` = (B, T, H, D), bf16, lower_bound=-5 (only those whose name
-    contains one of the strings in `only`, if given). Returns a JSON-able dict."""
+    contains one of the strings in `only`, if given). Returns a JSON-able dict, also written to
+    `out` after every stage (a run cut short keeps what it measured)."""
     t0 = time.perf_counter()
     q, k, v, g, beta = _inputs(*shape)
     scale = shape[-1] ** -0.5
-    rec = _Recorder(warmup, iters, only)
+    d = jax.devices()[0]
+
+    def result(rows):
+        return dict(shape=list(shape), dtype="bfloat16", lower_bound=LOWER_BOUND, warmup=warmup, iters=iters,
+                    device=getattr(d, "device_kind", str(d)), platform=d.platform, jax=jax.__version__,
+                    wall_s=time.perf_counter() - t0, stages=rows)
+
+    def write(rows):
+        if out:
+            with open(out, "w") as f:
+                json.dump(result(rows), f, indent=2)
+
+    rec = _Recorder(warmup, iters, only, write)
     print(f"# stages at {shape} bf16 lower_bound={LOWER_BOUND} on {jax.devices()[0].device_kind}", flush=True)
     _whole(rec, (q, k, v, g, beta))
-    _chunk_stages(rec, q, k, v, g, beta, scale)
     _pallas_stages(rec, q, k, v, g, beta, scale)
-    d = jax.devices()[0]
-    return dict(shape=list(shape), dtype="bfloat16", lower_bound=LOWER_BOUND, warmup=warmup, iters=iters,
-                device=getattr(d, "device_kind", str(d)), platform=d.platform, jax=jax.__version__,
-                wall_s=time.perf_counter() - t0, stages=rec.rows)
+    _chunk_stages(rec, q, k, v, g, beta, scale)
+    write(rec.rows)
+    return result(rec.rows)
