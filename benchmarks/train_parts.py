@@ -3,11 +3,13 @@
 
     python benchmarks/train_parts.py --batch_size 4 --seq_len 4096 --out parts.json
 
-Pieces: the KDA mixer and the MLA mixer (pre-norm included), the MLP, the head + cross-entropy,
-the optimizer update, and MLA's attention core alone, once as the float32-logit XLA attention the
-mixer uses and once as cuDNN's fused attention (`jax.nn.dot_product_attention`, q/k 192 and
-v 128 wide). Each layer piece runs under remat "none" and the benchmark's policy (the backward
-then recomputes what the policy drops). The sum over the model's layers estimates the step.
+Pieces, in this order (a run cut short keeps the first): MLA's attention core alone (the
+float32-logit XLA attention the mixer uses; cuDNN's fused attention with v zero-padded to the q/k
+width of 192 through `jax.nn.dot_product_attention`; cuDNN's MLA form, q/k 192 and v 128), the KDA
+and MLA mixers (pre-norm included) and the MLP under the config's remat policy and --policies,
+the head + cross-entropy and the optimizer update. Each piece returns its value and gradients, so
+its forward runs as in the model and the backward recomputes what the policy drops. The sum over
+the model's layers estimates the step. The JSON is rewritten after every piece.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def timed(fn, *args, iters: int = 10) -> dict:
 
 
 def fwd_bwd(module_fn, module, x, policy: str):
-    """(params, x) -> grads of sum(module_fn(module, x)) under remat `policy`."""
+    """(params, x) -> (sum(module_fn(module, x)), grads) under remat `policy`."""
     graphdef, params = nnx.split(module)
 
     def loss(params, x):
@@ -60,7 +62,7 @@ def fwd_bwd(module_fn, module, x, policy: str):
         return jnp.sum(y.astype(jnp.float32))
     if POLICIES[policy] is not None:
         loss = jax.checkpoint(loss, policy=POLICIES[policy])
-    return jax.grad(loss, argnums=(0, 1)), params, x
+    return jax.value_and_grad(loss, argnums=(0, 1)), params, x
 
 
 def cudnn_mla(scale: float):
@@ -86,6 +88,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--seq_len", type=int, default=4096)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--policies", default="none,dots_all", help="remat policies timed besides the config's")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     config = load_config(args.config)
@@ -111,19 +114,17 @@ def main(argv=None) -> dict:
                  implementation="cudnn")[..., :dv],
              "cudnn mla (q/k 192, v 128)": cudnn_mla(dqk**-0.5)}
     for name, fn in cores.items():
-        grad = jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
+        grad = jax.value_and_grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
         jobs.append((f"mla attention core {name} fwd+bwd", lambda grad=grad: (grad, q, k, v)))
 
     pieces = {f"mixer {name}": PreNormMixer(cfg, name, kw) for name in sorted(set(cfg.layer_mixers))}
     pieces["mlp"] = MLP(D, cfg.dense_hidden, activation=cfg.activation, situ_beta=cfg.situ_beta,
                         situ_linear_beta=cfg.situ_linear_beta, **kw)
-    layer_jobs = {}
+    policies = list(dict.fromkeys([policy] + [p for p in args.policies.split(",") if p]))
     for name, module in pieces.items():
         call = (lambda m, x: m(x, seg)) if name.startswith("mixer") else (lambda m, x: m(x))
-        for pol in dict.fromkeys((policy, "none")):
-            layer_jobs[(name, pol)] = (f"{name} fwd+bwd remat={pol}",
-                                       lambda call=call, module=module, pol=pol: fwd_bwd(call, module, x, pol))
-    jobs += [job for (name, pol), job in layer_jobs.items() if pol == policy]
+        jobs += [(f"{name} fwd+bwd remat={pol}", lambda call=call, module=module, pol=pol: fwd_bwd(call, module, x, pol))
+                 for pol in policies]
 
     head = Linear(D, cfg.vocab_size, axes=("embed", "vocab"), **kw)
     targets = jax.random.randint(jax.random.key(1), (B, T), 0, cfg.vocab_size)
@@ -141,7 +142,6 @@ def main(argv=None) -> dict:
             return optax.apply_updates(params, updates), opt_state
         return update, state["params"], state["opt_state"], grads
     jobs.append(("optimizer update (all params)", update_job))
-    jobs += [job for (name, pol), job in layer_jobs.items() if pol != policy]
 
     for name, make in jobs:
         try:
