@@ -7,6 +7,10 @@ Per chunk of C = 64 tokens with incoming state S_n [K, V] (see `chunk_intra.prep
     o_n = qg_n S_n + Aqk_n v'_n                                 (all chunks at once)
 Linear attention is the same with L = 0, w = 0, u = v (`delta=False`, used by `linear_chunk.py`).
 
+`state_pass` picks how the two serial passes run: "xla" (`lax.scan`, any platform) or the Mosaic GPU
+kernels of `mosaic_scan.py` ("mosaic" compiled for Hopper, "mosaic_interpret" in the interpreter);
+everything else stays XLA.
+
 The backward (`jax.custom_vjp`) keeps only the per-chunk states S_n ([N, B, H, K, V], O(T K V / 64)
 per head) and the inputs; it recomputes the intra-chunk pieces, runs one reverse `lax.scan` for the
 state gradients, inverts (I + L) by hand (dL = -Ai^T dAi Ai^T), and pulls the rest back through
@@ -72,9 +76,21 @@ def _wy(nm, P):
     return Ai, w, u
 
 
-def _state_scan(nm, h0, w, u, kg, decay):
+STATE_PASSES = ("xla", "mosaic", "mosaic_interpret")
+
+
+def _mosaic_scan(state_pass):
+    from kernels.kda import mosaic_scan  # Mosaic GPU is only imported when a kernel pass is asked for
+
+    return mosaic_scan, state_pass == "mosaic_interpret"
+
+
+def _state_scan(nm, h0, w, u, kg, decay, state_pass="xla"):
     """Serial pass over chunks. Returns (incoming states [N, B, H, K, V] in the compute dtype,
     corrected values v' [N, B, H, C, V] in the compute dtype, final state in the state dtype)."""
+    if state_pass != "xla":
+        ms, interpret = _mosaic_scan(state_pass)
+        return ms.state_scan_chunks(h0, w, u, kg, decay, cd=nm.cd, interpret=interpret)
 
     def body(S, x):
         w_n, u_n, kg_n, d_n = x
@@ -90,34 +106,35 @@ def _state_scan(nm, h0, w, u, kg, decay):
     return states, vn, S
 
 
-def _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta):
+def _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass):
     nm = _Numerics(q.dtype)
     P = _prep(nm, q, k, v, g, beta, counts, scale, bounded, delta)
     if delta:
         _, w, u = _wy(nm, P)
     else:
         w, u = None, v.astype(nm.cd)
-    states, vn, S = _state_scan(nm, h0, w, u, P["kg"], P["decay"])
+    states, vn, S = _state_scan(nm, h0, w, u, P["kg"], P["decay"], state_pass)
     o = nm.mm("nbhck,nbhkv->nbhcv", P["qg"], states) + nm.mm("nbhrc,nbhcv->nbhrv", P["Aqk"], vn)
     return o, S, states
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def chunk_core(q, k, v, g, beta, h0, counts, scale, bounded, delta):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def chunk_core(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass="xla"):
     """Chunked arrays in, (o [N, B, H, C, V] float32, final state [B, H, K, V]) out.
 
     q, k [N, B, H, C, K] and v [N, B, H, C, V] in one dtype; g [N, B, H, C, K] and beta [N, B, H, C]
-    in the state dtype; h0 [B, H, K, V] state dtype; counts [N, B, 1, C] int32 or None."""
-    o, S, _ = _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta)
+    in the state dtype; h0 [B, H, K, V] state dtype; counts [N, B, 1, C] int32 or None;
+    state_pass in STATE_PASSES."""
+    o, S, _ = _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass)
     return o, S
 
 
-def _core_fwd(q, k, v, g, beta, h0, counts, scale, bounded, delta):
-    o, S, states = _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta)
+def _core_fwd(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass):
+    o, S, states = _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass)
     return (o, S), (q, k, v, g, beta, counts, states)
 
 
-def _core_bwd(scale, bounded, delta, res, cts):
+def _core_bwd(scale, bounded, delta, state_pass, res, cts):
     q, k, v, g, beta, counts, states = res
     do, dS_final = cts
     nm = _Numerics(q.dtype)
@@ -132,8 +149,14 @@ def _core_bwd(scale, bounded, delta, res, cts):
     dAqk = nm.mm("nbhrv,nbhcv->nbhrc", do, vn)
     dqg = nm.mm("nbhcv,nbhkv->nbhck", do, states)
     dvn_intra = nm.mm("nbhrc,nbhrv->nbhcv", P["Aqk"], do)
-    dS_out = nm.mm("nbhck,nbhcv->nbhkv", P["qg"], do)
-    dhs, dvn, dh0 = _grad_scan(nm, dS_final.astype(nm.sdt), w, P["kg"], P["decay"], dS_out, dvn_intra)
+    dS_final = dS_final.astype(nm.sdt)
+    if state_pass == "xla":
+        dS_out = nm.mm("nbhck,nbhcv->nbhkv", P["qg"], do)
+        dhs, dvn, dh0 = _grad_scan(nm, dS_final, w, P["kg"], P["decay"], dS_out, dvn_intra)
+    else:  # the kernel forms dS_out = qg^T do per chunk itself
+        ms, interpret = _mosaic_scan(state_pass)
+        dhs, dvn, dh0 = ms.grad_scan_chunks(dS_final, w, P["kg"], P["qg"], do, dvn_intra, P["decay"], cd=nm.cd,
+                                            interpret=interpret)
     # State update S_{n+1} = decay S_n + kg^T v'.
     ct = dict(
         qg=dqg,
@@ -173,10 +196,12 @@ def _grad_scan(nm, dS, w, kg, decay, dS_out, dvn_intra):
 chunk_core.defvjp(_core_fwd, _core_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "bounded", "delta"))
-def run_chunked(q, k, v, g, beta, *, scale, initial_state, segment_ids, bounded, delta):
+@functools.partial(jax.jit, static_argnames=("scale", "bounded", "delta", "state_pass"))
+def run_chunked(q, k, v, g, beta, *, scale, initial_state, segment_ids, bounded, delta, state_pass="xla"):
     """Pad T to a multiple of 64 (g = 0, beta = 0, q = k = v = 0 leave the state unchanged), chunk,
     run `chunk_core`, un-chunk. Canonical-form inputs; returns (o [B, T, H, V] in v's dtype, S)."""
+    if state_pass not in STATE_PASSES:
+        raise ValueError(f"state_pass={state_pass!r}; expected one of {STATE_PASSES}")
     B, T, H, K = q.shape
     V = v.shape[-1]
     sdt = state_dtype(q.dtype)
@@ -205,6 +230,7 @@ def run_chunked(q, k, v, g, beta, *, scale, initial_state, segment_ids, bounded,
         scale,
         bounded,
         delta,
+        state_pass,
     )
     return from_chunks(o)[:, :T].astype(v.dtype), S
 
@@ -214,7 +240,9 @@ def use_bounded_path(lower_bound, dtype) -> bool:
     return lower_bound is not None and float(lower_bound) >= SAFE_LOWER_BOUND and jnp.dtype(dtype) != jnp.float16
 
 
-def kda_impl(q, k, v, g, beta, *, scale, initial_state, segment_ids, lower_bound=None, output_final_state=True):
+def kda_impl(
+    q, k, v, g, beta, *, scale, initial_state, segment_ids, lower_bound=None, output_final_state=True, state_pass="xla"
+):
     """Canonical-form chunked KDA: see `kernels.kda.kda` for the contract."""
     del output_final_state  # the final state is a by-product of the scan
     return run_chunked(
@@ -228,4 +256,5 @@ def kda_impl(q, k, v, g, beta, *, scale, initial_state, segment_ids, lower_bound
         segment_ids=segment_ids,
         bounded=use_bounded_path(lower_bound, q.dtype),
         delta=True,
+        state_pass=state_pass,
     )

@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 IMPLS = {
     "naive": "kernels.kda.naive",
     "chunk": "kernels.kda.chunk",
+    "chunk_mosaic": "kernels.kda.mosaic_scan",
     "pallas_gpu": "kernels.kda.pallas_gpu",
     "pallas_tpu": "kernels.kda.pallas_tpu",
 }

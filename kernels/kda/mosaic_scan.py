@@ -1,0 +1,329 @@
+"""Mosaic GPU kernels for the two serial passes of the chunked delta rule (`chunk.py`).
+
+Both walk the chunks of one (batch*head, V-block) program in order, the carried [K, BV] matrix in
+float32 registers (a wgmma accumulator), the chunk tensors streaming in by TMA, double-buffered.
+On chunk arrays [N, BH, ...] (chunk index first, as `chunk.py` keeps them; C = 64, BV = 64):
+
+forward (`state_scan`), S_0 = h0:
+    write S_n (compute dtype);  v'_n = u_n - w_n S_n (write, compute dtype)
+    S_{n+1} = Diag(decay_n) S_n + kg_n^T v'_n
+reverse (`grad_scan`), dS = dS_final, n = N-1 .. 0:
+    write dS (the gradient of S_{n+1}, float32);  dv'_n = dvi_n + kg_n dS (write, compute dtype)
+    dS <- Diag(decay_n) dS + qg_n^T do_n - w_n^T dv'_n
+The reverse pass forms dS_out = qg^T do itself, so the [N, B, H, K, V] float32 tensor of the
+pure-JAX backward never reaches HBM. Linear attention (w None) skips the w products.
+Products are wgmma with operands in SMEM in the compute dtype and float32 accumulation, the
+roundings of `chunk.py`'s XLA passes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels.kda import chunk
+from kernels.kda.mosaic_state import smem_transforms
+
+log = logging.getLogger(__name__)
+
+C = 64  # chunk length
+BV = 64  # V columns per program
+SUPPORTED_DIMS = (64, 128)
+
+
+def _smem(shape, dtype):
+    return plgpu.SMEM(shape, dtype, transforms=smem_transforms(shape[-1], dtype))
+
+
+def _mm(fn, shape):
+    return pl.run_scoped(fn, plgpu.ACC(shape, jnp.float32))
+
+
+def _launch(body, out_type, scratch, args, BH, V, interpret):
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(BH, V // BV),
+        grid_names=("bh", "v"),
+        compiler_params=plgpu.CompilerParams(approx_math=False),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(*args)
+
+
+def _loader(ins, bars, bh, vs):
+    """issue(n, slot): TMA every input's chunk n into its buffer `slot` (barrier 2 i + slot)."""
+
+    def issue(n, slot):
+        for i, (src, dst, by_v) in enumerate(ins):
+            src = src.at[n, bh, :, vs] if by_v else src.at[n, bh]
+            plgpu.copy_gmem_to_smem(src, dst.at[slot], bars.at[2 * i + slot])
+
+    def wait(slot):
+        for i in range(len(ins)):
+            plgpu.barrier_wait(bars.at[2 * i + slot])
+
+    return issue, wait
+
+
+def _fwd_body(*refs, NT, K, dt, delta):
+    if delta:
+        w_ref, u_ref, kg_ref, d_ref, h0_ref, st_ref, vn_ref, ht_ref, *scratch = refs
+        w_s, u_s, kg_s, d_s, s_s, vn_s, h_s, bars, h_bar = scratch
+        ins = ((w_ref, w_s, False), (u_ref, u_s, True), (kg_ref, kg_s, False), (d_ref, d_s, False))
+    else:
+        u_ref, kg_ref, d_ref, h0_ref, st_ref, vn_ref, ht_ref, *scratch = refs
+        u_s, kg_s, d_s, s_s, vn_s, h_s, bars, h_bar = scratch
+        ins = ((u_ref, u_s, True), (kg_ref, kg_s, False), (d_ref, d_s, False))
+    bh = lax.axis_index("bh")
+    vs = pl.ds(lax.axis_index("v") * BV, BV)
+    issue, wait = _loader(ins, bars, bh, vs)
+
+    issue(0, 0)
+    plgpu.copy_gmem_to_smem(h0_ref.at[bh, :, vs], h_s, h_bar.at[0])
+    plgpu.barrier_wait(h_bar.at[0])
+    S = plgpu.load(h_s, layout=plgpu.Layout.WGMMA)
+
+    def step(n, S):
+        slot = lax.rem(n, 2)
+
+        @pl.when(n + 1 < NT)
+        def _prefetch():
+            issue(n + 1, 1 - slot)
+
+        wait(slot)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last chunk's stores have read s_s, vn_s
+        s_s[...] = S.astype(dt)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(s_s, st_ref.at[n, bh, :, vs])
+        u = plgpu.load(u_s.at[slot], layout=plgpu.Layout.WGMMA)
+        if delta:
+
+            def wS(acc):
+                plgpu.wgmma(acc, w_s.at[slot], s_s)
+                return acc[...]
+
+            vn = (u.astype(jnp.float32) - _mm(wS, (C, BV))).astype(dt)
+        else:
+            vn = u
+        vn_s[...] = vn
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(vn_s, vn_ref.at[n, bh, :, vs])
+        d = plgpu.load(d_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
+
+        def kv(acc):
+            plgpu.wgmma(acc, kg_s.at[slot].transpose((1, 0)), vn_s)
+            return acc[...]
+
+        return S * lax.broadcast_in_dim(d, S.shape, [0]) + _mm(kv, (K, BV))
+
+    S = lax.fori_loop(0, NT, step, S)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    h_s[...] = S
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(h_s, ht_ref.at[bh, :, vs])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def state_scan(w, u, kg, decay, h0, *, interpret=False):
+    """Forward pass. w, kg [N, BH, C, K] (w None: linear attention, v' = u); u [N, BH, C, V]
+    (one compute dtype); decay [N, BH, K] f32; h0 [BH, K, V] f32.
+    Returns (states [N, BH, K, V] compute dtype, v' [N, BH, C, V] compute dtype, final [BH, K, V] f32)."""
+    N, BH, Cc, K = kg.shape
+    V = u.shape[-1]
+    dt = kg.dtype
+    if Cc != C or K not in SUPPORTED_DIMS or V not in SUPPORTED_DIMS:
+        raise ValueError(f"state_scan needs C={C} and K, V in {SUPPORTED_DIMS}; got C={Cc}, K={K}, V={V}")
+    delta = w is not None
+    ins = [_smem((2, C, BV), dt), _smem((2, C, K), dt), plgpu.SMEM((2, K), jnp.float32)]
+    if delta:
+        ins = [_smem((2, C, K), dt)] + ins
+    scratch = ins + [
+        _smem((K, BV), dt),
+        _smem((C, BV), dt),
+        plgpu.SMEM((K, BV), jnp.float32),
+        plgpu.Barrier(num_barriers=2 * (4 if delta else 3)),
+        plgpu.Barrier(num_barriers=1),
+    ]
+    out_type = (
+        jax.ShapeDtypeStruct((N, BH, K, V), dt),
+        jax.ShapeDtypeStruct((N, BH, C, V), dt),
+        jax.ShapeDtypeStruct((BH, K, V), jnp.float32),
+    )
+    args = ((w,) if delta else ()) + (u, kg, decay, h0)
+    body = functools.partial(_fwd_body, NT=N, K=K, dt=dt, delta=delta)
+    return _launch(body, out_type, scratch, args, BH, V, interpret)
+
+
+def _bwd_body(*refs, NT, K, dt, delta):
+    if delta:
+        w_ref, kg_ref, qg_ref, do_ref, dvi_ref, d_ref, dS_ref, dhs_ref, dvn_ref, dh0_ref, *scratch = refs
+        w_s, kg_s, qg_s, do_s, dvi_s, d_s, ds_c, dvn_s, neg_s, ds_f, bars, h_bar = scratch
+        ins = ((w_ref, w_s, False),)
+    else:
+        kg_ref, qg_ref, do_ref, dvi_ref, d_ref, dS_ref, dhs_ref, dvn_ref, dh0_ref, *scratch = refs
+        kg_s, qg_s, do_s, dvi_s, d_s, ds_c, dvn_s, ds_f, bars, h_bar = scratch
+        ins = ()
+    ins += ((kg_ref, kg_s, False), (qg_ref, qg_s, False), (do_ref, do_s, True), (dvi_ref, dvi_s, True),
+            (d_ref, d_s, False))
+    bh = lax.axis_index("bh")
+    vs = pl.ds(lax.axis_index("v") * BV, BV)
+    issue, wait = _loader(ins, bars, bh, vs)
+
+    issue(NT - 1, 0)
+    plgpu.copy_gmem_to_smem(dS_ref.at[bh, :, vs], ds_f, h_bar.at[0])
+    plgpu.barrier_wait(h_bar.at[0])
+    dS = plgpu.load(ds_f, layout=plgpu.Layout.WGMMA)
+
+    def step(i, dS):
+        n = NT - 1 - i
+        slot = lax.rem(i, 2)
+
+        @pl.when(n > 0)
+        def _prefetch():
+            issue(n - 1, 1 - slot)
+
+        wait(slot)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last chunk's stores have read ds_f, dvn_s
+        ds_f[...] = dS
+        ds_c[...] = dS.astype(dt)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(ds_f, dhs_ref.at[n, bh, :, vs])
+
+        def kdS(acc):
+            plgpu.wgmma(acc, kg_s.at[slot], ds_c)
+            return acc[...]
+
+        dvi = plgpu.load(dvi_s.at[slot], layout=plgpu.Layout.WGMMA)
+        dvn = dvi + _mm(kdS, (C, BV))
+        dvn_s[...] = dvn.astype(dt)
+        if delta:
+            neg_s[...] = (-dvn).astype(dt)  # rounding is symmetric: exactly -round(dv')
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dvn_s, dvn_ref.at[n, bh, :, vs])
+        d = plgpu.load(d_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
+
+        def back(acc):
+            plgpu.wgmma(acc, qg_s.at[slot].transpose((1, 0)), do_s.at[slot])
+            if delta:
+                plgpu.wgmma(acc, w_s.at[slot].transpose((1, 0)), neg_s)
+            return acc[...]
+
+        return dS * lax.broadcast_in_dim(d, dS.shape, [0]) + _mm(back, (K, BV))
+
+    dS = lax.fori_loop(0, NT, step, dS)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    ds_f[...] = dS
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(ds_f, dh0_ref.at[bh, :, vs])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False):
+    """Reverse pass. w, kg, qg [N, BH, C, K] (w None: linear attention) and do [N, BH, C, V] in one
+    compute dtype; dvn_intra [N, BH, C, V] f32 (Aqk^T do); decay [N, BH, K] f32; dS_final
+    [BH, K, V] f32. Returns (gradients of the outgoing states [N, BH, K, V] f32, of v'
+    [N, BH, C, V] compute dtype, of the initial state [BH, K, V] f32)."""
+    N, BH, Cc, K = kg.shape
+    V = do.shape[-1]
+    dt = kg.dtype
+    if Cc != C or K not in SUPPORTED_DIMS or V not in SUPPORTED_DIMS:
+        raise ValueError(f"grad_scan needs C={C} and K, V in {SUPPORTED_DIMS}; got C={Cc}, K={K}, V={V}")
+    delta = w is not None
+    f32 = jnp.float32
+    scratch = [
+        _smem((2, C, K), dt),
+        _smem((2, C, K), dt),
+        _smem((2, C, BV), dt),
+        plgpu.SMEM((2, C, BV), f32),
+        plgpu.SMEM((2, K), f32),
+        _smem((K, BV), dt),
+        _smem((C, BV), dt),
+    ]
+    if delta:
+        scratch = [_smem((2, C, K), dt)] + scratch + [_smem((C, BV), dt)]
+    n_in = 6 if delta else 5
+    scratch += [plgpu.SMEM((K, BV), f32), plgpu.Barrier(num_barriers=2 * n_in), plgpu.Barrier(num_barriers=1)]
+    out_type = (
+        jax.ShapeDtypeStruct((N, BH, K, V), f32),
+        jax.ShapeDtypeStruct((N, BH, C, V), dt),
+        jax.ShapeDtypeStruct((BH, K, V), f32),
+    )
+    args = ((w,) if delta else ()) + (kg, qg, do, dvn_intra, decay, dS_final)
+    body = functools.partial(_bwd_body, NT=N, K=K, dt=dt, delta=delta)
+    return _launch(body, out_type, scratch, args, BH, V, interpret)
+
+
+def _flat(x):
+    return None if x is None else x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+
+
+def state_scan_chunks(h0, w, u, kg, decay, *, cd, interpret=False):
+    """`state_scan` on `chunk.py`'s arrays: w, kg [N, B, H, C, K], u [N, B, H, C, V], decay
+    [N, B, H, K], h0 [B, H, K, V] (reshapes are free; casts to the compute dtype `cd`)."""
+    N, B, H = kg.shape[:3]
+    K, V = h0.shape[-2:]
+    op = lambda x: None if x is None else _flat(x).astype(cd)
+    states, vn, S = state_scan(op(w), op(u), op(kg), _flat(decay).astype(jnp.float32),
+                               h0.reshape(B * H, K, V).astype(jnp.float32), interpret=interpret)
+    return states.reshape(N, B, H, K, V), vn.reshape(N, B, H, C, V), S.reshape(B, H, K, V)
+
+
+def grad_scan_chunks(dS, w, kg, qg, do, dvn_intra, decay, *, cd, interpret=False):
+    """`grad_scan` on `chunk.py`'s arrays ([N, B, H, ...]; dS [B, H, K, V])."""
+    N, B, H = kg.shape[:3]
+    K, V = dS.shape[-2:]
+    op = lambda x: None if x is None else _flat(x).astype(cd)
+    f32 = lambda x: _flat(x).astype(jnp.float32)
+    dhs, dvn, dh0 = grad_scan(op(w), op(kg), op(qg), op(do), f32(dvn_intra), f32(decay),
+                              dS.reshape(B * H, K, V).astype(jnp.float32), interpret=interpret)
+    return dhs.reshape(N, B, H, K, V), dvn.reshape(N, B, H, C, V), dh0.reshape(B, H, K, V)
+
+
+@functools.cache
+def _device_kind() -> str:
+    """'hopper', 'cpu' (the kernels run in the Mosaic GPU interpreter) or 'other'."""
+    d = jax.devices()[0]
+    if d.platform == "cpu":
+        return "cpu"
+    if d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9."):
+        return "hopper"
+    return "other"
+
+
+def unsupported_reason(K: int, V: int, dtype, interpret: bool) -> str | None:
+    """Why the kernels cannot take this call (None when they can)."""
+    if not interpret and _device_kind() != "hopper":
+        return f"no Hopper GPU (device kind {_device_kind()!r})"
+    if K not in SUPPORTED_DIMS or V not in SUPPORTED_DIMS:
+        return f"K={K}, V={V} (the kernels take K, V in {SUPPORTED_DIMS})"
+    allowed = (jnp.bfloat16, jnp.float16) + ((jnp.float32,) if interpret else ())
+    if not any(jnp.dtype(dtype) == jnp.dtype(d) for d in allowed):
+        return f"dtype {jnp.dtype(dtype).name} (the kernels take bf16/fp16 q, k, v)"
+    return None
+
+
+_warned: set = set()
+
+
+def kda_impl(
+    q, k, v, g, beta, *, scale, initial_state, segment_ids, lower_bound=None, output_final_state=True, interpret=None
+):
+    """impl="chunk_mosaic": `chunk.kda_impl` with both serial passes in these kernels. Falls back
+    to the XLA passes (logged once per reason) where the kernels do not apply. `interpret` None
+    means the interpreter on a CPU-only machine, compiled kernels on a GPU."""
+    if interpret is None:
+        interpret = _device_kind() == "cpu"
+    reason = unsupported_reason(q.shape[-1], v.shape[-1], q.dtype, interpret)
+    if reason is not None and reason not in _warned:
+        _warned.add(reason)
+        log.warning("kda impl='chunk_mosaic' runs the XLA state passes: %s", reason)
+    state_pass = "xla" if reason else ("mosaic_interpret" if interpret else "mosaic")
+    return chunk.kda_impl(q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids,
+                          lower_bound=lower_bound, output_final_state=output_final_state, state_pass=state_pass)

@@ -1,0 +1,138 @@
+"""impl="chunk_mosaic" (the chunked KDA with its two serial passes in Mosaic GPU kernels) against
+the XLA passes and the naive impl: the Mosaic GPU interpreter on CPU, compiled on a GPU; plus
+the CUDA lowering of the whole forward+backward, exported from the CPU.
+
+Tolerances are those of test_kda_chunk.py (float32 1e-5; bf16 flash-linear-attention's).
+"""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.kda import chunk, mosaic_scan
+from kernels.kda.chunk import _Numerics, _grad_scan, _state_scan
+from kernels.testing import assert_close
+from tests.kernels.test_kda_chunk import BF16_TOL, F32_TOL, GRADS, _fwd_bwd, make_inputs
+
+
+def _compare(rng, inputs, tol, lower_bound, dtype, impls=("naive", "chunk_mosaic")):
+    """Outputs, final state and all six gradients of impls[1] (in `dtype`) against impls[0]."""
+    q, k, v, g, beta, h0, seg = inputs
+    cast = lambda x: jnp.asarray(x, dtype)
+    up = lambda x: jnp.asarray(cast(x), jnp.float32) if impls[0] == "naive" else cast(x)
+    do = rng.standard_normal(q.shape[:3] + (v.shape[-1],)).astype(np.float32)
+    dS = rng.standard_normal(h0.shape).astype(np.float32)
+    common = dict(lower_bound=lower_bound, has_seg=seg is not None)
+    seg_j = jnp.zeros(q.shape[:2], jnp.int32) if seg is None else jnp.asarray(seg)
+    ref = _fwd_bwd(up(q), up(k), up(v), g, beta, h0, seg_j, do, dS, impl=impls[0], **common)
+    out = _fwd_bwd(cast(q), cast(k), cast(v), g, beta, h0, seg_j, do, dS, impl=impls[1], **common)
+    assert out[0].dtype == dtype and out[1].dtype == jnp.float32
+    assert_close("o", ref[0], out[0], tol["o"])
+    assert_close("S", ref[1], out[1], tol["S"])
+    for name, r, x in zip(GRADS, ref[2], out[2]):
+        assert_close(name, r, x, tol[name])
+
+
+@pytest.mark.parametrize("delta", [True, False])
+def test_kernels_match_xla_passes(rng, delta):
+    """Both kernels against chunk.py's lax.scan passes on random chunk tensors [N, B, H, ...]."""
+    N, B, H, K, V = 3, 1, 2, 128, 64
+    f = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32)
+    w = f(N, B, H, 64, K) if delta else None
+    u, kg, qg, do, dvi = f(N, B, H, 64, V), f(N, B, H, 64, K), f(N, B, H, 64, K), f(N, B, H, 64, V), f(N, B, H, 64, V)
+    decay = jnp.asarray(rng.uniform(0.3, 1.0, (N, B, H, K)), jnp.float32)
+    decay = decay.at[1, :, 0].set(0.0)  # a reset chunk
+    h0, dS = f(B, H, K, V), f(B, H, K, V)
+    nm = _Numerics(jnp.float32)
+    want = _state_scan(nm, h0, w, u, kg, decay)
+    got = mosaic_scan.state_scan_chunks(h0, w, u, kg, decay, cd=jnp.float32, interpret=True)
+    for name, r, x in zip(("states", "vn", "S"), want, got):
+        assert_close(name, r, x, 1e-6)
+    dS_out = nm.mm("nbhck,nbhcv->nbhkv", qg, do)
+    want = _grad_scan(nm, dS, w, kg, decay, dS_out, dvi)
+    got = mosaic_scan.grad_scan_chunks(dS, w, kg, qg, do, dvi, decay, cd=jnp.float32, interpret=True)
+    for name, r, x in zip(("dhs", "dvn", "dh0"), want, got):
+        assert_close(name, r, x, 1e-6)
+
+
+@pytest.mark.parametrize(
+    "B, T, H, K, V, gate, seg, lb",
+    [
+        (1, 130, 2, 64, 128, "channel", "edge", -5.0),  # odd T, mid-chunk and chunk-edge resets
+        (2, 65, 1, 128, 64, "head", None, None),  # exact path, one token into the second chunk
+    ],
+)
+def test_chunk_mosaic_matches_naive_float32(rng, B, T, H, K, V, gate, seg, lb):
+    inputs = make_inputs(rng, B, T, H, K, V, gate, lower=-5.0 if lb else -1.0, seg=seg)
+    _compare(rng, inputs, F32_TOL, lb, jnp.float32)
+
+
+def test_chunk_mosaic_bfloat16(rng):
+    inputs = make_inputs(rng, 1, 200, 2, 128, 128, "channel", lower=-5.0, seg="random")
+    _compare(rng, inputs, BF16_TOL, -5.0, jnp.bfloat16)
+
+
+def test_linear_attention_state_passes(rng):
+    """delta=False (w = 0, v' = v): the kernels' linear-attention variant against the XLA passes."""
+    q, k, v, g, _, h0, seg = make_inputs(rng, 1, 100, 2, 64, 64, "channel", seg="random")
+
+    def run(state_pass):
+        def loss(q, k, v, g, h0):
+            o, S = chunk.run_chunked(q, k, v, g, jnp.ones(q.shape[:3]), scale=0.125, initial_state=h0,
+                                     segment_ids=jnp.asarray(seg), bounded=False, delta=False, state_pass=state_pass)
+            return jnp.sum(o * v[..., ::-1]) + jnp.sum(S * h0), (o, S)
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(q, k, v, g, h0)
+
+    want, got = run("xla"), run("mosaic_interpret")
+    for name, r, x in zip(("dq", "dk", "dv", "dg", "dh0", "o", "S"), (*want[0], *want[1]), (*got[0], *got[1])):
+        assert_close(name, r, x, 1e-6)
+
+
+def test_falls_back_once_with_reason(rng, caplog):
+    """K = 32 is not a kernel size: the XLA passes run, the reason is logged once."""
+    q, k, v, g, beta, h0, _ = make_inputs(rng, 1, 70, 1, 32, 64, "channel")
+    mosaic_scan._warned.clear()
+    run = lambda impl: chunk.kda_impl if impl == "chunk" else mosaic_scan.kda_impl
+    args = [jnp.asarray(x) for x in (q, k, v, g, beta)]
+    kw = dict(scale=32**-0.5, initial_state=jnp.asarray(h0), segment_ids=None)
+    with caplog.at_level(logging.WARNING, logger="kernels.kda.mosaic_scan"):
+        got = run("chunk_mosaic")(*args, **kw)
+        run("chunk_mosaic")(*args, **kw)
+    msgs = [r.getMessage() for r in caplog.records if "chunk_mosaic" in r.getMessage()]
+    assert len(msgs) == 1 and "K=32" in msgs[0]
+    want = run("chunk")(*args, **kw)
+    assert_close("o", want[0], got[0], 0.0)
+    assert mosaic_scan.unsupported_reason(128, 128, jnp.float32, interpret=False) is not None
+    assert mosaic_scan.unsupported_reason(128, 64, jnp.float32, interpret=True) is None
+
+
+def test_forward_backward_lowers_for_cuda():
+    """The Mosaic GPU lowering (layouts, wgmma operands, SMEM budget) of both kernels in the bf16
+    forward+backward at (8, 4096, 16, 128), exported for CUDA from this CPU machine."""
+    B, T, H, K = 8, 4096, 16, 128
+
+    def loss(q, k, v, g, beta, h0):
+        o, S = chunk.run_chunked(q, k, v, g, beta, scale=K**-0.5, initial_state=h0, segment_ids=None,
+                                 bounded=True, delta=True, state_pass="mosaic")
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(S)
+
+    sd = jax.ShapeDtypeStruct
+    args = [sd((B, T, H, K), jnp.bfloat16)] * 3 + [sd((B, T, H, K), jnp.float32), sd((B, T, H), jnp.float32),
+                                                   sd((B, H, K, K), jnp.float32)]
+    fn = jax.jit(jax.grad(loss, argnums=tuple(range(6))))
+    module = jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+    assert module.count("mosaic_gpu") >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seg", [None, "random"])
+def test_chunk_mosaic_on_gpu(rng, seg):
+    """Compiled kernels at a training shape: against naive at bf16 tolerances, and against the
+    XLA passes (same roundings) much tighter."""
+    inputs = make_inputs(rng, 2, 4096, 16, 128, 128, "channel", lower=-5.0, seg=seg)
+    _compare(rng, inputs, BF16_TOL, -5.0, jnp.bfloat16)
+    _compare(rng, inputs, {n: 2e-3 for n in BF16_TOL}, -5.0, jnp.bfloat16, impls=("chunk", "chunk_mosaic"))
