@@ -41,7 +41,7 @@ def _mm(fn, shape):
     return pl.run_scoped(fn, plgpu.ACC(shape, jnp.float32))
 
 
-def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *rest, NT, K, BV, dt, with_states):
+def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *rest, NT, K, BV, dt, with_states, heads):
     st_ref, rest = (rest[0], rest[1:]) if with_states else (None, rest)
     (qg_s, wn_s, kg_s, u_s, a_s, d_s, s_s, vn_s, o_s, h_s, bars, h_bar) = rest
     bh = lax.axis_index("bh")
@@ -100,7 +100,11 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *r
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_s free again
         o_s[...] = o.astype(o_s.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_s, o_ref.at[bh, n, :, vs])
+        if heads is None:
+            plgpu.copy_smem_to_gmem(o_s, o_ref.at[bh, n, :, vs])
+        else:  # straight into [B, T, H, V]: no transpose afterwards
+            o_dst = o_ref.at[lax.div(bh, heads), pl.ds(n * C, C), lax.rem(bh, heads), vs]
+            plgpu.copy_smem_to_gmem(o_s, o_dst)
         return S
 
     S = lax.fori_loop(0, NT, step, S)
@@ -110,7 +114,7 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *r
     plgpu.wait_smem_to_gmem(0)
 
 
-def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_states=False):
+def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_states=False, heads=None):
     """Run the inter-chunk kernel.
 
     qg, wn, kg [BH, NT, C, K]; u [BH, NT, C, V]; a [BH, NT, C, C] (one operand
@@ -118,6 +122,7 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
     Returns (o [BH, NT, C, V] out_dtype, final state [BH, K, V] f32), and with `with_states`
     also the incoming state of every chunk [NT, BH, K, V] in the operand dtype (the rounding
     the products used), which the backward pass reuses instead of recomputing the forward.
+    With `heads` = H (BH = B * H), o is [B, NT * C, H, V] instead (the layout of the inputs).
     `interpret`: run under the Mosaic GPU interpreter (CPU tests).
     """
     BH, NT, Cc, K = qg.shape
@@ -140,10 +145,11 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
         plgpu.Barrier(num_barriers=6 * 2, num_arrivals=1),
         plgpu.Barrier(num_barriers=1),
     ]
-    out_type = (jax.ShapeDtypeStruct((BH, NT, C, V), out_dtype), jax.ShapeDtypeStruct((BH, K, V), jnp.float32))
+    o_shape = (BH, NT, C, V) if heads is None else (BH // heads, NT * C, heads, V)
+    out_type = (jax.ShapeDtypeStruct(o_shape, out_dtype), jax.ShapeDtypeStruct((BH, K, V), jnp.float32))
     if with_states:
         out_type += (jax.ShapeDtypeStruct((NT, BH, K, V), dt),)
-    body = functools.partial(_body, NT=NT, K=K, BV=BV, dt=dt, with_states=with_states)
+    body = functools.partial(_body, NT=NT, K=K, BV=BV, dt=dt, with_states=with_states, heads=heads)
     return plgpu.kernel(
         body,
         out_type=out_type,

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.kda import mosaic_decode, mosaic_intra, mosaic_intra_bf16, mosaic_state
-from kernels.kda.pallas_gpu_prep import chunked_reference, prepare, unchunk
+from kernels.kda.pallas_gpu_prep import chunked_reference, prepare
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +144,10 @@ def _kernel_forward(q, k, v, g, beta, h0, seg, scale, bounded, interpret, with_s
     else:
         ops = _exact_operands(q, k, v, g, beta, seg, scale, dt)
     out = mosaic_state.state_output(*ops, h0.reshape(B * H, K, V), out_dtype=v.dtype, interpret=interpret,
-                                    with_states=with_states)
+                                    with_states=with_states, heads=H)
     o, S = out[:2]
-    NT = o.shape[1]
-    res = (unchunk(o.reshape(B, H, NT, -1, V), T), S.reshape(B, H, K, V))
+    NT = ops[0].shape[1]
+    res = (o[:, :T], S.reshape(B, H, K, V))
     return res + ((out[2].reshape(NT, B, H, K, V),) if with_states else ())
 
 

@@ -88,13 +88,14 @@ def test_lowers_for_cuda_within_two_programs_per_sm(monkeypatch, K, V):
 
 
 def test_state_kernel_with_states_lowers_for_cuda():
-    """The state kernel's per-chunk state output (the backward's residual) lowers for CUDA."""
+    """The state kernel's per-chunk state output (the backward's residual) and its o written
+    straight into [B, T, H, V] lower for CUDA."""
     from kernels.kda import mosaic_state
 
     BH, NT, C, K, V = 2, 3, 64, 128, 128
     bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
-    f = jax.jit(lambda *a: mosaic_state.state_output(*a, out_dtype=jnp.bfloat16, with_states=True))
+    f = jax.jit(lambda *a: mosaic_state.state_output(*a, out_dtype=jnp.bfloat16, with_states=True, heads=2))
     args = (bf(BH, NT, C, K), bf(BH, NT, C, K), bf(BH, NT, C, K), bf(BH, NT, C, V), bf(BH, NT, C, C),
             f32(BH, NT, K), f32(BH, K, V))
     assert "mosaic_gpu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()[:4000]
