@@ -304,6 +304,26 @@ def _decode_ours(impl, x):
     return time_jax(f, *args, warmup=args_timing["warmup"], iters=max(args_timing["iters"], 50)), (o, S)
 
 
+def _decode_kernel(name, x):
+    """The Mosaic GPU decode kernel alone (operands prepared outside the timed call)."""
+    from kernels.kda import mosaic_decode
+    from kernels.kda.pallas_gpu import unsupported_reason
+
+    reason = unsupported_reason(x["q"].shape[-1], x["v"].shape[-1], jnp.bfloat16, interpret=False)
+    if reason is not None:
+        raise RuntimeError(f"skipped: {reason}")
+    B, H, K = x["q"].shape
+    V = x["v"].shape[-1]
+    bf = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)  # the bf16 inputs' values
+    q, k = bf(x["q"]) * K**-0.5, bf(x["k"])
+    vecs = np.stack([x["g"], k, x["beta"][..., None] * k, q], axis=2).reshape(B * H, 4, K)
+    args = (jnp.asarray(x["state"].reshape(B * H, K, V)), jnp.asarray(vecs), jnp.asarray(bf(x["v"]).reshape(B * H, V)))
+    f = jax.jit(getattr(mosaic_decode, name))
+    o, S = f(*args)
+    ms = time_jax(f, *args, warmup=args_timing["warmup"], iters=max(args_timing["iters"], 50))
+    return ms, (np.asarray(o).reshape(B, H, V).astype(np.float32), np.asarray(S).reshape(B, H, K, V))
+
+
 def _decode_fla(x):
     import torch
     from fla.ops.kda import fused_recurrent_kda
@@ -330,6 +350,8 @@ def run_decode(shape, peers):
     x = _decode_inputs(*shape)
     nbytes = decode_bytes(*shape)
     cases = [(f"kda_step {i}", "ours", lambda i=i: _decode_ours(i, x)) for i in ("pallas_gpu", "naive")]
+    cases += [(f"kernel only: mosaic_decode.{k}", "ours", lambda k=k: _decode_kernel(k, x))
+              for k in ("decode_step_pipelined", "decode_step")]
     if "fla" in peers:
         cases.append(("fla fused_recurrent_kda", "peer", lambda: _decode_fla(x)))
     rows, ref = [], None

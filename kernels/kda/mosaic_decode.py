@@ -1,11 +1,18 @@
-"""Mosaic GPU kernel for one KDA decoding step over a batch: the state is read once, written once.
+"""Mosaic GPU kernels for one KDA decoding step over a batch: the state is read once, written once.
 
-One program per (batch*head, V-block of 64): TMA brings the f32 state tile [K, 64] and the
-per-head vectors into SMEM, the update runs in registers, TMA writes the new tile back.
-Decode is bound by the state's HBM traffic (2 * 4 * K * V bytes per head).
+Decode is bound by the state's HBM traffic (2 * 4 * K * V bytes per head). A tile is one
+(batch*head, V-block of 64): the f32 state tile [K, 64] and the head's vectors come in by TMA,
+the update runs in registers, TMA writes the new tile back.
+
+  * `decode_step`: one program per tile.
+  * `decode_step_pipelined`: a few programs per SM walk many tiles through a ring of SMEM slots,
+    so several loads are always in flight and no program pays launch, prologue and
+    store-completion latency per tile.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,14 +25,8 @@ from kernels.kda.mosaic_state import _smem
 BV = 64
 
 
-def _body(s_ref, vec_ref, v_ref, o_ref, sn_ref, s_smem, vec_smem, v_smem, o_smem, bars):
-    bh = lax.axis_index("bh")
-    vs = pl.ds(lax.axis_index("v") * BV, BV)
-    plgpu.copy_gmem_to_smem(s_ref.at[bh, :, vs], s_smem, bars.at[0])
-    plgpu.copy_gmem_to_smem(vec_ref.at[bh], vec_smem, bars.at[1])
-    plgpu.copy_gmem_to_smem(v_ref.at[bh, vs], v_smem, bars.at[2])
-    for i in range(3):
-        plgpu.barrier_wait(bars.at[i])
+def _update(s_smem, vec_smem, v_smem, o_smem):
+    """New state into s_smem (in place) and o into o_smem, from the tiles in SMEM."""
     S = plgpu.load(s_smem, layout=plgpu.Layout.WGMMA)
     rows = lambda i: lax.broadcast_in_dim(
         plgpu.load(vec_smem.at[i], layout=plgpu.Layout.WGMMA.reduce(1)), S.shape, [0])
@@ -37,6 +38,17 @@ def _body(s_ref, vec_ref, v_ref, o_ref, sn_ref, s_smem, vec_smem, v_smem, o_smem
     s_smem[...] = S
     o_smem[...] = o
     plgpu.commit_smem()
+
+
+def _body(s_ref, vec_ref, v_ref, o_ref, sn_ref, s_smem, vec_smem, v_smem, o_smem, bars):
+    bh = lax.axis_index("bh")
+    vs = pl.ds(lax.axis_index("v") * BV, BV)
+    plgpu.copy_gmem_to_smem(s_ref.at[bh, :, vs], s_smem, bars.at[0])
+    plgpu.copy_gmem_to_smem(vec_ref.at[bh], vec_smem, bars.at[1])
+    plgpu.copy_gmem_to_smem(v_ref.at[bh, vs], v_smem, bars.at[2])
+    for i in range(3):
+        plgpu.barrier_wait(bars.at[i])
+    _update(s_smem, vec_smem, v_smem, o_smem)
     plgpu.copy_smem_to_gmem(s_smem, sn_ref.at[bh, :, vs])
     plgpu.copy_smem_to_gmem(o_smem, o_ref.at[bh, vs])
     plgpu.wait_smem_to_gmem(0)
@@ -65,5 +77,83 @@ def decode_step(state, vecs, v, *, interpret=False):
         scratch_types=scratch,
         grid=(BH, V // BV),
         grid_names=("bh", "v"),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(state, vecs, v)
+
+
+def _pipelined_body(s_ref, vec_ref, v_ref, o_ref, sn_ref, s_smem, vec_smem, v_smem, o_smem, bars, *, J, P, NV, slots):
+    pid = lax.axis_index("p")
+
+    def tile(j):
+        t = pid + j * P
+        return lax.div(t, NV), pl.ds(lax.rem(t, NV) * BV, BV)
+
+    def issue(j, slot):
+        bh, vs = tile(j)
+        plgpu.copy_gmem_to_smem(s_ref.at[bh, :, vs], s_smem.at[slot], bars.at[3 * slot])
+        plgpu.copy_gmem_to_smem(vec_ref.at[bh], vec_smem.at[slot], bars.at[3 * slot + 1])
+        plgpu.copy_gmem_to_smem(v_ref.at[bh, vs], v_smem.at[slot], bars.at[3 * slot + 2])
+
+    for j in range(min(slots - 1, J)):
+        issue(j, j)
+
+    def step(j, carry):
+        slot = lax.rem(j, slots)
+        for i in range(3):
+            plgpu.barrier_wait(bars.at[3 * slot + i])
+        _update(s_smem.at[slot], vec_smem.at[slot], v_smem.at[slot], o_smem.at[slot])
+        bh, vs = tile(j)
+        plgpu.copy_smem_to_gmem(s_smem.at[slot], sn_ref.at[bh, :, vs], commit_group=False)
+        plgpu.copy_smem_to_gmem(o_smem.at[slot], o_ref.at[bh, vs])  # one group: tile j's two stores
+        # The slot refilled next held tile j - 1, whose stores had all of this tile's compute to
+        # read their SMEM: wait for every group but the newest.
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        nxt = j + slots - 1
+
+        @pl.when(nxt < J)
+        def _():
+            issue(nxt, lax.rem(nxt, slots))
+
+        return carry
+
+    lax.fori_loop(0, J, step, 0)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _num_programs(n_tiles: int, target: int) -> int:
+    """The largest divisor of n_tiles that is <= target (every program walks as many tiles)."""
+    for p in range(min(target, n_tiles), 0, -1):
+        if n_tiles % p == 0:
+            return p
+    return 1
+
+
+def decode_step_pipelined(state, vecs, v, *, programs=None, slots=4, interpret=False):
+    """Same contract as `decode_step`; `programs` (default: the GPU's SM count, or fewer so that
+    it divides the number of tiles) persistent programs with `slots` SMEM slots each."""
+    BH, K, V = state.shape
+    if K % 64 or V % BV:
+        raise ValueError(f"decode_step_pipelined needs K a multiple of 64 and V of {BV}; got K={K}, V={V}")
+    NV = V // BV
+    n_tiles = BH * NV
+    if programs is None:
+        programs = getattr(jax.devices()[0], "core_count", None) or 132
+    P = _num_programs(n_tiles, programs)
+    f32 = jnp.float32
+    scratch = [
+        _smem((slots, K, BV), f32),
+        plgpu.SMEM((slots, 4, K), f32),
+        plgpu.SMEM((slots, BV), f32),
+        plgpu.SMEM((slots, BV), f32),
+        plgpu.Barrier(num_barriers=3 * slots),
+    ]
+    out_type = (jax.ShapeDtypeStruct((BH, V), f32), jax.ShapeDtypeStruct((BH, K, V), f32))
+    body = functools.partial(_pipelined_body, J=n_tiles // P, P=P, NV=NV, slots=slots)
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(P,),
+        grid_names=("p",),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(state, vecs, v)

@@ -17,7 +17,8 @@ every chunk (bf16, O(T K V / 64) per head), and impl="chunk"'s hand-written back
 forward is not recomputed. Without `kernels.kda.chunk`, the backward recomputes through this
 module's float32 plain-JAX chunked path (`prepare` + `scan_state_output`) under `jax.vjp`.
 
-Decode: `kda_step_impl` runs `mosaic_decode.decode_step` (state read once, written once).
+Decode: `kda_step_impl` runs `mosaic_decode.decode_step_pipelined` (state read once, written
+once; persistent programs keep several tile loads in flight).
 
 Supported by the kernels: K, V in {64, 128}; bf16/fp16 q, k, v on a Hopper GPU (float32 gates,
 states and accumulation). Anything else falls back to impl="chunk" with a logged reason.
@@ -296,7 +297,7 @@ def kda_step_impl(state, q, k, v, g, beta, scale, *, interpret=None):
 
         return delta_step(f32(state), f32(q), f32(k), f32(v), f32(g), f32(beta), scale)
     vecs = jnp.stack([f32(g), f32(k), f32(beta)[..., None] * f32(k), f32(q) * scale], axis=2)
-    o, S = mosaic_decode.decode_step(
+    o, S = mosaic_decode.decode_step_pipelined(
         f32(state).reshape(B * H, K, V), vecs.reshape(B * H, 4, K), f32(v).reshape(B * H, V), interpret=interpret
     )
     return o.reshape(B, H, V), S.reshape(B, H, K, V)

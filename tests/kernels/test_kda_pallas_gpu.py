@@ -4,6 +4,8 @@ Tolerances (relative RMS, flash-linear-attention's): o and final state 0.005; dq
 dg, dbeta 0.02; dh0 0.008 at bf16; 1e-4 on everything at float32 (interpreter only).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,8 +121,8 @@ def test_decode_kernel_matches_naive_step(rng, monkeypatch):
     from kernels.kda import mosaic_decode
 
     calls = []
-    kernel = mosaic_decode.decode_step
-    monkeypatch.setattr(mosaic_decode, "decode_step", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    kernel = mosaic_decode.decode_step_pipelined
+    monkeypatch.setattr(mosaic_decode, "decode_step_pipelined", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     B, H, K, V = 2, 3, 64, 128
     state = jnp.asarray(rng.standard_normal((B, H, K, V)), jnp.float32)
     q, k = (jnp.asarray(rng.standard_normal((B, H, K)), jnp.bfloat16) for _ in range(2))
@@ -207,6 +209,22 @@ def test_kernels_lower_for_cuda():
     args = (bf(BH, NT, C, K), bf(BH, NT, C, K), bf(BH, NT, C, K), bf(BH, NT, C, V), bf(BH, NT, C, C),
             f32(BH, NT, K), f32(BH, K, V))
     assert "mosaic_gpu" in state.trace(*args).lower(lowering_platforms=("cuda",)).as_text()[:4000]
-    decode = jax.jit(mosaic_decode.decode_step)
-    lowered = decode.trace(f32(BH, K, V), f32(BH, 4, K), f32(BH, V)).lower(lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()[:4000]
+    for kernel in (mosaic_decode.decode_step, functools.partial(mosaic_decode.decode_step_pipelined, programs=132)):
+        lowered = jax.jit(kernel).trace(f32(BH, K, V), f32(BH, 4, K), f32(BH, V)).lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()[:4000]
+
+
+def test_pipelined_decode_matches_one_tile_per_program(rng):
+    """The persistent decode kernel (several tiles per program, a ring of slots) against the
+    one-tile-per-program kernel: 5 tiles (3 programs asked for, so the one divisor, 1 program,
+    walks all 5 through 3 slots) and 8 tiles over 4 programs."""
+    from kernels.kda import mosaic_decode
+
+    for BH, K, V, programs in ((5, 128, 64, 3), (4, 64, 128, 4)):
+        state = jnp.asarray(rng.standard_normal((BH, K, V)), jnp.float32)
+        vecs = jnp.asarray(rng.standard_normal((BH, 4, K)) * 0.3, jnp.float32)
+        v = jnp.asarray(rng.standard_normal((BH, V)), jnp.float32)
+        o_ref, S_ref = mosaic_decode.decode_step(state, vecs, v, interpret=True)
+        o, S = mosaic_decode.decode_step_pipelined(state, vecs, v, programs=programs, slots=3, interpret=True)
+        assert_close("o", o_ref, o, 1e-6)
+        assert_close("S", S_ref, S, 1e-6)
