@@ -50,6 +50,9 @@ INTRA_STAGES = ("xla", "mosaic", "mosaic_bf16")
 # Measured on one H200 at (8, 4096, 16, 128) bf16: the XLA intra stage takes 6.0 ms, the
 # Mosaic GPU intra kernel about 9 ms (one CTA per SM, register-bound), so XLA is the default.
 DEFAULT_INTRA = "xla"
+# The backward's reverse state pass: "mosaic" takes chunk's Mosaic GPU serial-pass kernels when
+# `kernels.kda.chunk` offers them (its STATE_PASSES), "xla" its lax.scan.
+BACKWARD_STATE_PASS = "mosaic"
 _warned: set = set()
 
 
@@ -164,14 +167,23 @@ def _chunk_module():
         return None
 
 
-def _core_defaults(ck) -> tuple:
-    """Defaults of `chunk.chunk_core`'s static arguments after (scale, bounded, delta), which
-    its backward `_core_bwd` takes before (res, cts)."""
+def _core_defaults(ck, interpret=False) -> tuple:
+    """`chunk.chunk_core`'s static arguments after (scale, bounded, delta), which its backward
+    `_core_bwd` takes before (res, cts): their defaults, except that the serial pass
+    (`state_pass`) runs on chunk's Mosaic GPU kernels when chunk offers them and
+    BACKWARD_STATE_PASS asks for them."""
     import inspect
 
     params = list(inspect.signature(ck.chunk_core).parameters.values())
     names = [p.name for p in params]
-    return tuple(p.default for p in params[names.index("delta") + 1 :])
+    out = []
+    for p in params[names.index("delta") + 1 :]:
+        value = p.default
+        if p.name == "state_pass" and BACKWARD_STATE_PASS == "mosaic":
+            want = "mosaic_interpret" if interpret else "mosaic"
+            value = want if want in getattr(ck, "STATE_PASSES", ()) else value
+        out.append(value)
+    return tuple(out)
 
 
 def _kda_fwd(q, k, v, g, beta, h0, seg, scale, bounded, chunk_bounded, interpret):
@@ -185,7 +197,7 @@ def _kda_bwd(scale, bounded, chunk_bounded, interpret, res, cts):
     that the forward kernel wrote, so no forward pass is recomputed; its bounded intra path
     when `chunk_bounded` (lower_bound >= -5). Without `kernels.kda.chunk`: recompute through this
     module's float32 plain-JAX path under `jax.vjp`."""
-    del bounded, interpret
+    del bounded
     q, k, v, g, beta, h0, seg, states = res
     do, dS = cts
     ck = _chunk_module()
@@ -209,8 +221,8 @@ def _kda_bwd(scale, bounded, chunk_bounded, interpret, res, cts):
     starts = segment_starts(seg, T)
     counts = None if starts is None else segment_counts(jnp.pad(starts, [(0, 0), (0, pad)]))
     args = (chunked(q, q.dtype), chunked(k, q.dtype), chunked(v, q.dtype), chunked(g, sdt), chunked(beta, sdt))
-    grads = ck._core_bwd(scale, chunk_bounded, True, *_core_defaults(ck), (*args, counts, states.astype(q.dtype)),
-                         (chunked(do, sdt), dS.astype(sdt)))
+    static = (scale, chunk_bounded, True, *_core_defaults(ck, interpret))
+    grads = ck._core_bwd(*static, (*args, counts, states.astype(q.dtype)), (chunked(do, sdt), dS.astype(sdt)))
     dq, dk, dv, dg, dbeta = (from_chunks(x)[:, :T] for x in grads[:5])
     dh0 = grads[5]
     cast = lambda x, ref: x.astype(ref.dtype)
