@@ -58,6 +58,12 @@ SWEEP_TGMM = (Blocks(), Blocks(128, 128, 128, 3), Blocks(128, 128, 128, 3, band=
               Blocks(128, 128, 128, 2), Blocks(128, 128, 64, 4, band=1),
               Blocks(64, 256, 128, 3, wgs=2), Blocks(128, 128, 128, 3, wgs=2),
               Blocks(64, 256, 64, 4, wgs=2))
+# Warp-specialized gmm with one pipeline across tiles (`--sweep chain`, run on its own: a
+# barrier error there would hang the GPU rather than fail).
+SWEEP_CHAIN = (Blocks(128, 128, 64, 4, wgs=2, chain=True),
+               Blocks(128, 256, 64, 3, wgs=2, chain=True),
+               Blocks(128, 256, 64, 3, band=4, wgs=2, chain=True))
+SWEEPS = dict(main=(SWEEP_GMM, SWEEP_TGMM), chain=(SWEEP_CHAIN, ()))
 KERNELS = ("gmm_fwd_gate", "gmm_fwd_down", "gmm_dlhs", "tgmm")
 
 
@@ -253,11 +259,12 @@ def _blocks_str(b):
     if b is None:
         return None
     if isinstance(b, Blocks):
-        return f"{b.bm}x{b.bn}x{b.bk}/{b.stages}/band{b.band}" + ("/ws" if b.wgs == 2 else "")
+        return (f"{b.bm}x{b.bn}x{b.bk}/{b.stages}/band{b.band}" + ("/ws" if b.wgs == 2 else "")
+                + ("/chain" if b.chain else ""))
     return " ".join(_blocks_str(x) for x in b)
 
 
-def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines):
+def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines, steps=True):
     """Rows in order of value, so that the time budget cuts the least useful ones: baselines
     and default-tile kernels, the fwd+bwd steps with default tiles, the tile sweep, and last
     the steps with the best tile of every kernel."""
@@ -317,12 +324,14 @@ def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines):
                    tgmm=DEFAULT[2])
     for kernel in KERNELS:
         kernel_rows(kernel, [(i, None) for i in baselines] + [("pallas_gpu", default[kernel])])
-    step_rows([("pallas_gpu", DEFAULT)] + [(i, None) for i in baselines])
+    if steps:
+        step_rows([("pallas_gpu", DEFAULT)] + [(i, None) for i in baselines])
     if not sweep:
         return
+    sweep_gmm, sweep_tgmm = SWEEPS[sweep]
     for kernel in KERNELS:
-        kernel_rows(kernel, [("pallas_gpu", b) for b in (SWEEP_TGMM if kernel == "tgmm"
-                                                         else SWEEP_GMM) if b != default[kernel]])
+        kernel_rows(kernel, [("pallas_gpu", b) for b in (sweep_tgmm if kernel == "tgmm"
+                                                         else sweep_gmm) if b != default[kernel]])
     refs.clear()
     tuned = tuple(best.get(k, (0, default[k]))[1] for k in ("gmm_fwd_gate", "gmm_dlhs", "tgmm"))
     if tuned != tuple(DEFAULT):
@@ -353,7 +362,10 @@ def markdown(rows) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
-    parser.add_argument("--sweep", action="store_true", help="time every tile of SWEEP")
+    parser.add_argument("--sweep", nargs="?", const="main", default=None, choices=list(SWEEPS),
+                        help="time the tiles of SWEEPS[name] (main when no name is given)")
+    parser.add_argument("--no_steps", action="store_true",
+                        help="skip the fwd+bwd steps with default tiles")
     parser.add_argument("--iters", type=int, default=None, help="timed calls (median)")
     parser.add_argument("--workloads", default=None, help="comma-separated subset")
     parser.add_argument("--baselines", default="ragged_dot,padded_bmm")
@@ -373,7 +385,7 @@ def main(argv=None):
         # every workload but the last gets at most `share` of the budget
         last = i == len(todo) - 1
         deadline = args.budget_s if last else rec.elapsed() + w.get("share", 1.0) * args.budget_s
-        run_workload(w, rec, sweep=args.sweep, iters=iters, warmup=warmup,
+        run_workload(w, rec, sweep=args.sweep, iters=iters, warmup=warmup, steps=not args.no_steps,
                      deadline=min(deadline, args.budget_s), baselines=baselines)
     print(markdown(rec.rows))
     return rec.rows

@@ -41,6 +41,7 @@ class Blocks:
     stages: int = 4
     band: int = 8  # launch order: `band` N blocks of one M block, then the next M block (L2)
     wgs: int = 1  # 2: the warp-specialized persistent kernels of `pallas_gpu_ws`
+    chain: bool = False  # wgs=2 gmm: one pipeline across tiles (see `pallas_gpu_ws.gmm`)
 
     def __post_init__(self):
         for name in ("bm", "bn", "bk"):

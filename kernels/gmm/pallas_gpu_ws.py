@@ -66,17 +66,21 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, blocks=Blocks(bn=256, sta
     np_ = rhs_p.shape[1] if transpose_rhs else rhs_p.shape[2]
     num_m, num_n, num_k = mp // bm, np_ // bn, kp // bk
     band = min(blocks.band, num_n)
+    # Chained: the TMA warpgroup runs on into the next tile's (or group's) loads while the
+    # compute warpgroups finish and store the last one; needs num_k % stages == 0.
+    chain = blocks.chain and num_k % blocks.stages == 0
     offsets = _offsets(group_sizes)
     first, last = _block_groups(offsets, num_m, bm)
     lhs_tf = _transforms(bk, lhs.dtype)
     rhs_tf = _transforms(bk if transpose_rhs else bn, rhs.dtype)
     out_tf = _transforms(wn, out_dtype)
 
-    def make_pipeline(mma_body, compute_context):
+    def make_pipeline(mma_body, compute_context, state=None):
         return plgpu.emit_pipeline_warp_specialized(
             mma_body,
             grid=(num_k,),
             memory_registers=MEMORY_REGISTERS,
+            pipeline_state=state,
             in_specs=[
                 plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=lhs_tf,
                                 delay_release=0),
@@ -108,8 +112,8 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, blocks=Blocks(bn=256, sta
             wg = jax.lax.axis_index("wg")
             is_compute = wg < NUM_COMPUTE_WGS
 
-            @plgpu.nd_loop((num_m * num_n,), collective_axes="sm")
-            def tile_loop(info):
+            @plgpu.nd_loop((num_m * num_n,), collective_axes="sm", init_carry=jnp.int32(0))
+            def tile_loop(info, carry):  # carry: 1 once this SM has run a pipeline
                 mb, nb = _banded(info.index[0], num_m, num_n, band)
                 row0 = mb * bm
 
@@ -118,7 +122,7 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, blocks=Blocks(bn=256, sta
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     o_smem[wg] = jnp.zeros((bm, wn), out_dtype)
 
-                def one_group(g, carry):
+                def one_group(g, started):
                     start, end = off_ref[g], off_ref[g + 1]
 
                     def compute_context(eval_pipeline):
@@ -141,19 +145,34 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, blocks=Blocks(bn=256, sta
 
                     @pl.when(end > start)
                     def _():
-                        make_pipeline(mma_body, compute_context)(
+                        state = None
+                        if chain:
+                            state = jnp.where(started == 0, plgpu.PipelinePipeline.START,
+                                              plgpu.PipelinePipeline.STEADY).astype(jnp.int32)
+                        make_pipeline(mma_body, compute_context, state)(
                             lhs_ref.at[pl.ds(row0, bm), :], rhs_view(rhs_ref, g, nb),
                             allocations=allocs)
 
-                    return carry
+                    return jnp.where(end > start, 1, started)
 
-                jax.lax.fori_loop(first_ref[mb], last_ref[mb], one_group, 0)
+                carry = jax.lax.fori_loop(first_ref[mb], last_ref[mb], one_group, carry)
 
                 @pl.when(is_compute)
                 def _():
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(
                         o_smem.at[wg], out_ref.at[pl.ds(row0, bm), pl.ds(nb * bn + wg * wn, wn)])
+
+                return carry
+
+            if chain:
+                # What a STOP pipeline would do (the last call is not known in advance): the
+                # TMA warpgroup observes the consumption of the last `stages` slots.
+                @pl.when((wg == NUM_COMPUTE_WGS) & (tile_loop == 1))
+                def _():
+                    for slot in range(blocks.stages):
+                        for barrier in allocs["flat_consumed_barrier_refs"]:
+                            plgpu.barrier_wait(barrier.at[slot])
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

@@ -117,6 +117,16 @@ def test_warp_specialized_forward(rng, m, k, n, sizes):
     np.testing.assert_array_equal(np.asarray(out_t, np.float32), np.asarray(out, np.float32))
 
 
+def test_chained_pipeline_across_tiles(rng):
+    """Blocks.chain: one TMA pipeline over every tile and group of an SM (num_k % stages == 0;
+    the interpreter checks that every barrier phase is observed)."""
+    m, k, n, sizes = 330, 256, 200, [0, 0, 7, 64, 0, 150, 0]
+    lhs, rhs, gs = _inputs(rng, m, k, n, sizes)
+    blocks = pallas_gpu.Blocks(bm=64, bn=128, bk=64, stages=2, band=2, wgs=2, chain=True)
+    out = pallas_gpu.gmm(lhs, rhs, gs, blocks=blocks, interpret=True)
+    assert_close("gmm_chain", _numpy_gmm(lhs, rhs, sizes), out, 5e-3)
+
+
 @pytest.mark.parametrize("m,k,n,sizes", [CASES[0], (130, 64, 200, [0, 0, 7, 64, 0, 50, 0])])
 def test_warp_specialized_tgmm(rng, m, k, n, sizes):
     """Boundary M blocks masked per warpgroup half; empty groups give zero gradients."""
