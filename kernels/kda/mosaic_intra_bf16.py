@@ -86,7 +86,8 @@ def _body(q_ref, k_ref, v_ref, G_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
     A = plgpu.layout_cast(jnp.zeros((C, C), f32), _W)
     L = plgpu.layout_cast(jnp.zeros((C, C), f32), _W)
     for I in range(NB):
-        kc_s[...] = (plgpu.load(kl_s, layout=_W).astype(f32) * per_block(functools.partial(col_factor, I), (C, K))).astype(dt)
+        fac = per_block(functools.partial(col_factor, I), (C, K))
+        kc_s[...] = (plgpu.load(kl_s, layout=_W).astype(f32) * fac).astype(dt)
         plgpu.commit_smem()
 
         def scores(acc_q, acc_k):
@@ -105,9 +106,10 @@ def _body(q_ref, k_ref, v_ref, G_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
 
     # Elementwise outputs from the row-side tiles, in place (each tile's last use was the scores).
     g_last = vec(NB)
-    q_s[...] = (plgpu.load(q_s, layout=_W).astype(f32) * per_block(lambda I: jnp.exp(vec(I)) * scale, (C, K))).astype(dt)
-    kl_s[...] = (plgpu.load(kl_s, layout=_W).astype(f32) * per_block(lambda I: jnp.exp(g_last - vec(I)), (C, K))).astype(dt)
-    k_s[...] = (plgpu.load(k_s, layout=_W).astype(f32) * per_block(lambda I: jnp.exp(vec(I)), (C, K))).astype(dt)
+    rescale = lambda ref, fn: (plgpu.load(ref, layout=_W).astype(f32) * per_block(fn, (C, K))).astype(dt)
+    q_s[...] = rescale(q_s, lambda I: jnp.exp(vec(I)) * scale)  # qg = scale q exp(G)
+    kl_s[...] = rescale(kl_s, lambda I: jnp.exp(g_last - vec(I)))  # kg = k exp(G_last - G)
+    k_s[...] = rescale(k_s, lambda I: jnp.exp(vec(I)))  # k exp(G)
     plgpu.commit_smem()
     for src, dst in ((a_o, a_ref), (q_s, qg_ref), (kl_s, kg_ref)):
         plgpu.copy_smem_to_gmem(src, dst.at[bh, n])

@@ -8,8 +8,9 @@ slower than XLA on an H200) or `intra="mosaic_bf16"` (`mosaic_intra_bf16.intra_b
 operands like flash-linear-attention's, ~108 KiB of SMEM so two programs share an SM). The
 default stays "xla" until the lean kernel is measured on a GPU. The inter-chunk stage (state
 recurrence + output, the serial part) is a Mosaic GPU kernel (`mosaic_state.state_output`: TMA
-double-buffering, three wgmma products per chunk, the state in f32 registers). The state kernel's grid is (B*H, V/64) and it loops over chunks
-inside, so any T runs (1,048,576 tokens and more) with no grid limit.
+double-buffering, three wgmma products per chunk, the state in f32 registers). The state
+kernel's grid is (B*H, V/64) and it loops over chunks inside, so any T runs (1,048,576 tokens
+and more) with no grid limit.
 
 Backward: no Pallas backward kernel yet. The state kernel also writes the incoming state of
 every chunk (bf16, O(T K V / 64) per head), and impl="chunk"'s hand-written backward
