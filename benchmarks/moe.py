@@ -73,7 +73,7 @@ def workloads(quick: bool):
     # k3_small: configs/k3_small.py's moe (latent_dim, expert_hidden, num_experts, top_k); not
     # read from the config so that this script needs no ml_collections.
     # k3_small first: it takes seconds, and the time budget then goes to k3_device.
-    return [dict(name="k3_small", tokens=32768, d=256, f=224, experts=8, top_k=2, share=0.25),
+    return [dict(name="k3_small", tokens=32768, d=256, f=224, experts=8, top_k=2, share=0.2),
             dict(name="k3_device", tokens=32768, d=3584, f=3072, experts=128, top_k=16)]
 
 
