@@ -63,7 +63,7 @@ QUICK_SHAPES = ((1, 128, 2, 32),)
 IMPLS = ("naive", "chunk", "pallas_gpu")
 # pallas_gpu with a chosen intra-chunk stage ("pallas_gpu:mosaic_bf16"); plain "pallas_gpu" uses
 # the module's DEFAULT_INTRA.
-PALLAS_INTRA = ("xla", "mosaic", "mosaic_bf16")
+PALLAS_INTRA = ("chunk", "xla", "mosaic", "mosaic_bf16")
 PEERS = ("fla", "jla", "cudnn")
 LOWER_BOUND = -5.0
 CHUNK = 64

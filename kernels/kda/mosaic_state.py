@@ -41,7 +41,8 @@ def _mm(fn, shape):
     return pl.run_scoped(fn, plgpu.ACC(shape, jnp.float32))
 
 
-def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *rest, NT, K, BV, dt, with_states, heads):
+def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *rest, NT, K, BV, dt, with_states, heads,
+          chunk_major):
     st_ref, rest = (rest[0], rest[1:]) if with_states else (None, rest)
     (qg_s, wn_s, kg_s, u_s, a_s, d_s, s_s, vn_s, o_s, h_s, bars, h_bar) = rest
     bh = lax.axis_index("bh")
@@ -51,7 +52,8 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *r
 
     def issue(n, slot):
         for i, (src, dst, cols) in enumerate(ins):
-            src = src.at[bh, n] if cols is None else src.at[bh, n, :, cols]
+            src = src.at[n, bh] if chunk_major else src.at[bh, n]
+            src = src if cols is None else src.at[:, cols]
             plgpu.copy_gmem_to_smem(src, dst.at[slot], bars.at[2 * i + slot])
 
     issue(0, 0)
@@ -114,7 +116,8 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *r
     plgpu.wait_smem_to_gmem(0)
 
 
-def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_states=False, heads=None):
+def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_states=False, heads=None,
+                 chunk_major=False):
     """Run the inter-chunk kernel.
 
     qg, wn, kg [BH, NT, C, K]; u [BH, NT, C, V]; a [BH, NT, C, C] (one operand
@@ -123,9 +126,10 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
     also the incoming state of every chunk [NT, BH, K, V] in the operand dtype (the rounding
     the products used), which the backward pass reuses instead of recomputing the forward.
     With `heads` = H (BH = B * H), o is [B, NT * C, H, V] instead (the layout of the inputs).
+    `chunk_major`: the chunk operands (qg .. a, d) are [NT, BH, ...] instead (`chunk.py`'s layout).
     `interpret`: run under the Mosaic GPU interpreter (CPU tests).
     """
-    BH, NT, Cc, K = qg.shape
+    NT, BH, Cc, K = qg.shape if chunk_major else (qg.shape[1], qg.shape[0], *qg.shape[2:])
     V = u.shape[-1]
     if Cc != C or K % 64 or V % 64:
         raise ValueError(f"state_output needs C={C} and K, V multiples of 64; got C={Cc}, K={K}, V={V}")
@@ -149,7 +153,8 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
     out_type = (jax.ShapeDtypeStruct(o_shape, out_dtype), jax.ShapeDtypeStruct((BH, K, V), jnp.float32))
     if with_states:
         out_type += (jax.ShapeDtypeStruct((NT, BH, K, V), dt),)
-    body = functools.partial(_body, NT=NT, K=K, BV=BV, dt=dt, with_states=with_states, heads=heads)
+    body = functools.partial(_body, NT=NT, K=K, BV=BV, dt=dt, with_states=with_states, heads=heads,
+                             chunk_major=chunk_major)
     return plgpu.kernel(
         body,
         out_type=out_type,

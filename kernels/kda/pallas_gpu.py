@@ -1,12 +1,13 @@
 """impl="pallas_gpu": chunked KDA / Gated DeltaNet / DeltaNet with Mosaic GPU kernels (Hopper).
 
-Forward, intra-chunk stage (decayed q k^T and k k^T, the unit-triangular inverse, w, u):
-chunk-parallel XLA (`pallas_gpu_prep.prepare`), exact for any gate g <= 0 and with exact
-segment resets; or, with `lower_bound >= -5` and no resets, a Mosaic GPU kernel on the tensor
-cores: `intra="mosaic"` (`mosaic_intra.intra_bounded`, split-bf16 products, one program per SM;
-slower than XLA on an H200) or `intra="mosaic_bf16"` (`mosaic_intra_bf16.intra_bf16`: bf16
-operands like flash-linear-attention's, ~108 KiB of SMEM so two programs share an SM). The
-default stays "xla" until the lean kernel is measured on a GPU. The inter-chunk stage (state
+Forward, intra-chunk stage (decayed q k^T and k k^T, the unit-triangular inverse, w, u), by
+`intra`: "chunk" (the default: `chunk.py`'s chunk-parallel XLA pieces, any gate, segment resets,
+its all-matmul path when lower_bound >= -5), "xla" (`pallas_gpu_prep.prepare`, float32, exact
+for any gate g <= 0 and with segment resets), or with `lower_bound >= -5` and no resets a
+Mosaic GPU kernel on the tensor cores: "mosaic" (`mosaic_intra.intra_bounded`, split-bf16
+products, one program per SM; slower than XLA on an H200) or "mosaic_bf16"
+(`mosaic_intra_bf16.intra_bf16`: bf16 operands like flash-linear-attention's, ~108 KiB of SMEM
+so two programs share an SM; not measured on a GPU yet). The inter-chunk stage (state
 recurrence + output, the serial part) is a Mosaic GPU kernel (`mosaic_state.state_output`: TMA
 double-buffering, three wgmma products per chunk, the state in f32 registers). The state
 kernel's grid is (B*H, V/64) and it loops over chunks inside, so any T runs (1,048,576 tokens
@@ -47,10 +48,11 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_DIMS = (64, 128)
 BOUNDED_GATE = -5.0  # lower_bound at or above this may take the Mosaic GPU intra-chunk kernel
-INTRA_STAGES = ("xla", "mosaic", "mosaic_bf16")
-# Measured on one H200 at (8, 4096, 16, 128) bf16: the XLA intra stage takes 6.0 ms, the
-# Mosaic GPU intra kernel about 9 ms (one CTA per SM, register-bound), so XLA is the default.
-DEFAULT_INTRA = "xla"
+INTRA_STAGES = ("xla", "chunk", "mosaic", "mosaic_bf16")
+# Measured on one H200 at (8, 4096, 16, 128) bf16, lower_bound=-5: chunk.py's intra pieces (prep
+# 2.7 ms + WY 0.8 ms) beat this module's exact XLA stage (6.0 ms) and the split-bf16 Mosaic GPU
+# intra kernel (about 9 ms); the lean "mosaic_bf16" kernel is not measured yet.
+DEFAULT_INTRA = "chunk"
 # The backward's reverse state pass: "mosaic" takes chunk's Mosaic GPU serial-pass kernels when
 # `kernels.kda.chunk` offers them (its STATE_PASSES), "xla" its lax.scan.
 BACKWARD_STATE_PASS = "mosaic"
@@ -126,39 +128,81 @@ def _bounded_operands(q, k, v, g, beta, scale, interpret, kernel="mosaic"):
     return (*outs, d)
 
 
-def resolve_intra(intra, lower_bound, segment_ids) -> str | None:
-    """The Mosaic GPU intra-chunk kernel that runs ("mosaic" or "mosaic_bf16"), or None for the
-    exact XLA stage: a kernel runs when asked for (`intra`, default DEFAULT_INTRA), with a
-    bounded gate (lower_bound >= -5) and no segment resets."""
+def _chunked_inputs(ck, q, k, v, g, beta, seg):
+    """`chunk.py`'s layout: (q, k, v, g, beta as [N, B, H, C, ...], padded with zeros to a
+    multiple of 64 tokens, and the segment counts [N, B, 1, C] or None)."""
+    from kernels.kda.chunk_intra import CHUNK, segment_counts, to_chunks
+    from kernels.kda.validate import segment_starts, state_dtype
+
+    T = q.shape[1]
+    sdt = state_dtype(q.dtype)
+    pad = -(-T // CHUNK) * CHUNK - T
+
+    def chunked(x, dtype):
+        x = x.astype(dtype)
+        return to_chunks(jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x)
+
+    starts = segment_starts(seg, T)
+    counts = None if starts is None else segment_counts(jnp.pad(starts, [(0, 0), (0, pad)]))
+    args = (chunked(q, q.dtype), chunked(k, q.dtype), chunked(v, q.dtype), chunked(g, sdt), chunked(beta, sdt))
+    return args, counts, chunked
+
+
+def _chunk_operands(q, k, v, g, beta, seg, scale, chunk_bounded, dt):
+    """State-kernel operands ([N, BH, ...], chunk-major) from `chunk.py`'s XLA intra-chunk pieces
+    (its prep and WY factors: any gate, segment resets, its bounded all-matmul path when
+    `chunk_bounded`)."""
+    ck = _chunk_module()
+    B, _, H, _ = q.shape
+    nm = ck._Numerics(q.dtype)
+    args, counts, _ = _chunked_inputs(ck, q, k, v, g, beta, seg)
+    P = ck._prep(nm, *args, counts, scale, chunk_bounded, True)
+    _, w, u = ck._wy(nm, P)
+    flat = lambda x: x.reshape(x.shape[0], B * H, *x.shape[3:])
+    op = lambda x: flat(x).astype(dt)
+    return op(P["qg"]), op(-w), op(P["kg"]), op(u), op(P["Aqk"]), flat(P["decay"]).astype(jnp.float32)
+
+
+def resolve_intra(intra, lower_bound, segment_ids) -> str:
+    """The intra-chunk stage that runs: `intra` (default DEFAULT_INTRA) when it can take the call.
+    The Mosaic GPU kernels ("mosaic", "mosaic_bf16") need a bounded gate (lower_bound >= -5) and
+    no segment resets; otherwise, and for "chunk" without `kernels.kda.chunk`, the XLA stages
+    take over ("chunk" when available, else "xla")."""
     intra = DEFAULT_INTRA if intra is None else intra
     if intra not in INTRA_STAGES:
         raise ValueError(f"Unknown intra={intra!r}; expected one of {list(INTRA_STAGES)}")
     bounded = lower_bound is not None and float(lower_bound) >= BOUNDED_GATE
-    return intra if intra != "xla" and bounded and segment_ids is None else None
+    xla = "chunk" if _chunk_module() is not None else "xla"
+    if intra in ("mosaic", "mosaic_bf16"):
+        return intra if bounded and segment_ids is None else xla
+    return xla if intra == "chunk" else intra
 
 
-def _kernel_forward(q, k, v, g, beta, h0, seg, scale, bounded, interpret, with_states=False):
-    """Chunk operands (the Mosaic GPU intra kernel named by `bounded`, else exact XLA), then the
-    Mosaic GPU state kernel: (o [B,T,H,V], S [B,H,K,V]) and with `with_states` the incoming
-    state of every chunk [NT, B, H, K, V] (operand dtype)."""
+def _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret, with_states=False):
+    """Chunk operands (the intra-chunk stage named by `intra`), then the Mosaic GPU state kernel:
+    (o [B,T,H,V], S [B,H,K,V]) and with `with_states` the incoming state of every chunk
+    [NT, B, H, K, V] (operand dtype)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dt = q.dtype if jnp.dtype(q.dtype).itemsize == 2 else jnp.float32
-    if bounded:
-        ops = _bounded_operands(q.astype(dt), k.astype(dt), v.astype(dt), g, beta, scale, interpret, bounded)
+    if intra in ("mosaic", "mosaic_bf16"):
+        ops = _bounded_operands(q.astype(dt), k.astype(dt), v.astype(dt), g, beta, scale, interpret, intra)
+    elif intra == "chunk":
+        ops = _chunk_operands(q, k, v, g, beta, seg, scale, chunk_bounded, dt)
     else:
         ops = _exact_operands(q, k, v, g, beta, seg, scale, dt)
+    chunk_major = intra == "chunk"
     out = mosaic_state.state_output(*ops, h0.reshape(B * H, K, V), out_dtype=v.dtype, interpret=interpret,
-                                    with_states=with_states, heads=H)
+                                    with_states=with_states, heads=H, chunk_major=chunk_major)
     o, S = out[:2]
-    NT = ops[0].shape[1]
+    NT = ops[0].shape[0 if chunk_major else 1]
     res = (o[:, :T], S.reshape(B, H, K, V))
     return res + ((out[2].reshape(NT, B, H, K, V),) if with_states else ())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _kda(q, k, v, g, beta, h0, seg, scale, bounded, chunk_bounded, interpret):
-    return _kernel_forward(q, k, v, g, beta, h0, seg, scale, bounded, interpret)
+def _kda(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret):
+    return _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret)
 
 
 def _chunk_module():
@@ -187,18 +231,19 @@ def _core_defaults(ck, interpret=False) -> tuple:
     return tuple(out)
 
 
-def _kda_fwd(q, k, v, g, beta, h0, seg, scale, bounded, chunk_bounded, interpret):
+def _kda_fwd(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret):
     keep = _chunk_module() is not None
-    o, S, *states = _kernel_forward(q, k, v, g, beta, h0, seg, scale, bounded, interpret, with_states=keep)
+    o, S, *states = _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret,
+                                    with_states=keep)
     return (o, S), (q, k, v, g, beta, h0, seg, states[0] if keep else None)
 
 
-def _kda_bwd(scale, bounded, chunk_bounded, interpret, res, cts):
+def _kda_bwd(scale, intra, chunk_bounded, interpret, res, cts):
     """impl="chunk"'s hand-written backward (`chunk._core_bwd`) fed with the per-chunk states
     that the forward kernel wrote, so no forward pass is recomputed; its bounded intra path
     when `chunk_bounded` (lower_bound >= -5). Without `kernels.kda.chunk`: recompute through this
     module's float32 plain-JAX path under `jax.vjp`."""
-    del bounded
+    del intra
     q, k, v, g, beta, h0, seg, states = res
     do, dS = cts
     ck = _chunk_module()
@@ -208,20 +253,12 @@ def _kda_bwd(scale, bounded, chunk_bounded, interpret, res, cts):
 
         (o, _), pull = jax.vjp(f, q, k, v, g, beta, h0)
         return (*pull((do.astype(o.dtype), dS.astype(jnp.float32))), None)
-    from kernels.kda.chunk_intra import CHUNK, from_chunks, segment_counts, to_chunks
-    from kernels.kda.validate import segment_starts, state_dtype
+    from kernels.kda.chunk_intra import from_chunks
+    from kernels.kda.validate import state_dtype
 
-    B, T, H, K = q.shape
+    T = q.shape[1]
     sdt = state_dtype(q.dtype)
-    pad = -(-T // CHUNK) * CHUNK - T
-
-    def chunked(x, dtype):
-        x = x.astype(dtype)
-        return to_chunks(jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x)
-
-    starts = segment_starts(seg, T)
-    counts = None if starts is None else segment_counts(jnp.pad(starts, [(0, 0), (0, pad)]))
-    args = (chunked(q, q.dtype), chunked(k, q.dtype), chunked(v, q.dtype), chunked(g, sdt), chunked(beta, sdt))
+    args, counts, chunked = _chunked_inputs(ck, q, k, v, g, beta, seg)
     static = (scale, chunk_bounded, True, *_core_defaults(ck, interpret))
     grads = ck._core_bwd(*static, (*args, counts, states.astype(q.dtype)), (chunked(do, sdt), dS.astype(sdt)))
     dq, dk, dv, dg, dbeta = (from_chunks(x)[:, :T] for x in grads[:5])
@@ -233,10 +270,10 @@ def _kda_bwd(scale, bounded, chunk_bounded, interpret, res, cts):
 _kda.defvjp(_kda_fwd, _kda_bwd)
 
 
-def _run(q, k, v, g, beta, h0, seg, *, scale, bounded, interpret, chunk_bounded=False):
+def _run(q, k, v, g, beta, h0, seg, *, scale, intra, interpret, chunk_bounded=False):
     if h0 is None:
         h0 = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-    return _kda(q, k, v, g, beta, h0.astype(jnp.float32), seg, scale, bounded, chunk_bounded, interpret)
+    return _kda(q, k, v, g, beta, h0.astype(jnp.float32), seg, scale, intra, chunk_bounded, interpret)
 
 
 def _shard_specs(q):
@@ -260,9 +297,10 @@ def kda_impl(
 ):
     """Canonical-form KDA on Mosaic GPU kernels; see `kernels.kda.kda` for the contract.
 
-    `intra` "mosaic" (split-bf16 products) or "mosaic_bf16" (bf16 operands, two programs per
-    SM) with `lower_bound` >= -5 (the caller guarantees g >= lower_bound) and no segment resets
-    runs an all-tensor-core intra-chunk kernel; otherwise ("xla") the exact XLA stage runs.
+    `intra` picks the intra-chunk stage (see `resolve_intra`): "chunk" (default), "xla", or
+    with `lower_bound` >= -5 (the caller guarantees g >= lower_bound) and no segment resets an
+    all-tensor-core Mosaic GPU kernel, "mosaic" (split-bf16 products) or "mosaic_bf16"
+    (bf16 operands, two programs per SM).
     `interpret` None means: the Mosaic GPU interpreter on a CPU-only machine, compiled on a GPU.
     """
     del output_final_state
@@ -274,8 +312,8 @@ def kda_impl(
         return _fallback_impl()(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids, lower_bound=lower_bound
         )
-    bounded = resolve_intra(intra, lower_bound, segment_ids)
-    run = functools.partial(_run, scale=scale, bounded=bounded, interpret=interpret)
+    stage = resolve_intra(intra, lower_bound, segment_ids)
+    run = functools.partial(_run, scale=scale, intra=stage, interpret=interpret)
     ck = _chunk_module()
     if ck is not None and ck.use_bounded_path(lower_bound, q.dtype):
         run = functools.partial(run, chunk_bounded=True)

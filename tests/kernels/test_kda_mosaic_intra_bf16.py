@@ -88,14 +88,17 @@ def test_lowers_for_cuda_within_two_programs_per_sm(monkeypatch, K, V):
 
 
 def test_state_kernel_with_states_lowers_for_cuda():
-    """The state kernel's per-chunk state output (the backward's residual) and its o written
-    straight into [B, T, H, V] lower for CUDA."""
+    """The state kernel's per-chunk state output (the backward's residual), its o written
+    straight into [B, T, H, V] and chunk-major operands lower for CUDA."""
     from kernels.kda import mosaic_state
 
     BH, NT, C, K, V = 2, 3, 64, 128, 128
     bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
-    f = jax.jit(lambda *a: mosaic_state.state_output(*a, out_dtype=jnp.bfloat16, with_states=True, heads=2))
-    args = (bf(BH, NT, C, K), bf(BH, NT, C, K), bf(BH, NT, C, K), bf(BH, NT, C, V), bf(BH, NT, C, C),
-            f32(BH, NT, K), f32(BH, K, V))
-    assert "mosaic_gpu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()[:4000]
+    for chunk_major in (False, True):
+        f = jax.jit(lambda *a, cm=chunk_major: mosaic_state.state_output(
+            *a, out_dtype=jnp.bfloat16, with_states=True, heads=2, chunk_major=cm))
+        lead = (NT, BH) if chunk_major else (BH, NT)
+        args = (bf(*lead, C, K), bf(*lead, C, K), bf(*lead, C, K), bf(*lead, C, V), bf(*lead, C, C),
+                f32(*lead, K), f32(BH, K, V))
+        assert "mosaic_gpu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()[:4000]

@@ -87,8 +87,11 @@ def test_interpret_parity(rng, gate, dtype, T, n_docs, grads):
     _check_parity(rng, 1, T, 1, 64, 64, gate, dtype, tol, n_docs=n_docs, grads=grads)
 
 
-def test_interpret_hard_decays_and_k128(rng):
-    """Unbounded gates (g = -1000 in places) stay exact; K = V = 128; odd T; float32 exact path."""
+@pytest.mark.parametrize("intra", ["chunk", "xla"])
+def test_interpret_hard_decays_and_k128(rng, monkeypatch, intra):
+    """Unbounded gates (g = -1000 in places) stay exact; K = V = 128; odd T; float32 exact path;
+    both XLA intra-chunk stages (chunk.py's pieces, this module's `prepare`)."""
+    monkeypatch.setattr(pallas_gpu, "DEFAULT_INTRA", intra)
     _check_parity(rng, 1, 53, 1, 128, 128, "channel", jnp.float32, F32_TOL, n_docs=2, grads=False, g_floor=-1000.0)
 
 
@@ -152,7 +155,7 @@ def test_sharded_over_batch_and_heads(rng, monkeypatch):
 
     calls = []
 
-    def per_shard(q, k, v, g, beta, h0, seg, *, scale, bounded, interpret):
+    def per_shard(q, k, v, g, beta, h0, seg, *, scale, intra, interpret):
         calls.append(q.shape)
         return chunked_reference(q, k, v, g, beta, scale=scale, initial_state=h0, segment_ids=seg)
 
@@ -174,7 +177,8 @@ def test_sharded_over_batch_and_heads(rng, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n_docs, intra", [(0, "mosaic_bf16"), (0, "mosaic"), (0, "xla"), (8, "xla")])
+@pytest.mark.parametrize("n_docs, intra", [(0, "mosaic_bf16"), (0, "chunk"), (8, "chunk"), (0, "mosaic"), (0, "xla"),
+                                           (8, "xla")])
 def test_gpu_parity_large(rng, monkeypatch, n_docs, intra):
     monkeypatch.setattr(pallas_gpu, "DEFAULT_INTRA", intra)
     _check_parity(rng, 2, 4096, 16, 128, 128, "channel", jnp.bfloat16, BF16_TOL, n_docs=n_docs, lower_bound=-5.0)
