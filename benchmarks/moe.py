@@ -101,7 +101,7 @@ def padded_bmm(capacity: int):
     def slots(group_sizes, m):
         offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes)])
         rows = jnp.arange(m, dtype=jnp.int32)
-        g = jnp.searchsorted(offsets[1:], rows, side="right")
+        g = jnp.searchsorted(offsets[1:], rows, side="right", method="compare_all")
         slot = g * capacity + rows - offsets[jnp.minimum(g, group_sizes.shape[0] - 1)]
         return jnp.where(g < group_sizes.shape[0], slot, group_sizes.shape[0] * capacity)
 
