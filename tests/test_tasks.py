@@ -8,7 +8,7 @@ import pytest
 
 from kimi_jax.tasks import IGNORE, make_task
 from kimi_jax.tasks.base import from_labels
-from kimi_jax.tasks.mqar import layout
+from kimi_jax.tasks.mqar import distinct_uniform, layout, weighted_without_replacement
 
 
 # ----------------------------------------------------------------------------------------- MQAR
@@ -86,6 +86,117 @@ def test_mqar_power_law_puts_queries_early():
     task = make_task("mqar", seq_len=256, num_kv_pairs=4, vocab_size=512)
     pos = np.nonzero(task.generate(0, 300)["loss_mask"])[1] - 8
     assert pos.mean() < 0.5 * (256 - 8) / 2
+
+
+def _chi2(counts, expected):
+    """Pearson's statistic and a bound about 7 standard deviations above its mean (dof)."""
+    counts, expected = np.asarray(counts, float).ravel(), np.asarray(expected, float).ravel()
+    dof = counts.size - 1
+    return ((counts - expected) ** 2 / expected).sum(), dof + 7 * np.sqrt(2 * dof)
+
+
+def _tuple_counts(rows, m):
+    """Counts of each ordered tuple in rows [n, k] of ints < m, as a flat array of m ** k."""
+    code = (rows * m ** np.arange(rows.shape[1])[::-1]).sum(axis=1)
+    return np.bincount(code, minlength=m ** rows.shape[1])
+
+
+@pytest.mark.parametrize("k,m", [(3, 5), (4, 4), (2, 40)])
+def test_distinct_uniform_is_uniform_over_ordered_tuples(k, m):
+    # Every ordered k-tuple of distinct values equally likely, tuples with a repeat never; (3, 5)
+    # and (4, 4) mostly take the redraw path, (2, 40) mostly keeps the first draw.
+    n = 60_000
+    rows = distinct_uniform(np.random.RandomState(0), n, k, m)
+    assert rows.shape == (n, k) and rows.min() >= 0 and rows.max() < m
+    counts = _tuple_counts(rows, m)
+    tuples = np.array(np.unravel_index(np.arange(m ** k), (m,) * k)).T
+    distinct = np.array([len(set(t)) == k for t in tuples])
+    assert counts[~distinct].sum() == 0
+    stat, bound = _chi2(counts[distinct], np.full(distinct.sum(), n / distinct.sum()))
+    assert stat < bound, (stat, bound)
+
+
+def test_weighted_without_replacement_matches_sequential_draws():
+    # P(i, j, l) = p_i * p_j / (1 - p_i) * p_l / (1 - p_i - p_j), the law of choice(replace=False, p).
+    p = np.array([0.5, 0.25, 0.15, 0.07, 0.03])
+    n, k, m = 60_000, 3, len(p)
+    rows = weighted_without_replacement(np.random.RandomState(1), n, k, p)
+    counts = _tuple_counts(rows, m)
+    expected = np.zeros(m ** k)
+    for i in range(m):
+        for j in range(m):
+            for q in range(m):
+                if len({i, j, q}) == k:
+                    expected[(i * m + j) * m + q] = p[i] * p[j] / (1 - p[i]) * p[q] / (1 - p[i] - p[j])
+    np.testing.assert_allclose(expected.sum(), 1.0)
+    assert counts[expected == 0].sum() == 0
+    stat, bound = _chi2(counts[expected > 0], n * expected[expected > 0])
+    assert stat < bound, (stat, bound)
+
+
+def _gaps_by_slot(batch, K):
+    """gaps [N, K] read back from generated examples: gap of the key in context slot s."""
+    x, m = batch["inputs"], batch["loss_mask"]
+    qpos = np.sort(np.nonzero(m)[1].reshape(len(x), K), axis=1)
+    qkeys = np.take_along_axis(x, qpos, axis=1)
+    hit = qkeys[:, None, :] == x[:, 0:2 * K:2, None]        # [N, slot, query]
+    assert (hit.sum(axis=2) == 1).all()
+    return (np.take_along_axis(qpos, hit.argmax(axis=2), axis=1) - 2 * K) // 2
+
+
+@pytest.mark.parametrize("power_a", [0.01, 0.5])
+def test_mqar_query_gaps_follow_sequential_power_law(power_a):
+    # The first key's gap is the first draw: law p. The second key's gap is the second draw:
+    # P(j) = sum_{i != j} p_i p_j / (1 - p_i).
+    K, N = 3, 30_000
+    task = make_task("mqar", seq_len=32, num_kv_pairs=K, vocab_size=64, power_a=power_a)
+    p = task.gap_probs()
+    gaps = _gaps_by_slot(task.generate(7, N), K)
+    assert len(p) == 13 and gaps.min() >= 0 and gaps.max() < len(p)
+    assert (np.sort(gaps, axis=1)[:, 1:] != np.sort(gaps, axis=1)[:, :-1]).all()
+    second = p * ((p / (1 - p)).sum() - p / (1 - p))
+    for slot, law in ((0, p), (1, second)):
+        stat, bound = _chi2(np.bincount(gaps[:, slot], minlength=len(p)), N * law)
+        assert stat < bound, (slot, stat, bound)
+
+
+@pytest.mark.parametrize("L,K,V", [(32, 4, 64), (32, 8, 34)])
+def test_mqar_keys_and_values_uniform_in_each_slot(L, K, V):
+    # Per context slot, each key (value) equally likely; (32, 8, 34) has K * K > V / 2, where
+    # most rows are redrawn without replacement.
+    N = 20_000
+    x = make_task("mqar", seq_len=L, num_kv_pairs=K, vocab_size=V).generate(11, N)["inputs"]
+    for tokens, lo, hi in ((x[:, 0:2 * K:2], 1, V // 2), (x[:, 1:2 * K:2], V // 2, V)):
+        assert tokens.min() >= lo and tokens.max() < hi
+        srt = np.sort(tokens, axis=1)
+        assert (srt[:, 1:] != srt[:, :-1]).all()
+        counts = np.stack([np.bincount(tokens[:, s] - lo, minlength=hi - lo) for s in range(K)])
+        stat, bound = _chi2(counts, np.full(counts.shape, N / (hi - lo)))
+        assert stat < bound, (stat, bound)
+
+
+@pytest.mark.parametrize("num_passes,random_fill", [(1, True), (2, False)])
+def test_mqar_queries_each_key_once_at_scale(num_passes, random_fill):
+    L, K, V, N = 256, 16, 8192, 1024
+    C = 2 * K * num_passes
+    b = make_task("mqar", seq_len=L, num_kv_pairs=K, vocab_size=V, num_passes=num_passes,
+                  random_non_queries=random_fill).generate(3, N)
+    x, y, m = b["inputs"], b["targets"], b["loss_mask"]
+    assert (m.sum(axis=1) == K).all() and not m[:, :C].any()
+    keys, values = x[:, 0:2 * K:2], x[:, 1:2 * K:2]
+    np.testing.assert_array_equal(x[:, :C], np.tile(x[:, :2 * K], num_passes))
+    qpos = np.nonzero(m)[1].reshape(N, K)
+    assert ((qpos - C) % 2 == 0).all()
+    qkeys = np.take_along_axis(x, qpos, axis=1)
+    np.testing.assert_array_equal(np.sort(qkeys, axis=1), np.sort(keys, axis=1))
+    slot = (qkeys[:, :, None] == keys[:, None, :]).argmax(axis=2)
+    np.testing.assert_array_equal(np.take_along_axis(y, qpos, axis=1),
+                                  np.take_along_axis(values, slot, axis=1))
+    if not random_fill:
+        filler = np.ones_like(m)
+        filler[:, :C] = False
+        filler[m] = False
+        assert (x[filler] == 0).all()
 
 
 @pytest.mark.parametrize("settings", [

@@ -12,8 +12,12 @@ p(gap) ∝ a * (gap + 1) ** (a - 1) (a = `power_a`; 0.01 puts queries near the r
 The label (value of the queried key) sits at the position of the query key itself, so a model
 predicts it as the next token; exactly K positions per example are scored. With
 `random_non_queries` every filler 0 becomes a token uniform over the whole vocabulary (collisions
-with keys stay unlabeled). The draws happen in Zoology's order (keys, values, gaps per example,
-then filler) from a RandomState seeded with `seed`.
+with keys stay unlabeled).
+
+The draws follow Zoology's distributions (keys and values uniform without replacement, gaps
+sequentially without replacement with probabilities p, as `RandomState.choice(replace=False,
+p=p)` draws them) but are vectorised over all N examples, so the random stream, and hence the
+examples of a given `seed`, differ from Zoology's; they stay deterministic in `seed`.
 """
 
 from __future__ import annotations
@@ -62,18 +66,58 @@ class MQAR(Task):
 
     def _generate(self, rng, num_examples):
         N, L, K, V = num_examples, self.seq_len, self.num_kv_pairs, self.vocab_size
-        key_choices = np.arange(1, V // 2)
-        value_choices = np.arange(V // 2, V)
-        keys = np.stack([rng.choice(key_choices, size=K, replace=False) for _ in range(N)])
-        values = np.stack([rng.choice(value_choices, size=K, replace=False) for _ in range(N)])
-        p = self.gap_probs()
-        gap_choices = np.arange(len(p))
-        gaps = np.stack([rng.choice(gap_choices, size=K, replace=False, p=p) for _ in range(N)])
+        keys = 1 + distinct_uniform(rng, N, K, V // 2 - 1)
+        values = V // 2 + distinct_uniform(rng, N, K, V - V // 2)
+        gaps = weighted_without_replacement(rng, N, K, self.gap_probs())
         inputs, labels = layout(keys, values, gaps, L, self.num_passes)
         if self.random_non_queries:
-            fill = rng.randint(0, V, size=inputs.shape)
-            inputs = np.where(inputs == 0, fill, inputs)
+            fill = rng.randint(0, V, size=inputs.shape, dtype=np.int32)
+            np.copyto(inputs, fill, where=inputs == 0)
         return from_labels(inputs, labels)
+
+
+def distinct_uniform(rng: np.random.RandomState, n: int, k: int, m: int) -> np.ndarray:
+    """[n, k] rows of k distinct ints from 0..m-1, each row a uniformly random ordered k-tuple
+    (the law of `rng.choice(m, k, replace=False)`), without the O(m) work per row of `choice`.
+
+    Rows are drawn i.i.d. uniform and kept when distinct: a kept row is uniform over the distinct
+    tuples, and so is a redrawn one, so mixing them stays exact. Rows with a repeat (few when
+    k * k << m) are redrawn by `_floyd`, which always succeeds."""
+    out = rng.randint(0, m, size=(n, k))
+    s = np.sort(out, axis=1)
+    repeat = np.flatnonzero((s[:, 1:] == s[:, :-1]).any(axis=1))
+    if repeat.size:
+        out[repeat] = _floyd(rng, repeat.size, k, m)
+    return out
+
+
+def _floyd(rng: np.random.RandomState, n: int, k: int, m: int) -> np.ndarray:
+    """[n, k] uniform ordered k-tuples of distinct ints from 0..m-1 in O(n k^2): Floyd's
+    algorithm, one column per step over all rows, gives a uniform k-subset; its column order is
+    biased (late columns hold the large fallbacks), so each row is then shuffled."""
+    out = np.empty((n, k), dtype=np.int64)
+    for i, j in enumerate(range(m - k, m)):
+        t = rng.randint(0, j + 1, size=n)
+        taken = (out[:, :i] == t[:, None]).any(axis=1)
+        out[:, i] = np.where(taken, j, t)
+    order = np.argsort(rng.random_sample((n, k)), axis=1)
+    return np.take_along_axis(out, order, axis=1)
+
+
+def weighted_without_replacement(rng: np.random.RandomState, n: int, k: int,
+                                 p: np.ndarray) -> np.ndarray:
+    """[n, k] rows of k distinct indices into p, drawn one after another without replacement with
+    probabilities p renormalised over what is left (the law of `rng.choice(len(p), k,
+    replace=False, p=p)`, order included).
+
+    Exponential clocks: item i rings at E_i / p_i with E_i ~ Exp(1); the first ring is item i with
+    probability p_i, and by memorylessness each next ring follows p over the items left, so the k
+    earliest rings in time order are the sequential draw (the Gumbel-top-k trick in other form)."""
+    p = np.asarray(p, dtype=np.float64)
+    clocks = -np.log1p(-rng.random_sample((n, len(p)))) / p   # Exp(1) / p, rates p
+    first = np.argpartition(clocks, k - 1, axis=1)[:, :k]
+    order = np.argsort(np.take_along_axis(clocks, first, axis=1), axis=1)
+    return np.take_along_axis(first, order, axis=1)
 
 
 def layout(keys: np.ndarray, values: np.ndarray, gaps: np.ndarray, seq_len: int,
@@ -86,11 +130,11 @@ def layout(keys: np.ndarray, values: np.ndarray, gaps: np.ndarray, seq_len: int,
         raise ValueError(f"keys {keys.shape}, values {values.shape}, gaps {gaps.shape} must match")
     if C + 2 * int(gaps.max()) >= seq_len:
         raise ValueError(f"gap {int(gaps.max())} puts a query past seq_len {seq_len}")
-    kvs = np.zeros((N, C), dtype=np.int64)
-    kvs[:, 0::2] = np.tile(keys, num_passes)
-    kvs[:, 1::2] = np.tile(values, num_passes)
-    queries = np.zeros((N, seq_len - C), dtype=np.int64)
-    np.put_along_axis(queries, 2 * gaps, keys, axis=1)
+    inputs = np.zeros((N, seq_len), dtype=np.int64)
+    inputs[:, 0:C:2] = np.tile(keys, num_passes)
+    inputs[:, 1:C:2] = np.tile(values, num_passes)
+    rows = np.arange(N)[:, None]
+    inputs[rows, C + 2 * gaps] = keys
     labels = np.full((N, seq_len), IGNORE, dtype=np.int64)
-    np.put_along_axis(labels, C + 2 * gaps, values, axis=1)
-    return np.concatenate([kvs, queries], axis=1), labels
+    labels[rows, C + 2 * gaps] = values
+    return inputs, labels
