@@ -58,12 +58,16 @@ SWEEP_TGMM = (Blocks(), Blocks(128, 128, 128, 3), Blocks(128, 128, 128, 3, band=
               Blocks(128, 128, 128, 2), Blocks(128, 128, 64, 4, band=1),
               Blocks(64, 256, 128, 3, wgs=2), Blocks(128, 128, 128, 3, wgs=2),
               Blocks(64, 256, 64, 4, wgs=2))
-# Warp-specialized gmm with one pipeline across tiles (`--sweep chain`, run on its own: a
-# barrier error there would hang the GPU rather than fail).
+# Warp-specialized gmm with one pipeline across tiles (`--sweep chain`, best run on its own: a
+# barrier error in a warp-specialized kernel would hang rather than fail).
 SWEEP_CHAIN = (Blocks(128, 128, 64, 4, wgs=2, chain=True),
                Blocks(128, 256, 64, 3, wgs=2, chain=True),
                Blocks(128, 256, 64, 3, band=4, wgs=2, chain=True))
-SWEEPS = dict(main=(SWEEP_GMM, SWEEP_TGMM), chain=(SWEEP_CHAIN, ()))
+_ws = lambda tiles, ws: tuple(b for b in tiles if (b.wgs == 2) == ws)  # noqa: E731
+# "plain" and "ws" split "main" so that each can run in its own process (and time limit).
+SWEEPS = dict(main=(SWEEP_GMM, SWEEP_TGMM), chain=(SWEEP_CHAIN, ()),
+              plain=(_ws(SWEEP_GMM, False), _ws(SWEEP_TGMM, False)),
+              ws=(_ws(SWEEP_GMM, True), _ws(SWEEP_TGMM, True)))
 KERNELS = ("gmm_fwd_gate", "gmm_fwd_down", "gmm_dlhs", "tgmm")
 
 
