@@ -7,11 +7,12 @@ bf16 operands where bf16 suffices (like flash-linear-attention's kernels) and a 
   * Row side, once per chunk: with the anchor a_I = G at the first row of the row's 16-row block,
     Rq = q exp(G - a_I), Rk = k exp(G - a_I) (factors <= 1) and Kl = k exp(a_I - G) (factors
     <= exp(15 * 5) under the bound), in place of q and k in SMEM.
-  * Scores for row block I: column operand Kl scaled per column block J by the vector
-    exp(a_I - a_J) (<= 1; zero for J > I), so no per-block exponential of the whole tile;
-    Aqk = scale Rq Kc^T and L = diag(beta) Rk Kc^T, rows of block I kept.
-  * (I + L)^{-1}: the split-bf16 nilpotent products of `mosaic_intra` (about float32 accuracy:
-    the inverse amplifies rounding), then Ai diag(beta) rounded once to bf16 for w and u.
+  * Scores, transposed, for row block I: column operand Kc = Kl scaled per column block J by the
+    vector exp(a_I - a_J) (<= 1; zero for J > I), so no per-block exponential of the whole tile;
+    Aqk^T[:, I] = scale Kc Rq_I^T and L^T[:, I] = Kc Rk_I^T diag(beta_I), each a 64x16 wgmma into a
+    column slice of one accumulator (no row selection, a quarter of the full-tile products).
+  * (I + L^T)^{-1} = Ai^T: the split-bf16 nilpotent products of `mosaic_intra` (about float32
+    accuracy: the inverse amplifies rounding), then Ai diag(beta) as hi + lo bf16 for w and u.
   * qg, kg, k exp(G) by per-row-block vector factors from Rq, Kl, Rk in place.
 
 SMEM phases that never overlap in time (G, then the column operand, then the inverse's tiles,
@@ -80,29 +81,29 @@ def _body(q_ref, k_ref, v_ref, G_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
             return None
         return jnp.ones((K,), f32) if J == I else jnp.exp(vec(I) - vec(J))
 
-    # Scores, one row block at a time; the column operand is Kl times per-column-block vectors.
-    rows = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=_W)
-    cols = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=_W)
-    A = plgpu.layout_cast(jnp.zeros((C, C), f32), _W)
-    L = plgpu.layout_cast(jnp.zeros((C, C), f32), _W)
-    for I in range(NB):
-        fac = per_block(functools.partial(col_factor, I), (C, K))
-        kc_s[...] = (plgpu.load(kl_s, layout=_W).astype(f32) * fac).astype(dt)
-        plgpu.commit_smem()
+    # Transposed scores, one row block I at a time: A^T[:, block I] = Kc_I Rq[block I]^T (wgmma
+    # N = 16 into a column slice of one accumulator), Kc_I = Kl times per-column-block vectors,
+    # written to alternating SMEM slots while the previous block's products run.
+    Kl = plgpu.load(kl_s, layout=_W).astype(f32)
 
-        def scores(acc_q, acc_k):
-            kt = kc_s.transpose((1, 0))
-            plgpu.wgmma(acc_q, q_s, kt)
-            plgpu.wgmma(acc_k, k_s, kt)
-            return acc_q[...], acc_k[...]
+    def scores(acc_q, acc_k):
+        for I in range(NB):
+            slot = I % 2
+            if I >= 2:
+                plgpu.wgmma_wait(2)  # the products of block I - 2 (the last readers of this slot) are done
+            kc_s.at[slot][...] = (Kl * per_block(functools.partial(col_factor, I), (C, K))).astype(dt)
+            plgpu.commit_smem()
+            blk = pl.ds(I * SUB, SUB)
+            plgpu.wgmma(acc_q.at[:, blk], kc_s.at[slot], q_s.at[blk].transpose((1, 0)))
+            plgpu.wgmma(acc_k.at[:, blk], kc_s.at[slot], k_s.at[blk].transpose((1, 0)))
+        return acc_q[...], acc_k[...]
 
-        aq, ak = pl.run_scoped(scores, plgpu.ACC((C, C), f32), plgpu.ACC((C, C), f32))
-        sel = _rows_in(rows, I * SUB, (I + 1) * SUB)
-        A = jnp.where(sel, aq, A)
-        L = jnp.where(sel, ak, L)
-    beta_r = lax.broadcast_in_dim(plgpu.load(b_s, layout=_W.reduce(1)), (C, C), [0])
-    a_o[...] = (jnp.where(rows >= cols, A, 0.0) * scale).astype(dt)
-    L = jnp.where(rows > cols, L * beta_r, 0.0)
+    AT, LT = pl.run_scoped(scores, plgpu.ACC((C, C), f32), plgpu.ACC((C, C), f32))
+    rows = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=_W)  # column c of the scores
+    cols = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=_W)  # row r of the scores
+    beta_r = lax.broadcast_in_dim(plgpu.load(b_s, layout=_W.reduce(0)), (C, C), [1])
+    a_o[...] = (jnp.where(cols >= rows, AT, 0.0) * scale).astype(dt)  # Aqk^T
+    U = jnp.where(cols > rows, LT * beta_r, 0.0)  # L^T
 
     # Elementwise outputs from the row-side tiles, in place (each tile's last use was the scores).
     g_last = vec(NB)
@@ -114,31 +115,33 @@ def _body(q_ref, k_ref, v_ref, G_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
     for src, dst in ((a_o, a_ref), (q_s, qg_ref), (kl_s, kg_ref)):
         plgpu.copy_smem_to_gmem(src, dst.at[bh, n])
 
-    # (I + L)^{-1}: diagonal 16x16 blocks by a nilpotent product, then the block-nilpotent rest.
+    # (I + U)^{-1} = Ai^T: diagonal 16x16 blocks by a nilpotent product, then the block-nilpotent
+    # rest: I + U = (I + Ud)(I + Dg Uo) with Dg = (I + Ud)^{-1}, and N = Dg Uo has N^4 = 0.
     diag = rows < 0
     for I in range(NB):
         diag = diag | (_rows_in(rows, I * SUB, (I + 1) * SUB) & _rows_in(cols, I * SUB, (I + 1) * SUB))
     eye = plgpu.layout_cast(jnp.where(rows == cols, 1.0, 0.0), _W)
-    Ld = jnp.where(diag, L, 0.0)
+    Ud = jnp.where(diag, U, 0.0)
     mm3 = functools.partial(_mm_split, m_s=m_s, dt=dt)
-    P2 = mm3(Ld, Ld)
-    X = mm3(eye - Ld, eye + P2)
+    P2 = mm3(Ud, Ud)
+    X = mm3(eye - Ud, eye + P2)
     P4 = mm3(P2, P2)
     X = mm3(X, eye + P4)
     Dg = mm3(X, eye + mm3(P4, P4))
-    N = mm3(Dg, L - Ld)
-    Ai = mm3(mm3(eye - N, eye + mm3(N, N)), Dg)
+    N = mm3(Dg, U - Ud)
+    AiT = mm3(mm3(eye - N, eye + mm3(N, N)), Dg)
 
-    # w = (Ai diag beta)(k exp G), u = (Ai diag beta) v; bf16 operands.
-    beta_c = lax.broadcast_in_dim(plgpu.load(b_s, layout=_W.reduce(0)), (C, C), [1])
-    _split_store(Ai * beta_c, ab_s.at[0], ab_s.at[1], dt)
+    # w = (Ai diag beta)(k exp G), u = (Ai diag beta) v: the A operand is the transposed view of
+    # diag(beta) Ai^T, stored as hi + lo bf16.
+    beta_c = lax.broadcast_in_dim(plgpu.load(b_s, layout=_W.reduce(1)), (C, C), [0])
+    _split_store(AiT * beta_c, ab_s.at[0], ab_s.at[1], dt)
     plgpu.commit_smem()
     plgpu.barrier_wait(bars.at[4])
 
     def wy(acc_w, acc_u):
         for ab in (ab_s.at[0], ab_s.at[1]):
-            plgpu.wgmma(acc_w, ab, k_s)
-            plgpu.wgmma(acc_u, ab, v_s)
+            plgpu.wgmma(acc_w, ab.transpose((1, 0)), k_s)
+            plgpu.wgmma(acc_u, ab.transpose((1, 0)), v_s)
         return acc_w[...], acc_u[...]
 
     w, u = pl.run_scoped(wy, plgpu.ACC((C, K), f32), plgpu.ACC((C, V), f32))
@@ -155,7 +158,7 @@ def intra_bf16(q, k, v, G, beta_t, *, scale, interpret=False):
 
     q, k [B, Tp, H, K] and v [B, Tp, H, V] (bf16, Tp a multiple of 64); G [B, Tp, H, K] f32
     chunk-local cumsum of g; beta_t [B, H, Tp] f32. Returns bf16 (qg, wn, kg [BH, NT, C, K],
-    u [BH, NT, C, V], a [BH, NT, C, C]) for `mosaic_state.state_output`.
+    u [BH, NT, C, V], a^T [BH, NT, C, C]) for `mosaic_state.state_output(..., a_transposed=True)`.
     """
     B, Tp, H, K = q.shape
     V = v.shape[-1]
@@ -164,7 +167,7 @@ def intra_bf16(q, k, v, G, beta_t, *, scale, interpret=False):
     f32 = jnp.float32
     union = plgpu.RefUnion(
         _smem((C, K), f32),  # G (row side only; swizzled like every tile read into registers)
-        _smem((C, K), dt),  # column operand (scores)
+        _smem((2, C, K), dt),  # column operand of the scores, two slots
         _smem((4, C, C), dt),  # split-bf16 operands of the inverse
         (_smem((2, C, C), dt), _smem((C, K), dt)),  # Ai diag(beta) as hi + lo, -w
     )

@@ -42,7 +42,7 @@ def _mm(fn, shape):
 
 
 def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *rest, NT, K, BV, dt, with_states, heads,
-          chunk_major):
+          chunk_major, a_transposed):
     st_ref, rest = (rest[0], rest[1:]) if with_states else (None, rest)
     (qg_s, wn_s, kg_s, u_s, a_s, d_s, s_s, vn_s, o_s, h_s, bars, h_bar) = rest
     bh = lax.axis_index("bh")
@@ -87,7 +87,7 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *r
 
         def out_mm(acc):
             plgpu.wgmma(acc, qg_s.at[slot], s_s)
-            plgpu.wgmma(acc, a_s.at[slot], vn_s)
+            plgpu.wgmma(acc, a_s.at[slot].transpose((1, 0)) if a_transposed else a_s.at[slot], vn_s)
             return acc[...]
 
         o = _mm(out_mm, (C, BV))
@@ -117,7 +117,7 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *r
 
 
 def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_states=False, heads=None,
-                 chunk_major=False):
+                 chunk_major=False, a_transposed=False):
     """Run the inter-chunk kernel.
 
     qg, wn, kg [BH, NT, C, K]; u [BH, NT, C, V]; a [BH, NT, C, C] (one operand
@@ -127,6 +127,7 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
     the products used), which the backward pass reuses instead of recomputing the forward.
     With `heads` = H (BH = B * H), o is [B, NT * C, H, V] instead (the layout of the inputs).
     `chunk_major`: the chunk operands (qg .. a, d) are [NT, BH, ...] instead (`chunk.py`'s layout).
+    `a_transposed`: a holds A^T (as `mosaic_intra_bf16` writes it).
     `interpret`: run under the Mosaic GPU interpreter (CPU tests).
     """
     NT, BH, Cc, K = qg.shape if chunk_major else (qg.shape[1], qg.shape[0], *qg.shape[2:])
@@ -154,7 +155,7 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
     if with_states:
         out_type += (jax.ShapeDtypeStruct((NT, BH, K, V), dt),)
     body = functools.partial(_body, NT=NT, K=K, BV=BV, dt=dt, with_states=with_states, heads=heads,
-                             chunk_major=chunk_major)
+                             chunk_major=chunk_major, a_transposed=a_transposed)
     return plgpu.kernel(
         body,
         out_type=out_type,

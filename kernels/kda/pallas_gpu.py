@@ -193,7 +193,8 @@ def _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, inte
         ops = _exact_operands(q, k, v, g, beta, seg, scale, dt)
     chunk_major = intra == "chunk"
     out = mosaic_state.state_output(*ops, h0.reshape(B * H, K, V), out_dtype=v.dtype, interpret=interpret,
-                                    with_states=with_states, heads=H, chunk_major=chunk_major)
+                                    with_states=with_states, heads=H, chunk_major=chunk_major,
+                                    a_transposed=intra == "mosaic_bf16")
     o, S = out[:2]
     NT = ops[0].shape[0 if chunk_major else 1]
     res = (o[:, :T], S.reshape(B, H, K, V))

@@ -25,14 +25,16 @@ def _inputs(rng, B, T, H, K, V):
 
 
 def test_operands_match_exact_stage(rng):
-    """Every output against the float32 XLA stage, to bf16 rounding (K != V, two heads)."""
+    """Every output against the float32 XLA stage, to bf16 rounding (K != V, two heads; the
+    kernel writes Aqk transposed)."""
     B, T, H, K, V, C = 1, 128, 2, 128, 64, 64
     q, k, v, g, beta = _inputs(rng, B, T, H, K, V)
     G = jnp.cumsum(g.reshape(B, T // C, C, H, K), axis=2).reshape(B, T, H, K)
     outs = mosaic_intra_bf16.intra_bf16(q, k, v, G, jnp.moveaxis(beta, 1, 2), scale=K**-0.5, interpret=True)
     p = pallas_gpu_prep.prepare(q, k, v, g, beta, scale=K**-0.5, segment_ids=None)
     flat = lambda x: x.reshape(B * H, T // C, *x.shape[3:])
-    refs = dict(qg=flat(p["qg"]), wn=-flat(p["w"]), kg=flat(p["kg"]), u=flat(p["u"]), a=flat(p["a"]))
+    aT = jnp.swapaxes(flat(p["a"]), -1, -2)
+    refs = dict(qg=flat(p["qg"]), wn=-flat(p["w"]), kg=flat(p["kg"]), u=flat(p["u"]), aT=aT)
     for (name, ref), out in zip(refs.items(), outs):
         assert out.dtype == jnp.bfloat16 and out.shape == ref.shape
         assert_close(name, ref, out.astype(jnp.float32), 0.005)
