@@ -4,10 +4,9 @@ Layout: rows of `lhs [M, K]` are sorted by group; `group_sizes [G]` says how man
 owns (empty groups allowed, rows past the total are zero in the output).
 
 gmm  (forward and dlhs): one program per (M block, N block), launched in bands of N blocks
-     for L2 reuse (`_banded`). It walks the groups that overlap its
-     block of rows (usually one; two or more only at group boundaries), runs a K-pipeline of
-     wgmma against that group's weights and keeps only the rows of that group (row mask on the
-     accumulator). Each output row belongs to exactly one group, so the masked merge is exact
+     for L2 reuse (`_banded`). It walks the groups that overlap its block of rows (usually
+     one; two or more only at group boundaries), runs a K-pipeline of wgmma against that
+     group's weights and keeps only the rows of that group (row mask on the accumulator). Each output row belongs to exactly one group, so the masked merge is exact
      and the whole [bm, bn] tile leaves with one TMA store; no ragged stores are needed.
 tgmm (drhs): one program per (group, K block, N block). It pipelines over the M blocks that
      overlap the group, zeroes the rows of `dout` outside the group in the boundary blocks and
@@ -17,6 +16,7 @@ Group metadata (offsets, first/last group of every M block) is computed by XLA o
 kernel. M, N and K are padded to block multiples outside the kernel (zero padding changes
 nothing). Operands must be 16-bit floats (bf16/f16, the wgmma types with transposed operands);
 accumulation is f32. On CPU the same kernels run in the Mosaic GPU interpreter (`interpret=True`).
+`Blocks(wgs=2)` selects the warp-specialized persistent variants of `pallas_gpu_ws`.
 """
 
 from __future__ import annotations
