@@ -2,6 +2,8 @@
 interpreter against the exact XLA stage and, end to end, against impl="naive"; CUDA lowering
 on a CPU machine (layouts, wgmma shapes, the SMEM budget of two programs per SM)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,3 +106,25 @@ def test_state_kernel_with_states_lowers_for_cuda():
         args = (bf(*lead, C, K), bf(*lead, C, K), bf(*lead, C, K), bf(*lead, C, V), bf(*lead, C, C),
                 f32(*lead, K), f32(BH, K, V))
         assert "mosaic_gpu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()[:4000]
+
+
+@pytest.mark.parametrize("intra", ["mosaic_bf16", "chunk"])
+def test_whole_forward_backward_lowers_for_cuda(monkeypatch, intra):
+    """jit(grad) of impl="pallas_gpu" (XLA glue, both kernels, the custom VJP that feeds the chunk
+    states to chunk's backward) lowers for CUDA as one program, as on a Hopper GPU."""
+    from kernels.kda import kda
+
+    monkeypatch.setattr(pallas_gpu, "_device_kind", lambda: "hopper")
+    monkeypatch.setattr(pallas_gpu, "DEFAULT_INTRA", intra)
+    B, T, H, D = 2, 256, 2, 128
+    bf = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
+    g = jax.ShapeDtypeStruct((B, T, H, D), jnp.float32)
+    beta = jax.ShapeDtypeStruct((B, T, H), jnp.float32)
+
+    def loss(q, k, v, g, beta):
+        return jnp.sum(kda(q, k, v, g, beta, lower_bound=-5.0, impl="pallas_gpu")[0].astype(jnp.float32))
+
+    f = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    text = f.trace(bf, bf, bf, g, beta).lower(lowering_platforms=("cuda",)).as_text()
+    kernels = len(re.findall(r"custom_call @mosaic_gpu", text))
+    assert kernels >= (2 if intra == "mosaic_bf16" else 1)  # (the intra kernel and) the state kernel
