@@ -7,7 +7,8 @@
     python benchmarks/kda.py --impls chunk,pallas_gpu:mosaic_bf16 --peers fla   # a chosen intra stage
 
 Ours: `kda(..., impl=...)` for `naive` (only where its autodiff states fit, else skipped with the
-reason), `chunk` and `pallas_gpu` (when it imports and takes the call), all with lower_bound=-5.
+reason), `chunk`, `chunk_mosaic` (chunk with Mosaic GPU serial passes) and `pallas_gpu` (when it
+imports and takes the call; `pallas_gpu:<intra>` picks its intra-chunk stage), all with lower_bound=-5.
 Peers: flash-linear-attention `chunk_kda` through PyTorch (`fla`; safe_gate, lower_bound=-5; its
 first call per shape autotunes for minutes, so it is warmed up first), jax-linear-attention's KDA
 (`jla` = its `mosaic_gpu` and `chunked` impls), and cuDNN causal softmax attention at the same
@@ -60,7 +61,7 @@ from kernels.testing import rel_rms  # noqa: E402
 
 SHAPES = ((8, 4096, 16, 128), (2, 16384, 16, 128), (1, 65536, 16, 128), (4, 8192, 32, 128))
 QUICK_SHAPES = ((1, 128, 2, 32),)
-IMPLS = ("naive", "chunk", "pallas_gpu")
+IMPLS = ("naive", "chunk", "chunk_mosaic", "pallas_gpu")
 # pallas_gpu with a chosen intra-chunk stage ("pallas_gpu:mosaic_bf16"); plain "pallas_gpu" uses
 # the module's DEFAULT_INTRA.
 PALLAS_INTRA = ("chunk", "xla", "mosaic", "mosaic_bf16")

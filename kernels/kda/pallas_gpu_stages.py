@@ -170,7 +170,7 @@ def _whole(rec, args):
         return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4))
 
     cases = (("pallas_gpu", "mosaic_bf16"), ("pallas_gpu", "chunk"), ("pallas_gpu", "xla"), ("chunk", None),
-             ("pallas_gpu", "mosaic"))
+             ("chunk_mosaic", None), ("pallas_gpu", "mosaic"))
     for impl, intra in cases:
         label = impl if intra is None else f"{impl} intra={intra}"
         optional = intra == "mosaic"  # the older intra kernel compiles for ~25 s: only when asked for
