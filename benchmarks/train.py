@@ -27,6 +27,8 @@ table in kimi_jax/logging_utils.py (H200 bf16: 790 TFLOP/s measured matmul peak)
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import copy
 import datetime
 import gc
 import importlib.util
@@ -102,9 +104,9 @@ def flop_counts(config, seq_len: int) -> tuple[float, dict]:
     return flops.train_flops_per_token(cfg, seq_len), flops.forward_flops_breakdown(cfg, seq_len)
 
 
-def bench_row(config, n: int, batch_per_device: int, seq_len: int, steps: int, warmup: int,
-              compile_only: bool) -> dict:
-    """Compile and time the train step on the first `n` devices (data parallel)."""
+def prepare_row(config, n: int, batch_per_device: int, seq_len: int) -> tuple[dict, dict]:
+    """Lower the train step on the first `n` devices (data parallel) with abstract inputs.
+    Returns the row (what the JSON records) and the context `compile_row` / `run_row` need."""
     devices = jax.devices()[:n]
     mesh = sharding.make_mesh({"data": n}, devices=devices)
     graphdef, params, rest = train_lib.abstract_model(config)
@@ -124,20 +126,35 @@ def bench_row(config, n: int, batch_per_device: int, seq_len: int, steps: int, w
                                       jax.eval_shape(train_lib.make_init(config, tx)), shardings)
         lowered = step_fn.lower(abstract_state, abstract_batch(batch_size, seq_len, batch_spec),
                                 jax.ShapeDtypeStruct((), jnp.int32))
-        row["step_lower_s"] = time.perf_counter() - t0
-        log(f"{n} device(s), batch {batch_size} x {seq_len}, remat {row['remat']}: step lowered in "
-            f"{row['step_lower_s']:.1f} s; compiling")
+    row["step_lower_s"] = time.perf_counter() - t0
+    log(f"{label(row)}: step lowered in {row['step_lower_s']:.1f} s")
+    return row, {"config": config, "mesh": mesh, "tx": tx, "shardings": shardings, "lowered": lowered}
+
+
+def label(row: dict) -> str:
+    return f"{row['devices']} device(s), batch {row['batch']} x {row['seq_len']}, remat {row['remat']}"
+
+
+def compile_row(row: dict, ctx: dict):
+    """XLA-compile a prepared row (thread-safe: rows compile in parallel); records the time and
+    the step's memory."""
+    t0 = time.perf_counter()
+    step = ctx["lowered"].compile()
+    row["step_compile_s"] = time.perf_counter() - t0
+    row["memory"] = memory_gib(step)
+    log(f"{label(row)}: step compiled in {row['step_compile_s']:.1f} s; memory (GiB per device) {row['memory']}")
+    return step
+
+
+def run_row(row: dict, ctx: dict, step, steps: int, warmup: int) -> dict:
+    """Initialise the state and time `steps` train steps after `warmup` steps."""
+    config, mesh, n = ctx["config"], ctx["mesh"], row["devices"]
+    batch_size, seq_len = row["batch"], row["seq_len"]
+    with jax.set_mesh(mesh):
         t0 = time.perf_counter()
-        step = lowered.compile()
-        row["step_compile_s"] = time.perf_counter() - t0
-        row["memory"] = memory_gib(step)
-        log(f"step compiled in {row['step_compile_s']:.1f} s; memory (GiB per device) {row['memory']}")
-        if compile_only:
-            return row
-        t0 = time.perf_counter()
-        state = jax.block_until_ready(jax.device_put(train_lib.make_init(config, tx)(), shardings))
+        state = jax.block_until_ready(jax.device_put(train_lib.make_init(config, ctx["tx"])(), ctx["shardings"]))
         row["init_s"] = time.perf_counter() - t0
-        log(f"state initialised op by op in {row['init_s']:.1f} s")
+        log(f"{label(row)}: state initialised op by op in {row['init_s']:.1f} s")
         batch = synthetic_batch(np.random.default_rng(0), batch_size, seq_len, config.model.vocab_size)
         batch = train_lib.global_batch(batch, mesh)
         times = []
@@ -154,7 +171,7 @@ def bench_row(config, n: int, batch_per_device: int, seq_len: int, steps: int, w
     tokens_per_sec = batch_size * seq_len / elapsed
     flops_token, breakdown = flop_counts(config, seq_len)
     peak = logging_utils.peak_flops_per_device(config.peak_flops)
-    kind = devices[0].device_kind.lower()
+    kind = row["device_kind"].lower()
     vendor = next((v for k, v in VENDOR_PEAK.items() if k in kind), None)
     row.update({
         "step_ms": 1000 * elapsed, "step_ms_mean": 1000 * statistics.mean(timed),
@@ -163,7 +180,7 @@ def bench_row(config, n: int, batch_per_device: int, seq_len: int, steps: int, w
         "flops_per_token": flops_token, "forward_flops_per_token_by_part": breakdown,
         "peak_flops": peak, "mfu": flops_token * tokens_per_sec / (peak * n) if peak else None,
         "mfu_vendor": flops_token * tokens_per_sec / (vendor * n) if vendor else None, "loss": loss})
-    log(f"{n} device(s): {row['step_ms']:.1f} ms/step, {tokens_per_sec:,.0f} tokens/s"
+    log(f"{label(row)}: {row['step_ms']:.1f} ms/step, {tokens_per_sec:,.0f} tokens/s"
         + (f", MFU {row['mfu']:.1%}" if row["mfu"] is not None else ""))
     return row
 
@@ -178,9 +195,10 @@ def markdown(rows: list[dict]) -> str:
             lines.append(f"| {r['devices']} | | | {r['batch']} x {r['seq_len']} | {r['remat']} | {r['error'][:60]} "
                          "| | | | | |")
             continue
-        if "step_ms" not in r:  # compile only
+        if "step_ms" not in r:  # compile only, or not run yet
+            compile_s = f"{r['step_compile_s']:.1f}" if "step_compile_s" in r else ""
             lines.append(f"| {r['devices']} | {r['device_kind']} | {r['params'] / 1e6:,.1f}M | {r['batch']} x "
-                         f"{r['seq_len']} | {r['remat']} | | | | | | {r['step_compile_s']:.1f} |")
+                         f"{r['seq_len']} | {r['remat']} | | | | | | {compile_s} |")
             continue
         lines.append(f"| {r['devices']} | {r['device_kind']} | {r['params'] / 1e6:,.1f}M | {r['batch']} x {r['seq_len']} "
                      f"| {r['remat']} | {r['step_ms']:.1f} | {r['tokens_per_sec']:,.0f} "
@@ -209,7 +227,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--seq_len", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--remat", default=None, choices=sorted(POLICIES), help="default: the config's")
+    parser.add_argument("--remat", default=None,
+                        help=f"comma-separated policies of {sorted(POLICIES)} (rows); default: the config's")
+    parser.add_argument("--compile_workers", type=int, default=4, help="rows compiled in parallel")
     parser.add_argument("--compile_cache", default="", help="persistent compilation cache folder")
     parser.add_argument("--compile_only", action="store_true", help="lower + compile with abstract inputs only")
     parser.add_argument("--peak_flops", type=float, default=0.0, help="per device; 0 = device table")
@@ -225,8 +245,8 @@ def main(argv=None) -> dict:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     config = load_config(args.config)
     config.peak_flops = args.peak_flops or config.peak_flops
-    if args.remat is not None:
-        config.remat = args.remat
+    remats = args.remat.split(",") if args.remat else [train_lib.remat_policy(config)]
+    batches = [int(v) for v in args.batch_size.split(",") if v]
     counts = [int(n) for n in args.devices.split(",") if n]
     available = [n for n in counts if n <= jax.device_count()]
     if len(available) < len(counts):
@@ -235,23 +255,56 @@ def main(argv=None) -> dict:
     out = args.out or os.path.join(RESULTS, f"train_{'quick_' if args.quick else ''}{stamp}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     log(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}; writing {out}")
-    rows = []
-    result = {}
-    for n in available:
-        for b in [int(v) for v in args.batch_size.split(",") if v]:
+    specs = [(n, r, b) for n in available for r in remats for b in batches]
+    rows, contexts = [], []
+
+    def fail(row, e, what):
+        kind = "OOM" if is_oom(e) else type(e).__name__
+        log(f"{label(row)}: {what} failed: {kind}: {str(e)[:2000]}")
+        row["error"] = f"{kind}: {str(e)[:500]}"
+
+    def save():
+        result = {"config": args.config, "jax": jax.__version__, "time": stamp,
+                  "xla_flags": os.environ.get("XLA_FLAGS", ""), "flops_counting": FLOPS_NOTE,
+                  "rows": rows, "scaling_efficiency": scaling(rows), "markdown": markdown(rows)}
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+        return result
+
+    for n, r, b in specs:  # tracing is Python: one row after the other
+        cfg = copy.deepcopy(config)
+        cfg.remat = r
+        try:
+            row, ctx = prepare_row(cfg, n, b, args.seq_len)
+        except Exception as e:  # noqa: BLE001 - record the failure, go on with the next row
+            row, ctx = {"devices": n, "batch": b * n, "seq_len": args.seq_len, "remat": r}, None
+            fail(row, e, "lowering")
+        rows.append(row)
+        contexts.append(ctx)
+    save()
+    # XLA compiles in parallel threads (the GIL is released); nothing runs on the devices meanwhile.
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.compile_workers)) as pool:
+        futures = [pool.submit(compile_row, row, ctx) if ctx else None for row, ctx in zip(rows, contexts)]
+        steps = []
+        for row, fut in zip(rows, futures):
             try:
-                rows.append(bench_row(config, n, b, args.seq_len, args.steps, args.warmup, args.compile_only))
-            except Exception as e:  # noqa: BLE001 - record the failure, go on with the next row
-                kind = "OOM" if is_oom(e) else type(e).__name__
-                log(f"{n} device(s), batch {b * n}: {kind}: {str(e)[:2000]}")
-                rows.append({"devices": n, "batch": b * n, "seq_len": args.seq_len,
-                             "remat": train_lib.remat_policy(config), "error": f"{kind}: {str(e)[:500]}"})
+                steps.append(fut.result() if fut else None)
+            except Exception as e:  # noqa: BLE001
+                fail(row, e, "compile")
+                steps.append(None)
+            save()
+    result = save()
+    if not args.compile_only:
+        for i, (row, ctx) in enumerate(zip(rows, contexts)):
+            if steps[i] is None:
+                continue
+            try:
+                run_row(row, ctx, steps[i], args.steps, args.warmup)
+            except Exception as e:  # noqa: BLE001
+                fail(row, e, "run")
+            steps[i] = None
             gc.collect()
-            result = {"config": args.config, "jax": jax.__version__, "time": stamp,
-                      "xla_flags": os.environ.get("XLA_FLAGS", ""), "flops_counting": FLOPS_NOTE,
-                      "rows": rows, "scaling_efficiency": scaling(rows), "markdown": markdown(rows)}
-            with open(out, "w") as f:
-                json.dump(result, f, indent=1)
+            result = save()
     print(result.get("markdown", ""), flush=True)
     if result.get("scaling_efficiency"):
         log(f"scaling efficiency (tokens/s over n x one device): {result['scaling_efficiency']}")

@@ -36,7 +36,7 @@ from kimi_jax.config import ModelConfig  # noqa: E402
 from kimi_jax.ffn import MLP  # noqa: E402
 from kimi_jax.layers import Linear, RMSNorm  # noqa: E402
 from kimi_jax.attention import build_mixer  # noqa: E402
-from kimi_jax.remat import POLICIES  # noqa: E402
+from kimi_jax.remat import POLICIES, make_policy  # noqa: E402
 
 
 def timed(fn, *args, iters: int = 10) -> dict:
@@ -61,7 +61,7 @@ def fwd_bwd(module_fn, module, x, policy: str):
         y = module_fn(nnx.merge(graphdef, params), x)
         return jnp.sum(y.astype(jnp.float32))
     if POLICIES[policy] is not None:
-        loss = jax.checkpoint(loss, policy=POLICIES[policy])
+        loss = jax.checkpoint(loss, policy=make_policy(policy, x.shape[0] * x.shape[1]))
     return jax.value_and_grad(loss, argnums=(0, 1)), params, x
 
 
@@ -88,7 +88,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--seq_len", type=int, default=4096)
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--policies", default="none,dots_all", help="remat policies timed besides the config's")
+    parser.add_argument("--policies", default="none,dots16,dots_all", help="remat policies timed besides the config's")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     config = load_config(args.config)

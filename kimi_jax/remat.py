@@ -9,6 +9,10 @@ float32 norm inputs). `jax.checkpoint` around each block keeps only what the pol
     "dots"      also the outputs of matmuls without batch dimensions, i.e. the projections and
                 the MLP; attention logits, the KDA recurrence and elementwise work are recomputed
     "dots_all"  every matmul output, attention logits included
+    "dots16"    "dots" plus every bf16 result of a matmul or of a float32 -> bf16 rounding of at
+                most 16384 elements per token: the mixers' bf16 activations and the KDA chunk
+                state snapshots are kept, so the backward redoes float32 elementwise work, data
+                movement and MLA's [T, T] attention, not the KDA state scan
 
 The residual stream is a Python object (`kimi_jax.attn_res`); its arrays are passed through the
 checkpoint and its other attributes (block size, Python lists) are rebuilt around it.
@@ -17,16 +21,49 @@ checkpoint and its other attributes (block size, Python lists) are rebuilt aroun
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+
+SMALL_PER_TOKEN = 16384  # elements per token below which "dots16" keeps a 16-bit value
+_DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+
+@dataclasses.dataclass(frozen=True)
+class Dots16:
+    """Saveable: matmul outputs without batch dimensions, and the 16-bit results of matmuls and
+    of float32 -> 16-bit roundings, of at most `limit` elements (the policy sees an operation's
+    inputs; the output dtype comes from `new_dtype` / `preferred_element_type`)."""
+
+    limit: int
+
+    def __call__(self, prim, *avals, **params):
+        if _DOTS(prim, *avals, **params):
+            return True
+        if prim.name not in ("dot_general", "convert_element_type") or not avals:
+            return False  # data movement (slices, pads, transposes) is cheap to redo
+        dtype = params.get("new_dtype") or params.get("preferred_element_type") or avals[0].dtype
+        if np.dtype(dtype).itemsize != 2 or not jnp.issubdtype(dtype, jnp.floating):
+            return False
+        return max(int(np.prod(a.shape)) for a in avals) <= self.limit
+
 
 POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": _DOTS,
     "dots_all": jax.checkpoint_policies.dots_saveable,
+    "dots16": Dots16,
 }
+
+
+def make_policy(name: str, tokens: int):
+    """The jax.checkpoint policy of `name` for a block over `tokens` tokens (B x T)."""
+    policy = POLICIES[check_policy(name)]
+    return policy(SMALL_PER_TOKEN * tokens) if policy is Dots16 else policy
 
 
 def check_policy(name: str) -> str:
@@ -64,6 +101,7 @@ def checkpointed_block(block, stream, policy: str, *, segment_ids=None):
         out_rebuild[:] = [new_rebuild]
         return new_arrays, stats
 
-    new_arrays, stats = jax.checkpoint(run, policy=POLICIES[policy])(state, arrays, segment_ids)
+    tokens = int(np.prod(arrays[0].shape[:2]))  # the stream's first array is [B, T, D]
+    new_arrays, stats = jax.checkpoint(run, policy=make_policy(policy, tokens))(state, arrays, segment_ids)
     stream.__dict__.update(out_rebuild[0](new_arrays))
     return stats

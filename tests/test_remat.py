@@ -23,7 +23,7 @@ def _loss_and_grads(model, tokens, segment_ids, remat):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
-@pytest.mark.parametrize("remat", ["full", "dots"])
+@pytest.mark.parametrize("remat", ["full", "dots", "dots16"])
 def test_remat_keeps_loss_and_gradients(remat):
     model = build_model(tiny.get_config(), rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, model.config.vocab_size)
@@ -63,4 +63,4 @@ def test_train_step_uses_config_remat():
                  (("inputs", jnp.int32), ("targets", jnp.int32), ("loss_mask", jnp.bool_), ("segment_ids", jnp.int32))}
         dots[remat] = step.lower(state, batch, jax.ShapeDtypeStruct((), jnp.int32)).as_text().count("dot_general")
     assert dots["full"] > dots["none"] > 0, dots
-    assert sorted(POLICIES) == ["dots", "dots_all", "full", "none"]
+    assert sorted(POLICIES) == ["dots", "dots16", "dots_all", "full", "none"]
