@@ -229,6 +229,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--remat", default=None,
                         help=f"comma-separated policies of {sorted(POLICIES)} (rows); default: the config's")
+    parser.add_argument("--rows", default="",
+                        help="explicit rows devices:remat:batch_per_device, comma-separated (overrides the grid)")
     parser.add_argument("--compile_workers", type=int, default=4, help="rows compiled in parallel")
     parser.add_argument("--compile_cache", default="", help="persistent compilation cache folder")
     parser.add_argument("--compile_only", action="store_true", help="lower + compile with abstract inputs only")
@@ -256,6 +258,9 @@ def main(argv=None) -> dict:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     log(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}; writing {out}")
     specs = [(n, r, b) for n in available for r in remats for b in batches]
+    if args.rows:  # explicit rows instead of the grid
+        specs = [(int(n), r, int(b)) for n, r, b in (item.split(":") for item in args.rows.split(","))]
+        specs = [spec for spec in specs if spec[0] <= jax.device_count()]
     rows, contexts = [], []
 
     def fail(row, e, what):
