@@ -208,13 +208,17 @@ def markdown(rows: list[dict]) -> str:
 
 
 def scaling(rows: list[dict]) -> dict:
-    """tokens/s of each multi-device row over n x the one-device row of the same per-device batch."""
-    ones = {r["batch"]: r for r in rows if r["devices"] == 1 and "tokens_per_sec" in r}
+    """tokens/s of each multi-device row over n x the one-device row with the same per-device
+    batch and remat policy, keyed "<devices>x<batch per device>/<remat>"."""
+    ones = {(r["batch"], r["remat"]): r for r in rows if r["devices"] == 1 and "tokens_per_sec" in r}
     out = {}
     for r in rows:
-        base = ones.get(r["batch"] // r["devices"]) if r["devices"] > 1 and "tokens_per_sec" in r else None
+        if r["devices"] < 2 or "tokens_per_sec" not in r:
+            continue
+        base = ones.get((r["batch"] // r["devices"], r["remat"]))
         if base:
-            out[f"{r['devices']}x{r['batch'] // r['devices']}"] = r["tokens_per_sec"] / (r["devices"] * base["tokens_per_sec"])
+            key = f"{r['devices']}x{r['batch'] // r['devices']}/{r['remat']}"
+            out[key] = r["tokens_per_sec"] / (r["devices"] * base["tokens_per_sec"])
     return out
 
 

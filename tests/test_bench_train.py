@@ -43,3 +43,12 @@ def test_failing_row_is_recorded_and_the_next_runs(bench, tmp_path, monkeypatch)
     assert first["error"].startswith("OOM: RESOURCE_EXHAUSTED") and first["batch"] == 1
     assert second["batch"] == 2 and "error" not in second and second["tokens_per_sec"] > 0
     assert "OOM" in result["markdown"]
+
+
+def test_scaling_pairs_rows_of_the_same_policy_and_per_device_batch(bench):
+    rows = [dict(devices=1, batch=4, remat="dots", tokens_per_sec=100.0),
+            dict(devices=2, batch=8, remat="dots", tokens_per_sec=190.0),
+            dict(devices=1, batch=4, remat="dots16", tokens_per_sec=120.0),
+            dict(devices=2, batch=8, remat="dots16", tokens_per_sec=200.0),
+            dict(devices=2, batch=16, remat="dots", tokens_per_sec=300.0)]  # no 1-device row of 8
+    assert bench.scaling(rows) == {"2x4/dots": 0.95, "2x4/dots16": 200.0 / 240.0}
