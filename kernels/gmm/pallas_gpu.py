@@ -139,21 +139,39 @@ def grouped_rows_kernel(group_acc, group_sizes, inputs, *, shape, tile, out_dtyp
         in_refs, (out_ref, o_smem, *scratch_refs) = refs[:n_in], refs[n_in:]
         mb, nb = _banded(jax.lax.axis_index("t"), num_m, num_n, min(band, num_n))
         row0 = mb * bm
-        o_smem[...] = jnp.zeros((bm, bn), out_dtype)
+        g0, g1 = first_ref[mb], last_ref[mb]  # g0 < g1: group g0 holds row0 (non-empty)
+
+        @pl.when(g0 >= g1)  # every row past the total
+        def _():
+            o_smem[...] = jnp.zeros((bm, bn), out_dtype)
 
         def one_group(g, carry):
             start, end = off_ref[g], off_ref[g + 1]
+            whole = (start <= row0) & (end >= row0 + bm)  # the common case: no merge
 
             @pl.when(end > start)
             def _():
                 acc = group_acc(g, mb, nb, in_refs, scratch_refs)
-                rows = row0 + _row_iota((bm, bn))
-                keep = (rows >= start) & (rows < end)
-                o_smem[...] = jnp.where(keep, acc.astype(out_dtype), o_smem[...])
+
+                @pl.when(whole)
+                def _():
+                    o_smem[...] = acc.astype(out_dtype)
+
+                def keep():
+                    rows = row0 + _row_iota((bm, bn))
+                    return (rows >= start) & (rows < end)
+
+                @pl.when(~whole & (g == g0))  # the first group: nothing to merge with yet
+                def _():
+                    o_smem[...] = jnp.where(keep(), acc.astype(out_dtype), 0).astype(out_dtype)
+
+                @pl.when(~whole & (g != g0))
+                def _():
+                    o_smem[...] = jnp.where(keep(), acc.astype(out_dtype), o_smem[...])
 
             return carry
 
-        jax.lax.fori_loop(first_ref[mb], last_ref[mb], one_group, 0)
+        jax.lax.fori_loop(g0, g1, one_group, 0)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(row0, bm), pl.ds(nb * bn, bn)])
         plgpu.wait_smem_to_gmem(0)
