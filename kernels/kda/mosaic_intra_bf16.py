@@ -14,6 +14,8 @@ bf16 operands where bf16 suffices (like flash-linear-attention's kernels) and a 
   * (I + L^T)^{-1} = Ai^T: the split-bf16 nilpotent products of `mosaic_intra` (about float32
     accuracy: the inverse amplifies rounding), then Ai diag(beta) as hi + lo bf16 for w and u.
   * qg, kg, k exp(G) by per-row-block vector factors from Rq, Kl, Rk in place.
+  * With `cumsum`, the chunk-local cumsum of the gates too: G = Tri (g_hi + g_lo) on the tensor
+    cores (Tri the lower-triangular ones), the anchors as masked column sums of G.
 
 SMEM phases that never overlap in time (G, then the column operand, then the inverse's tiles,
 then Ai diag(beta) and w) share one `plgpu.RefUnion`.
@@ -37,8 +39,9 @@ NB = C // SUB  # row blocks per chunk
 _W = plgpu.Layout.WGMMA
 
 
-def _body(q_ref, k_ref, v_ref, G_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_ref,
-          q_s, k_s, v_s, kl_s, an_s, b_s, a_o, union, bars, *, H, K, V, scale, dt):  # fmt: skip
+def _body(q_ref, k_ref, v_ref, G_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_ref, *rest, H, K, V, scale, dt, cumsum):
+    d_ref, rest = (rest[0], rest[1:]) if cumsum else (None, rest)
+    q_s, k_s, v_s, kl_s, an_s, b_s, a_o, union, bars = rest
     G_s, kc_s, m_s, (ab_s, wn_o) = union
     n = lax.axis_index("n")
     bh = lax.axis_index("bh")
@@ -47,7 +50,8 @@ def _body(q_ref, k_ref, v_ref, G_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
     srcs = ((q_ref.at[b, rows_t, h], q_s), (k_ref.at[b, rows_t, h], k_s), (G_ref.at[b, rows_t, h], G_s),
             (b_ref.at[b, h, rows_t], b_s), (v_ref.at[b, rows_t, h], v_s))
     anchors = tuple(range(0, C, SUB)) + (C - 1,)
-    srcs += tuple((G_ref.at[b, n * C + r, h], an_s.at[i]) for i, r in enumerate(anchors))
+    if not cumsum:
+        srcs += tuple((G_ref.at[b, n * C + r, h], an_s.at[i]) for i, r in enumerate(anchors))
     for i, (src, dst) in enumerate(srcs):
         plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
     f32 = jnp.float32
@@ -63,11 +67,22 @@ def _body(q_ref, k_ref, v_ref, G_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
             out = x if out is None else jnp.where(rows_k < (I + 1) * SUB, x, out)
         return out
 
-    # Row side: Rq, Rk, Kl in place of q, k (G is dead afterwards).
     for i in range(len(srcs)):
         if i != 4:  # v is needed only at the end
             plgpu.barrier_wait(bars.at[i])
-    D = plgpu.load(G_s, layout=_W) - per_block(vec, (C, K))  # G - a_I <= 0
+    if cumsum:  # G_s holds g: G = Tri g on the tensor cores, g split hi + lo (about 16 mantissa bits)
+        G = _chunk_cumsum(G_s, kc_s, a_o, K, dt)
+        rows_g = plgpu.broadcasted_iota(jnp.int32, (C, K), 0, layout=_W)
+        vecs = [jnp.sum(jnp.where(rows_g == r, G, 0.0), axis=0) for r in anchors]
+        vec = lambda i: vecs[i]  # noqa: E731 - the anchors as [K] vectors
+        an_s[...] = jnp.exp(vecs[NB])  # the chunk's state decay exp(G_last)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(an_s, d_ref.at[bh, n])
+    else:
+        G = plgpu.load(G_s, layout=_W)
+
+    # Row side: Rq, Rk, Kl in place of q, k (G is dead afterwards).
+    D = G - per_block(vec, (C, K))  # G - a_I <= 0
     qf = plgpu.load(q_s, layout=_W).astype(f32)
     q_s[...] = (qf * jnp.exp(D)).astype(dt)
     kf = plgpu.load(k_s, layout=_W).astype(f32)
@@ -153,12 +168,34 @@ def _body(q_ref, k_ref, v_ref, G_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
     plgpu.wait_smem_to_gmem(0)
 
 
-def intra_bf16(q, k, v, G, beta_t, *, scale, interpret=False):
+def _chunk_cumsum(g_s, parts_s, tri_s, K, dt):
+    """Chunk-local cumsum G [C, K] (f32 registers) of the gate tile in g_s, as Tri (g_hi + g_lo)
+    with Tri the lower-triangular ones: exact products, f32 accumulation; g is represented to
+    about 2^-17 relative. parts_s (aliasing g_s) and tri_s are free SMEM tiles."""
+    g = plgpu.load(g_s, layout=_W)
+    plgpu.commit_smem()  # every thread has read g before parts_s, its alias, is written
+    _split_store(g, parts_s.at[0], parts_s.at[1], dt)
+    rows = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=_W)
+    cols = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=_W)
+    tri_s[...] = jnp.where(rows >= cols, 1.0, 0.0).astype(dt)
+    plgpu.commit_smem()
+
+    def prod(acc):
+        plgpu.wgmma(acc, tri_s, parts_s.at[0])
+        plgpu.wgmma(acc, tri_s, parts_s.at[1])
+        return acc[...]
+
+    return pl.run_scoped(prod, plgpu.ACC((C, K), jnp.float32))
+
+
+def intra_bf16(q, k, v, G, beta_t, *, scale, interpret=False, cumsum=False):
     """Intra-chunk stage for bounded gates (every g >= -5), no segment resets.
 
     q, k [B, Tp, H, K] and v [B, Tp, H, V] (bf16, Tp a multiple of 64); G [B, Tp, H, K] f32
-    chunk-local cumsum of g; beta_t [B, H, Tp] f32. Returns bf16 (qg, wn, kg [BH, NT, C, K],
-    u [BH, NT, C, V], a^T [BH, NT, C, C]) for `mosaic_state.state_output(..., a_transposed=True)`.
+    chunk-local cumsum of g, or with `cumsum` the gate g itself (the kernel sums it, saving XLA a
+    pass over the gates); beta_t [B, H, Tp] f32. Returns bf16 (qg, wn, kg [BH, NT, C, K],
+    u [BH, NT, C, V], a^T [BH, NT, C, C]) for `mosaic_state.state_output(..., a_transposed=True)`,
+    and with `cumsum` also the chunk decays d = exp(G_last) [BH, NT, K] f32.
     """
     B, Tp, H, K = q.shape
     V = v.shape[-1]
@@ -176,15 +213,17 @@ def intra_bf16(q, k, v, G, beta_t, *, scale, interpret=False):
         _smem((C, K), dt),  # k -> Rk -> k exp(G)
         _smem((C, V), dt),  # v -> u
         _smem((C, K), dt),  # Kl -> kg
-        plgpu.SMEM((NB + 1, K), f32),  # anchors a_0..a_3 and G_last
+        plgpu.SMEM((K,), f32) if cumsum else plgpu.SMEM((NB + 1, K), f32),  # d, or anchors a_0..a_3, G_last
         plgpu.SMEM((C,), f32),  # beta
         _smem((C, C), dt),  # a
         union,
-        plgpu.Barrier(num_barriers=5 + NB + 1),
+        plgpu.Barrier(num_barriers=5 if cumsum else 5 + NB + 1),
     ]
     sds = lambda *s: jax.ShapeDtypeStruct((B * H, NT, *s), dt)
     out_type = (sds(C, K), sds(C, K), sds(C, K), sds(C, V), sds(C, C))
-    body = functools.partial(_body, H=H, K=K, V=V, scale=float(scale), dt=dt)
+    if cumsum:
+        out_type += (jax.ShapeDtypeStruct((B * H, NT, K), f32),)
+    body = functools.partial(_body, H=H, K=K, V=V, scale=float(scale), dt=dt, cumsum=cumsum)
     return plgpu.kernel(
         body,
         out_type=out_type,

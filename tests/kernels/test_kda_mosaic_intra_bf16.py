@@ -26,20 +26,25 @@ def _inputs(rng, B, T, H, K, V):
     return q, k, v, g, beta
 
 
-def test_operands_match_exact_stage(rng):
+@pytest.mark.parametrize("cumsum", [False, True])
+def test_operands_match_exact_stage(rng, cumsum):
     """Every output against the float32 XLA stage, to bf16 rounding (K != V, two heads; the
     kernel writes Aqk transposed)."""
     B, T, H, K, V, C = 1, 128, 2, 128, 64, 64
     q, k, v, g, beta = _inputs(rng, B, T, H, K, V)
     G = jnp.cumsum(g.reshape(B, T // C, C, H, K), axis=2).reshape(B, T, H, K)
-    outs = mosaic_intra_bf16.intra_bf16(q, k, v, G, jnp.moveaxis(beta, 1, 2), scale=K**-0.5, interpret=True)
+    bt = jnp.moveaxis(beta, 1, 2)
+    outs = mosaic_intra_bf16.intra_bf16(q, k, v, g if cumsum else G, bt, scale=K**-0.5, interpret=True, cumsum=cumsum)
     p = pallas_gpu_prep.prepare(q, k, v, g, beta, scale=K**-0.5, segment_ids=None)
     flat = lambda x: x.reshape(B * H, T // C, *x.shape[3:])
     aT = jnp.swapaxes(flat(p["a"]), -1, -2)
     refs = dict(qg=flat(p["qg"]), wn=-flat(p["w"]), kg=flat(p["kg"]), u=flat(p["u"]), aT=aT)
+    assert len(outs) == len(refs) + cumsum
     for (name, ref), out in zip(refs.items(), outs):
         assert out.dtype == jnp.bfloat16 and out.shape == ref.shape
         assert_close(name, ref, out.astype(jnp.float32), 0.005)
+    if cumsum:  # the chunk decays exp(G_last), from the in-kernel cumsum
+        assert_close("d", flat(p["d"]), outs[-1], 1e-5)
 
 
 def test_end_to_end_parity(rng, monkeypatch):
@@ -73,8 +78,8 @@ def test_end_to_end_parity(rng, monkeypatch):
         assert_close(name, a, b, BF16_TOL[name])
 
 
-@pytest.mark.parametrize("K, V", [(128, 128), (64, 128)])
-def test_lowers_for_cuda_within_two_programs_per_sm(monkeypatch, K, V):
+@pytest.mark.parametrize("K, V, cumsum", [(128, 128, True), (64, 128, False)])
+def test_lowers_for_cuda_within_two_programs_per_sm(monkeypatch, K, V, cumsum):
     """Lowering for CUDA on CPU catches layout / wgmma / TMA errors; SMEM must leave room for two
     programs per H200 SM (228 KiB, 1 KiB reserved per program)."""
     import jax.experimental.mosaic.gpu.core as mgpu_core
@@ -85,7 +90,7 @@ def test_lowers_for_cuda_within_two_programs_per_sm(monkeypatch, K, V):
     B, T, H = 2, 256, 2
     bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
-    f = jax.jit(lambda *a: mosaic_intra_bf16.intra_bf16(*a, scale=K**-0.5))
+    f = jax.jit(lambda *a: mosaic_intra_bf16.intra_bf16(*a, scale=K**-0.5, cumsum=cumsum))
     args = (bf(B, T, H, K), bf(B, T, H, K), bf(B, T, H, V), f32(B, T, H, K), f32(B, H, T))
     assert "mosaic_gpu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()[:4000]
     assert sizes and max(sizes) <= 113 * 1024
