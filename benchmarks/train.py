@@ -236,6 +236,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--rows", default="",
                         help="explicit rows devices:remat:batch_per_device, comma-separated (overrides the grid)")
     parser.add_argument("--compile_workers", type=int, default=4, help="rows compiled in parallel")
+    parser.add_argument("--kda_impl", default="", help="override config.model.mixers.kda.impl (kernels.kda.IMPLS)")
     parser.add_argument("--compile_cache", default="", help="persistent compilation cache folder")
     parser.add_argument("--compile_only", action="store_true", help="lower + compile with abstract inputs only")
     parser.add_argument("--peak_flops", type=float, default=0.0, help="per device; 0 = device table")
@@ -251,6 +252,8 @@ def main(argv=None) -> dict:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     config = load_config(args.config)
     config.peak_flops = args.peak_flops or config.peak_flops
+    if args.kda_impl:
+        config.model.mixers.kda.impl = args.kda_impl
     remats = args.remat.split(",") if args.remat else [train_lib.remat_policy(config)]
     batches = [int(v) for v in args.batch_size.split(",") if v]
     counts = [int(n) for n in args.devices.split(",") if n]
@@ -273,7 +276,8 @@ def main(argv=None) -> dict:
         row["error"] = f"{kind}: {str(e)[:500]}"
 
     def save():
-        result = {"config": args.config, "jax": jax.__version__, "time": stamp,
+        result = {"config": args.config, "kda_impl": config.model.mixers.get("kda", {}).get("impl", "auto"),
+                  "jax": jax.__version__, "time": stamp,
                   "xla_flags": os.environ.get("XLA_FLAGS", ""), "flops_counting": FLOPS_NOTE,
                   "rows": rows, "scaling_efficiency": scaling(rows), "markdown": markdown(rows)}
         with open(out, "w") as f:

@@ -88,6 +88,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--seq_len", type=int, default=4096)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--kda_impls", default="chunk", help="KDA impls the KDA mixer is timed with")
     parser.add_argument("--policies", default="none,dots16,dots_all", help="remat policies timed besides the config's")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
@@ -118,6 +119,10 @@ def main(argv=None) -> dict:
         jobs.append((f"mla attention core {name} fwd+bwd", lambda grad=grad: (grad, q, k, v)))
 
     pieces = {f"mixer {name}": PreNormMixer(cfg, name, kw) for name in sorted(set(cfg.layer_mixers))}
+    for impl in [i for i in args.kda_impls.split(",") if i and "kda" in cfg.layer_mixers]:
+        model = config.model.to_dict()
+        model["mixers"]["kda"]["impl"] = impl
+        pieces[f"mixer kda impl={impl}"] = PreNormMixer(ModelConfig.from_config_dict(model), "kda", kw)
     pieces["mlp"] = MLP(D, cfg.dense_hidden, activation=cfg.activation, situ_beta=cfg.situ_beta,
                         situ_linear_beta=cfg.situ_linear_beta, **kw)
     policies = list(dict.fromkeys([policy] + [p for p in args.policies.split(",") if p]))
