@@ -117,9 +117,14 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, blocks=Blocks(bn=256, sta
                 mb, nb = _banded(info.index[0], num_m, num_n, band)
                 row0 = mb * bm
 
+                g0, g1 = first_ref[mb], last_ref[mb]  # g0 < g1: group g0 holds row0
+
                 @pl.when(is_compute)
                 def _():
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_smem is free again
+
+                @pl.when(is_compute & (g0 >= g1))  # every row past the total
+                def _():
                     o_smem[wg] = jnp.zeros((bm, wn), out_dtype)
 
                 def one_group(g, started):
@@ -130,10 +135,24 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, blocks=Blocks(bn=256, sta
                         def _(acc_ref):
                             eval_pipeline(acc_ref)
                             plgpu.wgmma_wait(0)
-                            rows = row0 + _row_iota((bm, wn))
-                            keep = (rows >= start) & (rows < end)
-                            o_smem[wg] = jnp.where(keep, acc_ref[...].astype(out_dtype),
-                                                   o_smem[wg])
+                            acc = acc_ref[...].astype(out_dtype)
+                            whole = (start <= row0) & (end >= row0 + bm)
+
+                            def keep():
+                                rows = row0 + _row_iota((bm, wn))
+                                return (rows >= start) & (rows < end)
+
+                            @pl.when(whole)
+                            def _():
+                                o_smem[wg] = acc
+
+                            @pl.when(~whole & (g == g0))
+                            def _():
+                                o_smem[wg] = jnp.where(keep(), acc, 0).astype(out_dtype)
+
+                            @pl.when(~whole & (g != g0))
+                            def _():
+                                o_smem[wg] = jnp.where(keep(), acc, o_smem[wg])
 
                     def mma_body(_, lhs_smem, rhs_smem, acc_ref):
                         wcols = pl.ds(wg * wn, wn)
@@ -155,7 +174,7 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, blocks=Blocks(bn=256, sta
 
                     return jnp.where(end > start, 1, started)
 
-                carry = jax.lax.fori_loop(first_ref[mb], last_ref[mb], one_group, carry)
+                carry = jax.lax.fori_loop(g0, g1, one_group, carry)
 
                 @pl.when(is_compute)
                 def _():
