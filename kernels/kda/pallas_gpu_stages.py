@@ -56,14 +56,22 @@ class _Recorder:
         self.warmup, self.iters, self.rows, self.only, self.on_row = warmup, iters, [], only, on_row
 
     def wants(self, name, optional=False):
+        """Selected: no `only` and not optional, or a selector in `only` is a substring of the
+        name (for optional stages, a selector that says "mosaic", e.g. "intra=mosaic ")."""
         if not self.only:
             return not optional
-        return any(s in name for s in self.only)
+        return any(s in name and (not optional or "mosaic" in s) for s in self.only)
 
     def feed(self, name, f, *args):
         """A stage whose output later stages use: timed if selected, else run once untimed."""
         if not self.wants(name):
-            return jax.jit(f)(*args)
+            try:
+                return jax.jit(f)(*args)
+            except Exception as e:  # noqa: BLE001 - recorded; the stages that need it are skipped
+                err = traceback.format_exception_only(type(e), e)[-1].strip()[:300]
+                self.rows.append(dict(stage=name + " (untimed input)", ms=None, first_call_s=None, error=err))
+                print(f"{name:40s} failed: {err}", flush=True)
+                return None
         return self(name, f, *args)
 
     def __call__(self, name, f, *args, optional=False):
@@ -115,9 +123,11 @@ def _chunk_stages(rec, q, k, v, g, beta, scale):
     for bounded in (True, False):
         if not rec.wants(f"chunk.bwd whole ({'bounded' if bounded else 'exact'} intra)"):
             continue
-        extra = pallas_gpu._core_defaults(chunk)
+        extra = pallas_gpu._core_defaults(chunk, interpret=pallas_gpu._device_kind() == "cpu")
         res = rec.feed("chunk forward residuals (untimed)", lambda *a, b=bounded: chunk._core_fwd(
             *a, None, scale, b, True, *extra)[1], cq, ck, cv, cg, cb, h0)
+        if res is None:
+            continue
         rec(f"chunk.bwd whole ({'bounded' if bounded else 'exact'} intra)",
             lambda res, do, dS, b=bounded: chunk._core_bwd(scale, b, True, *extra, res, (do, dS)), res, do, dS)
 
