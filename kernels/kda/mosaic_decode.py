@@ -81,8 +81,10 @@ def decode_step(state, vecs, v, *, interpret=False):
     )(state, vecs, v)
 
 
-def _pipelined_body(s_ref, vec_ref, v_ref, o_ref, sn_ref, s_smem, vec_smem, v_smem, o_smem, bars, *, J, P, NV, slots):
+def _pipelined_body(s_ref, vec_ref, v_ref, o_ref, sn_ref, s_smem, vec_smem, v_smem, o_smem, bars, *, J, P, NV, slots,
+                    n_tiles):
     pid = lax.axis_index("p")
+    valid = lambda j: pid + j * P < n_tiles  # program pid owns tiles pid, pid + P, ...: a prefix of j
 
     def tile(j):
         t = pid + j * P
@@ -94,10 +96,7 @@ def _pipelined_body(s_ref, vec_ref, v_ref, o_ref, sn_ref, s_smem, vec_smem, v_sm
         plgpu.copy_gmem_to_smem(vec_ref.at[bh], vec_smem.at[slot], bars.at[3 * slot + 1])
         plgpu.copy_gmem_to_smem(v_ref.at[bh, vs], v_smem.at[slot], bars.at[3 * slot + 2])
 
-    for j in range(min(slots - 1, J)):
-        issue(j, j)
-
-    def step(j, carry):
+    def step(j):
         slot = lax.rem(j, slots)
         for i in range(3):
             plgpu.barrier_wait(bars.at[3 * slot + i])
@@ -110,27 +109,24 @@ def _pipelined_body(s_ref, vec_ref, v_ref, o_ref, sn_ref, s_smem, vec_smem, v_sm
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
         nxt = j + slots - 1
 
-        @pl.when(nxt < J)
+        @pl.when(valid(nxt))
         def _():
             issue(nxt, lax.rem(nxt, slots))
 
+    for j in range(min(slots - 1, J)):
+        pl.when(valid(j))(functools.partial(issue, j, j))
+
+    def body(j, carry):
+        pl.when(valid(j))(functools.partial(step, j))
         return carry
 
-    lax.fori_loop(0, J, step, 0)
+    lax.fori_loop(0, J, body, 0)
     plgpu.wait_smem_to_gmem(0)
 
 
-def _num_programs(n_tiles: int, target: int) -> int:
-    """The largest divisor of n_tiles that is <= target (every program walks as many tiles)."""
-    for p in range(min(target, n_tiles), 0, -1):
-        if n_tiles % p == 0:
-            return p
-    return 1
-
-
 def decode_step_pipelined(state, vecs, v, *, programs=None, slots=4, interpret=False):
-    """Same contract as `decode_step`; `programs` (default: the GPU's SM count, or fewer so that
-    it divides the number of tiles) persistent programs with `slots` SMEM slots each."""
+    """Same contract as `decode_step`; `programs` (default: the GPU's SM count) persistent
+    programs with `slots` SMEM slots each; program p takes tiles p, p + programs, ..."""
     BH, K, V = state.shape
     if K % 64 or V % BV:
         raise ValueError(f"decode_step_pipelined needs K a multiple of 64 and V of {BV}; got K={K}, V={V}")
@@ -138,7 +134,7 @@ def decode_step_pipelined(state, vecs, v, *, programs=None, slots=4, interpret=F
     n_tiles = BH * NV
     if programs is None:
         programs = getattr(jax.devices()[0], "core_count", None) or 132
-    P = _num_programs(n_tiles, programs)
+    P = min(programs, n_tiles)
     f32 = jnp.float32
     scratch = [
         _smem((slots, K, BV), f32),
@@ -148,7 +144,7 @@ def decode_step_pipelined(state, vecs, v, *, programs=None, slots=4, interpret=F
         plgpu.Barrier(num_barriers=3 * slots),
     ]
     out_type = (jax.ShapeDtypeStruct((BH, V), f32), jax.ShapeDtypeStruct((BH, K, V), f32))
-    body = functools.partial(_pipelined_body, J=n_tiles // P, P=P, NV=NV, slots=slots)
+    body = functools.partial(_pipelined_body, J=-(-n_tiles // P), P=P, NV=NV, slots=slots, n_tiles=n_tiles)
     return plgpu.kernel(
         body,
         out_type=out_type,
