@@ -238,8 +238,22 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, blocks=Blocks(), interpre
     return out[:m, :n]
 
 
-def tgmm(lhs, dout, group_sizes, *, blocks=Blocks(), interpret=False, out_dtype=None):
-    """lhs [M, K], dout [M, N] -> [G, K, N], out[g] = lhs[rows_g]^T @ dout[rows_g]."""
+def _auto_splits(tiles: int, interpret: bool) -> int:
+    """Row splits for tgmm: enough programs for two per SM when there are few output tiles
+    (few experts and small widths, e.g. 8 experts x 256 x 256 is 32 tiles for 132 SMs)."""
+    if interpret:
+        return 1
+    sms = getattr(jax.devices()[0], "core_count", None) or 132
+    return 1 if tiles >= 2 * sms else min(16, -(-2 * sms // tiles))
+
+
+def tgmm(lhs, dout, group_sizes, *, blocks=Blocks(), interpret=False, out_dtype=None,
+         splits=None):
+    """lhs [M, K], dout [M, N] -> [G, K, N], out[g] = lhs[rows_g]^T @ dout[rows_g].
+
+    `splits` > 1 cuts every group's rows into that many contiguous parts, computed by separate
+    programs into [splits, G, K, N] partials (out_dtype) that XLA sums in f32; None picks it
+    from the tile count (`_auto_splits`)."""
     if blocks.wgs == 2:
         from kernels.gmm import pallas_gpu_ws
 
@@ -255,22 +269,29 @@ def tgmm(lhs, dout, group_sizes, *, blocks=Blocks(), interpret=False, out_dtype=
     dout_p = _pad_to(_pad_to(dout, 0, bm), 1, bn)
     kp, np_ = lhs_p.shape[1], dout_p.shape[1]
     num_k, num_n = kp // bk, np_ // bn
+    tiles = num_k * num_n
+    splits = splits or _auto_splits(g_count * tiles, interpret)
     offsets = _offsets(group_sizes)
 
     def body(off_ref, lhs_ref, dout_ref, out_ref, o_smem):
         # Group-major: the resident CTAs work on one group, whose rows then stay in L2.
         t = jax.lax.axis_index("t")
-        g = t // (num_k * num_n)
-        kb, nb = _banded(t - g * (num_k * num_n), num_k, num_n, min(blocks.band, num_n))
+        g = t // (splits * tiles)
+        sp = (t - g * (splits * tiles)) // tiles
+        kb, nb = _banded(t - g * (splits * tiles) - sp * tiles, num_k, num_n,
+                         min(blocks.band, num_n))
         start, end = off_ref[g], off_ref[g + 1]
-        mb0 = start // bm
-        num_steps = (end + bm - 1) // bm - mb0
+        first_mb = start // bm
+        group_steps = jnp.where(end > start, (end + bm - 1) // bm - first_mb, 0)
+        chunk = (group_steps + splits - 1) // splits
+        mb0 = first_mb + sp * chunk
+        num_steps = jnp.clip(group_steps - sp * chunk, 0, chunk)
 
-        @pl.when(end <= start)
+        @pl.when(num_steps <= 0)
         def _():
             o_smem[...] = jnp.zeros((bk, bn), out_dtype)
 
-        @pl.when(end > start)
+        @pl.when(num_steps > 0)
         def _():
             def acc_scope(acc_ref):
                 def step(idx, lhs_smem, dout_smem):
@@ -304,20 +325,23 @@ def tgmm(lhs, dout, group_sizes, *, blocks=Blocks(), interpret=False, out_dtype=
             o_smem[...] = acc.astype(out_dtype)
 
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[g, pl.ds(kb * bk, bk), pl.ds(nb * bn, bn)])
+        plgpu.copy_smem_to_gmem(
+            o_smem, out_ref.at[sp * g_count + g, pl.ds(kb * bk, bk), pl.ds(nb * bn, bn)])
         plgpu.wait_smem_to_gmem(0)
 
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((g_count, kp, np_), out_dtype),
+        out_type=jax.ShapeDtypeStruct((splits * g_count, kp, np_), out_dtype),
         scratch_types=[plgpu.SMEM((bk, bn), out_dtype)],
-        grid=(g_count * num_k * num_n,),
+        grid=(g_count * splits * tiles,),
         grid_names=("t",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_params(interpret),
     )
-    out = kernel(offsets, lhs_p, dout_p)
-    return out[:, :k, :n]
+    out = kernel(offsets, lhs_p, dout_p)[:, :k, :n]
+    if splits > 1:
+        out = out.reshape(splits, g_count, k, n).astype(jnp.float32).sum(0).astype(out_dtype)
+    return out
 
 
 def split_blocks(blocks):

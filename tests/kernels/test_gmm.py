@@ -68,6 +68,19 @@ def test_pallas_tgmm(rng, m, k, n, sizes):
     assert not np.any(np.asarray(out[np.asarray(empty, int)], np.float32))
 
 
+@pytest.mark.parametrize("splits", [2, 5])
+def test_pallas_tgmm_row_splits(rng, splits):
+    """Rows of every group cut into `splits` parts (some empty, some one block) and summed."""
+    m, k, n, sizes = 330, 64, 128, [0, 200, 7, 0, 100, 0]
+    lhs, _, gs = _inputs(rng, m, k, n, sizes)
+    dout = jnp.asarray(rng.normal(size=(m, n)), jnp.bfloat16)
+    out = pallas_gpu.tgmm(lhs, dout, gs, blocks=BLOCKS, interpret=True, splits=splits)
+    assert out.shape == (len(sizes), k, n) and out.dtype == jnp.bfloat16
+    assert_close("tgmm_split", reference.tgmm(lhs.astype(jnp.float32),
+                                              dout.astype(jnp.float32), gs), out, 5e-3)
+    assert not np.any(np.asarray(out[np.asarray([0, 3, 5])], np.float32))
+
+
 def test_pallas_gradients_match_ragged_dot(rng):
     m, k, n, sizes = CASES[0]
     lhs, rhs, gs = _inputs(rng, m, k, n, sizes)
@@ -267,6 +280,7 @@ def test_kernels_lower_for_cuda():
     for fn, args in ((pallas_gpu.gmm, (lhs, rhs, gs)),
                      (functools.partial(pallas_gpu.gmm, transpose_rhs=True), (dout, rhs, gs)),
                      (pallas_gpu.tgmm, (lhs, dout, gs)),
+                     (functools.partial(pallas_gpu.tgmm, splits=4), (lhs, dout, gs)),
                      (functools.partial(pallas_gpu.gmm, blocks=ws), (lhs, rhs, gs)),
                      (functools.partial(pallas_gpu.gmm, transpose_rhs=True, blocks=ws),
                       (dout, rhs, gs)),
