@@ -6,11 +6,12 @@ owns (empty groups allowed, rows past the total are zero in the output).
 gmm  (forward and dlhs): one program per (M block, N block), launched in bands of N blocks
      for L2 reuse (`_banded`). It walks the groups that overlap its block of rows (usually
      one; two or more only at group boundaries), runs a K-pipeline of wgmma against that
-     group's weights and keeps only the rows of that group (row mask on the accumulator). Each output row belongs to exactly one group, so the masked merge is exact
-     and the whole [bm, bn] tile leaves with one TMA store; no ragged stores are needed.
-tgmm (drhs): one program per (group, K block, N block). It pipelines over the M blocks that
-     overlap the group, zeroes the rows of `dout` outside the group in the boundary blocks and
-     accumulates lhs_blk^T @ dout_blk into a [bk, bn] tile of out[g].
+     group's weights and keeps only the rows of that group (row mask on the accumulator).
+     Each output row belongs to exactly one group, so the masked merge is exact and the whole
+     [bm, bn] tile leaves with one TMA store; no ragged stores are needed.
+tgmm (drhs): one program per (group, row split, K block, N block). It pipelines over the M
+     blocks of the group (of its split), zeroes the rows of `dout` outside the group in the
+     boundary blocks and accumulates lhs_blk^T @ dout_blk into a [bk, bn] tile of out[g].
 
 Group metadata (offsets, first/last group of every M block) is computed by XLA outside the
 kernel. M, N and K are padded to block multiples outside the kernel (zero padding changes
