@@ -62,6 +62,7 @@ SWEEP_TGMM = (Blocks(), Blocks(128, 128, 128, 3), Blocks(128, 128, 128, 3, band=
 # barrier error in a warp-specialized kernel would hang rather than fail).
 SWEEP_CHAIN = (Blocks(128, 128, 64, 4, wgs=2, chain=True),
                Blocks(128, 256, 64, 3, wgs=2, chain=True),
+               Blocks(128, 256, 64, 2, wgs=2, chain=True),
                Blocks(128, 256, 64, 3, band=4, wgs=2, chain=True))
 _ws = lambda tiles, ws: tuple(b for b in tiles if (b.wgs == 2) == ws)  # noqa: E731
 # "plain" and "ws" split "main" so that each can run in its own process (and time limit).
