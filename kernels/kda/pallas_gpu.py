@@ -130,7 +130,7 @@ def _bounded_operands(q, k, v, g, beta, scale, interpret, kernel="mosaic"):
     return (*outs, d)
 
 
-def _chunked_inputs(ck, q, k, v, g, beta, seg):
+def _chunked_inputs(q, k, v, g, beta, seg):
     """`chunk.py`'s layout: (q, k, v, g, beta as [N, B, H, C, ...], padded with zeros to a
     multiple of 64 tokens, and the segment counts [N, B, 1, C] or None)."""
     from kernels.kda.chunk_intra import CHUNK, segment_counts, to_chunks
@@ -157,7 +157,7 @@ def _chunk_operands(q, k, v, g, beta, seg, scale, chunk_bounded, dt):
     ck = _chunk_module()
     B, _, H, _ = q.shape
     nm = ck._Numerics(q.dtype)
-    args, counts, _ = _chunked_inputs(ck, q, k, v, g, beta, seg)
+    args, counts, _ = _chunked_inputs(q, k, v, g, beta, seg)
     P = ck._prep(nm, *args, counts, scale, chunk_bounded, True)
     _, w, u = ck._wy(nm, P)
     flat = lambda x: x.reshape(x.shape[0], B * H, *x.shape[3:])
@@ -261,7 +261,7 @@ def _kda_bwd(scale, intra, chunk_bounded, interpret, res, cts):
 
     T = q.shape[1]
     sdt = state_dtype(q.dtype)
-    args, counts, chunked = _chunked_inputs(ck, q, k, v, g, beta, seg)
+    args, counts, chunked = _chunked_inputs(q, k, v, g, beta, seg)
     static = (scale, chunk_bounded, True, *_core_defaults(ck, interpret))
     grads = ck._core_bwd(*static, (*args, counts, states.astype(q.dtype)), (chunked(do, sdt), dS.astype(sdt)))
     dq, dk, dv, dg, dbeta = (from_chunks(x)[:, :T] for x in grads[:5])
