@@ -191,6 +191,8 @@ def markdown(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     pct = lambda v: f"{v:.1%}" if v is not None else "n/a"  # noqa: E731
     for r in rows:
+        if "skipped" in r:
+            continue
         if "error" in r:
             lines.append(f"| {r['devices']} | | | {r['batch']} x {r['seq_len']} | {r['remat']} | {r['error'][:60]} "
                          "| | | | | |")
@@ -205,6 +207,15 @@ def markdown(rows: list[dict]) -> str:
                      f"| {r['tokens_per_sec_per_device']:,.0f} | {pct(r['mfu'])} | {pct(r['mfu_vendor'])} "
                      f"| {r['step_compile_s']:.1f} |")
     return "\n".join(lines)
+
+
+def is_best_setting(row: dict, rows: list[dict]) -> bool:
+    """Whether `row` has the remat policy and per-device batch of the fastest one-device row."""
+    ones = [r for r in rows if r["devices"] == 1 and "tokens_per_sec" in r]
+    if not ones:
+        return True
+    best = max(ones, key=lambda r: r["tokens_per_sec"])
+    return (row["remat"], row["batch"] // row["devices"]) == (best["remat"], best["batch"])
 
 
 def scaling(rows: list[dict]) -> dict:
@@ -235,6 +246,8 @@ def main(argv=None) -> dict:
                         help=f"comma-separated policies of {sorted(POLICIES)} (rows); default: the config's")
     parser.add_argument("--rows", default="",
                         help="explicit rows devices:remat:batch_per_device, comma-separated (overrides the grid)")
+    parser.add_argument("--scale_best", action="store_true",
+                        help="of the multi-device rows run only those of the fastest one-device setting")
     parser.add_argument("--compile_workers", type=int, default=4, help="rows compiled in parallel")
     parser.add_argument("--kda_impl", default="", help="override config.model.mixers.kda.impl (kernels.kda.IMPLS)")
     parser.add_argument("--compile_cache", default="", help="persistent compilation cache folder")
@@ -308,8 +321,14 @@ def main(argv=None) -> dict:
             save()
     result = save()
     if not args.compile_only:
-        for i, (row, ctx) in enumerate(zip(rows, contexts)):
+        order = sorted(range(len(rows)), key=lambda i: rows[i]["devices"])  # one-device rows first
+        for i in order:
+            row, ctx = rows[i], contexts[i]
             if steps[i] is None:
+                continue
+            if args.scale_best and row["devices"] > 1 and not is_best_setting(row, rows):
+                row["skipped"] = "not the fastest one-device setting (--scale_best)"
+                steps[i] = None
                 continue
             try:
                 run_row(row, ctx, steps[i], args.steps, args.warmup)

@@ -52,3 +52,12 @@ def test_scaling_pairs_rows_of_the_same_policy_and_per_device_batch(bench):
             dict(devices=2, batch=8, remat="dots16", tokens_per_sec=200.0),
             dict(devices=2, batch=16, remat="dots", tokens_per_sec=300.0)]  # no 1-device row of 8
     assert bench.scaling(rows) == {"2x4/dots": 0.95, "2x4/dots16": 200.0 / 240.0}
+
+
+def test_scale_best_runs_the_fastest_one_device_setting_only(bench):
+    rows = [dict(devices=1, batch=4, remat="dots", tokens_per_sec=100.0),
+            dict(devices=1, batch=8, remat="dots", tokens_per_sec=110.0),
+            dict(devices=1, batch=4, remat="full", error="OOM: ...")]
+    assert bench.is_best_setting(dict(devices=2, batch=16, remat="dots"), rows)
+    assert not bench.is_best_setting(dict(devices=2, batch=8, remat="dots"), rows)
+    assert bench.is_best_setting(dict(devices=2, batch=8, remat="dots"), [])  # nothing measured: run it
