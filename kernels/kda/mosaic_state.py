@@ -85,20 +85,17 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *r
         vn_s[...] = vnew.astype(dt)
         plgpu.commit_smem()
 
-        def out_mm(acc):
-            plgpu.wgmma(acc, qg_s.at[slot], s_s)
-            plgpu.wgmma(acc, a_s.at[slot].transpose((1, 0)) if a_transposed else a_s.at[slot], vn_s)
-            return acc[...]
+        def out_state_mm(acc_o, acc_s):
+            # Both products are issued before either is read, so they overlap on the tensor cores.
+            plgpu.wgmma(acc_o, qg_s.at[slot], s_s)
+            plgpu.wgmma(acc_o, a_s.at[slot].transpose((1, 0)) if a_transposed else a_s.at[slot], vn_s)
+            plgpu.wgmma(acc_s, kg_s.at[slot].transpose((1, 0)), vn_s)
+            return acc_o[...], acc_s[...]
 
-        o = _mm(out_mm, (C, BV))
         d = plgpu.load(d_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
         S = S * lax.broadcast_in_dim(d, S.shape, [0])
-
-        def state_mm(acc):
-            plgpu.wgmma(acc, kg_s.at[slot].transpose((1, 0)), vn_s)
-            return acc[...]
-
-        S = S + _mm(state_mm, (K, BV))
+        o, dS = pl.run_scoped(out_state_mm, plgpu.ACC((C, BV), jnp.float32), plgpu.ACC((K, BV), jnp.float32))
+        S = S + dS
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_s free again
         o_s[...] = o.astype(o_s.dtype)
         plgpu.commit_smem()
