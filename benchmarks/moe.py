@@ -3,7 +3,13 @@ XLA baselines, per kernel and for the whole expert FFN / routed layer, counting 
 
     python benchmarks/moe.py --out DIR             # Hopper GPU: K3 per-device + k3_small shapes
     python benchmarks/moe.py --out DIR --sweep     # + a tile sweep, best tile per kernel
+    python benchmarks/moe.py --out DIR --sweep ws --no_steps --baselines ""   # one tile family
     python benchmarks/moe.py --quick --out DIR     # tiny shapes on CPU (Pallas interpreted)
+
+Times: ms per call with calls queued back to back (median of 3 runs of >= 50 ms), after one
+warm-up call; `ms_sync` (waiting on every call) is kept too. `--budget_s` stops starting new
+measurements; rows come in order of value (baselines and default tiles, fwd+bwd steps, sweep,
+steps with the best tiles).
 
 Workloads (bf16, f32 accumulation, SwiGLU experts, routing = top-k of random scores):
 - "k3_device": one device's share of K3's LatentMoE experts: latent D=3584, expert width F=3072,
@@ -20,9 +26,9 @@ Rows of the JSON (rewritten after every measurement, so a crash or timeout keeps
 Impls: "pallas_gpu"; "ragged_dot" (jax.lax.ragged_dot; XLA's GPU lowering materialises a dense
 [M, E, K] operand, 448 GiB at k3_device, so there it fails in compilation or allocation: the row
 keeps the error and `dense_gib`, and compiled programs over the device's memory are skipped
-before running); "padded_bmm" (the baseline that runs at every shape: every
-expert's rows scattered into a [E, C, K] buffer, C = largest group rounded up to 128, one XLA
-batched matmul; it executes E*C/M times the active FLOPs, reported TFLOP/s count active only).
+before running); "padded_bmm" (the baseline that runs at every shape: every expert's rows
+scattered into a [E, C, K] buffer, C = largest group rounded up to 128, one XLA batched matmul;
+it executes E*C/M times the active FLOPs, reported TFLOP/s count active only).
 """
 
 from __future__ import annotations
