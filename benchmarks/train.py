@@ -297,28 +297,32 @@ def main(argv=None) -> dict:
             json.dump(result, f, indent=1)
         return result
 
-    for n, r, b in specs:  # tracing is Python: one row after the other
+    # Tracing is Python (one row after the other); XLA compiles in parallel threads meanwhile (the
+    # GIL is released). Nothing runs on the devices until every row is compiled.
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, args.compile_workers))
+    futures = []
+    for n, r, b in specs:
         cfg = copy.deepcopy(config)
         cfg.remat = r
         try:
             row, ctx = prepare_row(cfg, n, b, args.seq_len)
+            futures.append(pool.submit(compile_row, row, ctx))
         except Exception as e:  # noqa: BLE001 - record the failure, go on with the next row
             row, ctx = {"devices": n, "batch": b * n, "seq_len": args.seq_len, "remat": r}, None
             fail(row, e, "lowering")
+            futures.append(None)
         rows.append(row)
         contexts.append(ctx)
-    save()
-    # XLA compiles in parallel threads (the GIL is released); nothing runs on the devices meanwhile.
-    with concurrent.futures.ThreadPoolExecutor(max(1, args.compile_workers)) as pool:
-        futures = [pool.submit(compile_row, row, ctx) if ctx else None for row, ctx in zip(rows, contexts)]
-        steps = []
-        for row, fut in zip(rows, futures):
-            try:
-                steps.append(fut.result() if fut else None)
-            except Exception as e:  # noqa: BLE001
-                fail(row, e, "compile")
-                steps.append(None)
-            save()
+        save()
+    steps = []
+    for row, fut in zip(rows, futures):
+        try:
+            steps.append(fut.result() if fut else None)
+        except Exception as e:  # noqa: BLE001
+            fail(row, e, "compile")
+            steps.append(None)
+        save()
+    pool.shutdown()
     result = save()
     if not args.compile_only:
         order = sorted(range(len(rows)), key=lambda i: rows[i]["devices"])  # one-device rows first
