@@ -81,7 +81,8 @@ class Model(nnx.Module):
 
     def __call__(self, tokens, segment_ids=None, *, return_aux: bool = False, remat: str = "none"):
         """tokens [B, T] int -> logits [B, T, vocab] float32 (and aux with return_aux); `remat`
-        checkpoints every block with a policy of `kimi_jax.remat.POLICIES`."""
+        checkpoints every block: a policy of `kimi_jax.remat.POLICIES`, optionally followed by
+        per-mixer overrides ("dots16/mla=dots_all")."""
         self._check_tokens(tokens)
         check_policy(remat)
         stream = self._stream(tokens)

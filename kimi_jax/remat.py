@@ -14,6 +14,9 @@ float32 norm inputs). `jax.checkpoint` around each block keeps only what the pol
                 state snapshots are kept, so the backward redoes float32 elementwise work, data
                 movement and MLA's [T, T] attention, not the KDA state scan
 
+A spec may give mixers their own policy after the default: "dots16/mla=dots_all" keeps MLA's
+attention logits and KDA's bf16 activations.
+
 The residual stream is a Python object (`kimi_jax.attn_res`); its arrays are passed through the
 checkpoint and its other attributes (block size, Python lists) are rebuilt around it.
 """
@@ -62,14 +65,36 @@ POLICIES = {
 
 def make_policy(name: str, tokens: int):
     """The jax.checkpoint policy of `name` for a block over `tokens` tokens (B x T)."""
-    policy = POLICIES[check_policy(name)]
+    policy = POLICIES[policy_for(name, "")]
     return policy(SMALL_PER_TOKEN * tokens) if policy is Dots16 else policy
 
 
-def check_policy(name: str) -> str:
-    if name not in POLICIES:
-        raise ValueError(f"Unknown remat policy {name!r}; expected one of {sorted(POLICIES)}")
-    return name
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """"dots16/mla=dots_all" -> ("dots16", {"mla": "dots_all"}): a default policy, then
+    per-mixer overrides separated by "/"."""
+    default, *overrides = spec.split("/")
+    per_mixer = {}
+    for item in overrides:
+        mixer, sep, name = item.partition("=")
+        if not sep or not mixer:
+            raise ValueError(f"remat override {item!r} in {spec!r} is not mixer=policy")
+        per_mixer[mixer] = name
+    for name in [default, *per_mixer.values()]:
+        if name not in POLICIES:
+            raise ValueError(f"Unknown remat policy {name!r} in {spec!r}; expected one of {sorted(POLICIES)}, "
+                             f"optionally followed by /mixer=policy overrides")
+    return default, per_mixer
+
+
+def check_policy(spec: str) -> str:
+    parse_spec(spec)
+    return spec
+
+
+def policy_for(spec: str, mixer: str) -> str:
+    """The policy name `spec` gives the blocks of `mixer`."""
+    default, per_mixer = parse_spec(spec)
+    return per_mixer.get(mixer, default)
 
 
 def _split_arrays(tree):
@@ -83,10 +108,11 @@ def _split_arrays(tree):
     return [x for x, a in zip(leaves, is_array) if a], rebuild
 
 
-def checkpointed_block(block, stream, policy: str, *, segment_ids=None):
-    """`block(stream, segment_ids=...)` under `jax.checkpoint(policy)`; advances `stream` in place
-    and returns the block's second output (MoE statistics or None)."""
-    check_policy(policy)
+def checkpointed_block(block, stream, spec: str, *, segment_ids=None):
+    """`block(stream, segment_ids=...)` under `jax.checkpoint` with the policy `spec` gives the
+    block's mixer; advances `stream` in place and returns the block's second output (MoE
+    statistics or None)."""
+    policy = policy_for(spec, block.mixer_name)
     if policy == "none":
         return block(stream, segment_ids=segment_ids)[1]
     graphdef, state = nnx.split(block)

@@ -23,7 +23,7 @@ def _loss_and_grads(model, tokens, segment_ids, remat):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
-@pytest.mark.parametrize("remat", ["full", "dots", "dots16"])
+@pytest.mark.parametrize("remat", ["full", "dots", "dots16/mla=dots_all"])
 def test_remat_keeps_loss_and_gradients(remat):
     model = build_model(tiny.get_config(), rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, model.config.vocab_size)
@@ -64,3 +64,14 @@ def test_train_step_uses_config_remat():
         dots[remat] = step.lower(state, batch, jax.ShapeDtypeStruct((), jnp.int32)).as_text().count("dot_general")
     assert dots["full"] > dots["none"] > 0, dots
     assert sorted(POLICIES) == ["dots", "dots16", "dots_all", "full", "none"]
+
+
+def test_spec_gives_each_mixer_its_policy():
+    from kimi_jax.remat import parse_spec, policy_for
+
+    assert parse_spec("dots16/mla=dots_all/kda=none") == ("dots16", {"mla": "dots_all", "kda": "none"})
+    assert policy_for("dots16/mla=dots_all", "mla") == "dots_all"
+    assert policy_for("dots16/mla=dots_all", "kda") == "dots16"
+    for bad in ("dots/mla", "dots/mla=sometimes", "/mla=dots", "dots/=full"):
+        with pytest.raises(ValueError):
+            parse_spec(bad)
