@@ -46,6 +46,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import PEAK_TFLOPS, attempt, environment, markdown_table  # noqa: E402
+from kernels import mxfp4  # noqa: E402
 from kernels.gmm import ops as gmm_ops, pallas_gpu, reference  # noqa: E402
 from kimi_jax.moe_dispatch import (  # noqa: E402
     ExpertWeights, grouped_ffn, ragged_dispatch, sort_by_expert)
@@ -275,7 +276,28 @@ def _blocks_str(b):
     return " ".join(_blocks_str(x) for x in b)
 
 
-def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines, steps=True):
+def mxfp4_row(w, rec, base, x_sorted, gate, group_sizes, warmup, iters):
+    """The gate projection on MXFP4-packed weights (inference), checked against the bf16 Pallas
+    gmm on the dequantised weights."""
+    packed, scales = mxfp4.quantize(jnp.swapaxes(gate, 1, 2).astype(jnp.float32))  # [E, F, D]
+    fn = lambda x, p, sc, gs: mxfp4.gmm(x, p, sc, gs, impl="pallas_gpu")  # noqa: E731
+    args = (x_sorted, packed, scales, group_sizes)
+    r = measure(fn, args, warmup, iters)
+    compiled = r.pop("compiled", None)
+    if r["ms"] is not None:
+        deq = jnp.swapaxes(mxfp4.dequantize(packed, scales).astype(jnp.bfloat16), 1, 2)
+        want = gmm_ops.gmm(x_sorted, deq, group_sizes, impl="pallas_gpu")
+        r["check"] = dict(against="pallas_gpu bf16 on dequantised weights",
+                          rel_rms=attempt(lambda: rel_rms(want, compiled(*args)))[0])
+        del deq, want
+    m, d, f = x_sorted.shape[0], w["d"], w["f"]
+    rec.add(dict(base, kind="kernel", name="mxfp4_fwd_gate", impl="pallas_gpu",
+                 blocks=_blocks_str(mxfp4.pallas_gpu.DEFAULT_BLOCKS), mkn=[m, d, f], **r),
+            2 * m * d * f)
+
+
+def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines, steps=True,
+                 with_mxfp4=False):
     """Rows in order of value, so that the time budget cuts the least useful ones: baselines
     and default-tile kernels, the fwd+bwd steps with default tiles, the tile sweep, and last
     the steps with the best tile of every kernel."""
@@ -335,6 +357,8 @@ def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines, steps=Tru
                    tgmm=DEFAULT[2])
     for kernel in KERNELS:
         kernel_rows(kernel, [(i, None) for i in baselines] + [("pallas_gpu", default[kernel])])
+    if with_mxfp4 and rec.elapsed() <= deadline:
+        mxfp4_row(w, rec, base, x_sorted, experts.gate, group_sizes, warmup, iters)
     if steps:
         step_rows([("pallas_gpu", DEFAULT)] + [(i, None) for i in baselines])
     if not sweep:
@@ -404,6 +428,8 @@ def main(argv=None):
                         help="time the tiles of SWEEPS[name] (main when no name is given)")
     parser.add_argument("--no_steps", action="store_true",
                         help="skip the fwd+bwd steps with default tiles")
+    parser.add_argument("--mxfp4", action="store_true",
+                        help="also time the gate projection on MXFP4-packed weights")
     parser.add_argument("--iters", type=int, default=None, help="timed calls (median)")
     parser.add_argument("--workloads", default=None, help="comma-separated subset")
     parser.add_argument("--baselines", default="ragged_dot,padded_bmm")
@@ -424,6 +450,7 @@ def main(argv=None):
         last = i == len(todo) - 1
         deadline = args.budget_s if last else rec.elapsed() + w.get("share", 1.0) * args.budget_s
         run_workload(w, rec, sweep=args.sweep, iters=iters, warmup=warmup, steps=not args.no_steps,
+                     with_mxfp4=args.mxfp4,
                      deadline=min(deadline, args.budget_s), baselines=baselines)
     print(markdown(rec.rows))
     return rec.rows
