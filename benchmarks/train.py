@@ -3,17 +3,22 @@ on 1 device and on 2 devices (data parallel), for a K3-topology dense model of a
 parameters (configs/k3_1b3_dense.py).
 
     python benchmarks/train.py                         # on the GPU machine: 1 and 2 GPUs
-    python benchmarks/train.py --devices 1 --batch_size 4 --seq_len 4096 --compile_cache /tmp/jc
+    python benchmarks/train.py --devices 1 --batch_size 4,8 --remat dots,dots16
+    python benchmarks/train.py --rows 1:dots:8,2:dots:8,1:dots16:4,2:dots16:4 --scale_best
     python benchmarks/train.py --compile_only          # abstract lower + compile, memory analysis
     python benchmarks/train.py --quick                 # tiny config on CPU, a smoke test
 
-Every phase is timed apart and printed as it ends: step lowering and compile
-(`.lower(...).compile()` on abstract inputs), the state's initialisation, the warm-up steps, then
-each timed step. The state is initialised op by op, not jitted: a jitted init of the 1.3B model
-compiles as long as the step itself (60 s on CPU), op by op takes seconds since the 24 layers
-repeat a few shapes. The JSON is rewritten after
-every row (one row per device count and batch size); a row that runs out of memory is recorded
-with its error and the next row runs.
+Rows: device count x remat policy (kimi_jax/remat.py) x sequences per device, or --rows. Every
+phase is timed apart and printed as it ends: step lowering and compile (`.lower(...).compile()`
+on abstract inputs; each row compiles in a thread while the next is traced, and nothing runs
+before all are compiled, so compiles do not disturb timings), the state's initialisation, the
+warm-up steps, then each timed step (the median is reported). The state is initialised op by
+op, not jitted: a jitted init of the 1.3B model compiles as long as the step itself (60 s on
+CPU); op by op takes seconds since the 24 layers repeat a few shapes. The JSON is rewritten
+after every phase of every row; a row that fails (out of memory, say) records its error and the
+next row runs. --scale_best runs, of the multi-device rows, only those with the policy and
+per-device batch of the fastest one-device row; `scaling_efficiency` divides each multi-device
+row's tokens/s by n x the one-device row of the same setting.
 
 FLOPs per token (`flops_per_token`) are the model's forward + backward FLOPs from
 `kimi_jax.flops` (2 per multiply-add, backward = 2 x forward): every projection and MLP matmul,
