@@ -6,8 +6,9 @@
 Pieces, in this order (a run cut short keeps the first): MLA's attention core alone (the
 float32-logit XLA attention the mixer uses; cuDNN's fused attention with v zero-padded to the q/k
 width of 192 through `jax.nn.dot_product_attention`; cuDNN's MLA form, q/k 192 and v 128), the KDA
-and MLA mixers (pre-norm included) and the MLP under the config's remat policy and --policies,
-the head + cross-entropy and the optimizer update. Each piece returns its value and gradients, so
+(per --kda_impls too) and MLA mixers (pre-norm included) and the MLP under the config's remat
+policy, the head + cross-entropy and the optimizer update, then the layer pieces under the
+other --policies. Each piece returns its value and gradients, so
 its forward runs as in the model and the backward recomputes what the policy drops. The sum over
 the model's layers estimates the step. The JSON is rewritten after every piece.
 """
@@ -88,7 +89,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--seq_len", type=int, default=4096)
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--kda_impls", default="chunk", help="KDA impls the KDA mixer is timed with")
+    parser.add_argument("--kda_impls", default="", help="KDA impls to time the KDA mixer with besides the config's")
     parser.add_argument("--policies", default="none,dots16,dots_all", help="remat policies timed besides the config's")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
@@ -126,10 +127,12 @@ def main(argv=None) -> dict:
     pieces["mlp"] = MLP(D, cfg.dense_hidden, activation=cfg.activation, situ_beta=cfg.situ_beta,
                         situ_linear_beta=cfg.situ_linear_beta, **kw)
     policies = list(dict.fromkeys([policy] + [p for p in args.policies.split(",") if p]))
-    for name, module in pieces.items():
-        call = (lambda m, x: m(x, seg)) if name.startswith("mixer") else (lambda m, x: m(x))
-        jobs += [(f"{name} fwd+bwd remat={pol}", lambda call=call, module=module, pol=pol: fwd_bwd(call, module, x, pol))
-                 for pol in policies]
+    later = []  # the other policies run after the head and the optimizer (the step estimate first)
+    for pol in policies:
+        for name, module in pieces.items():
+            call = (lambda m, x: m(x, seg)) if name.startswith("mixer") else (lambda m, x: m(x))
+            (jobs if pol == policy else later).append(
+                (f"{name} fwd+bwd remat={pol}", lambda call=call, module=module, pol=pol: fwd_bwd(call, module, x, pol)))
 
     head = Linear(D, cfg.vocab_size, axes=("embed", "vocab"), **kw)
     targets = jax.random.randint(jax.random.key(1), (B, T), 0, cfg.vocab_size)
@@ -147,6 +150,7 @@ def main(argv=None) -> dict:
             return optax.apply_updates(params, updates), opt_state
         return update, state["params"], state["opt_state"], grads
     jobs.append(("optimizer update (all params)", update_job))
+    jobs += later
 
     for name, make in jobs:
         try:
