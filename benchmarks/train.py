@@ -253,6 +253,10 @@ def main(argv=None) -> dict:
                         help="explicit rows devices:remat:batch_per_device, comma-separated (overrides the grid)")
     parser.add_argument("--scale_best", action="store_true",
                         help="of the multi-device rows run only those of the fastest one-device setting")
+    parser.add_argument("--deadline_s", type=float, default=0.0,
+                        help="once this many seconds have passed less --reserve_s, skip the remaining "
+                             "one-device rows so the multi-device rows still run (0: no deadline)")
+    parser.add_argument("--reserve_s", type=float, default=60.0)
     parser.add_argument("--compile_workers", type=int, default=4, help="rows compiled in parallel")
     parser.add_argument("--kda_impl", default="", help="override config.model.mixers.kda.impl (kernels.kda.IMPLS)")
     parser.add_argument("--compile_cache", default="", help="persistent compilation cache folder")
@@ -278,6 +282,7 @@ def main(argv=None) -> dict:
     available = [n for n in counts if n <= jax.device_count()]
     if len(available) < len(counts):
         log(f"skipping device counts {sorted(set(counts) - set(available))}: {jax.device_count()} present")
+    start = time.perf_counter()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = args.out or os.path.join(RESULTS, f"train_{'quick_' if args.quick else ''}{stamp}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -335,6 +340,12 @@ def main(argv=None) -> dict:
             row, ctx = rows[i], contexts[i]
             if steps[i] is None:
                 continue
+            late = args.deadline_s and time.perf_counter() - start > args.deadline_s - args.reserve_s
+            if late and row["devices"] == 1 and any(r["devices"] > 1 for r in rows):
+                row["skipped"] = f"past --deadline_s {args.deadline_s} less --reserve_s {args.reserve_s}"
+                log(f"{label(row)}: skipped, {row['skipped']}")
+                steps[i] = None
+                continue
             if args.scale_best and row["devices"] > 1 and not is_best_setting(row, rows):
                 row["skipped"] = "not the fastest one-device setting (--scale_best)"
                 steps[i] = None
@@ -345,8 +356,9 @@ def main(argv=None) -> dict:
                 fail(row, e, "run")
             steps[i] = None
             gc.collect()
-            result = save()
-    print(result.get("markdown", ""), flush=True)
+            save()
+    result = save()
+    print(result["markdown"], flush=True)
     if result.get("scaling_efficiency"):
         log(f"scaling efficiency (tokens/s over n x one device): {result['scaling_efficiency']}")
     log(f"wrote {out}")

@@ -61,3 +61,27 @@ def test_scale_best_runs_the_fastest_one_device_setting_only(bench):
     assert bench.is_best_setting(dict(devices=2, batch=16, remat="dots"), rows)
     assert not bench.is_best_setting(dict(devices=2, batch=8, remat="dots"), rows)
     assert bench.is_best_setting(dict(devices=2, batch=8, remat="dots"), [])  # nothing measured: run it
+
+
+def test_scale_best_and_deadline_skip_rows_in_the_json(bench, tmp_path):
+    """Two (fake CPU) devices: the two-device row of another setting than the fastest one-device
+    row is skipped; past the deadline the one-device rows are skipped and the two-device row
+    still runs. Skipped rows say why in the JSON."""
+    import jax
+
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices")
+    for argv, expect in (
+            (["--rows", "1:none:1,2:none:1,2:full:1", "--scale_best"],
+             {(1, 1, "none"): None, (2, 2, "none"): None, (2, 2, "full"): "fastest"}),
+            (["--rows", "1:none:1,2:none:1", "--deadline_s", "1e-9", "--reserve_s", "0"],
+             {(1, 1, "none"): "deadline", (2, 2, "none"): None})):
+        out = tmp_path / "s.json"
+        bench.main(["--quick", *argv, "--out", str(out)])
+        rows = {(r["devices"], r["batch"], r["remat"]): r for r in json.loads(out.read_text())["rows"]}
+        assert rows.keys() == expect.keys()
+        for key, why in expect.items():
+            if why is None:
+                assert rows[key]["tokens_per_sec"] > 0 and "skipped" not in rows[key], key
+            else:
+                assert why in rows[key]["skipped"] and "tokens_per_sec" not in rows[key], key
