@@ -15,7 +15,8 @@ before all are compiled, so compiles do not disturb timings), the state's initia
 warm-up steps, then each timed step (the median is reported). The state is initialised op by
 op, not jitted: a jitted init of the 1.3B model compiles as long as the step itself (60 s on
 CPU); op by op takes seconds since the 24 layers repeat a few shapes. The JSON is rewritten
-after every phase of every row; a row that fails (out of memory, say) records its error and the
+after every phase of every row (with the XLA environment: XLA_PYTHON_CLIENT_MEM_FRACTION
+must allow the step's memory, JAX's default pool is 75% of the GPU); a row that fails (out of memory, say) records its error and the
 next row runs. --scale_best runs, of the multi-device rows, only those with the policy and
 per-device batch of the fastest one-device row; `scaling_efficiency` divides each multi-device
 row's tokens/s by n x the one-device row of the same setting.
@@ -54,6 +55,7 @@ from kimi_jax import flops, logging_utils, optim, sharding, train_lib  # noqa: E
 from kimi_jax.remat import POLICIES  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+ENV_KEYS = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE", "NCCL_NVLS_ENABLE")
 VENDOR_PEAK = {"h100": 989e12, "h200": 989e12}  # dense bf16, SXM
 FLOPS_NOTE = ("model FLOPs, forward + backward (3 x forward, 2 per multiply-add) from kimi_jax.flops: "
               "projections, MLP, head, MLA attention over the mean causal context T/2, KDA chunked "
@@ -304,7 +306,7 @@ def main(argv=None) -> dict:
     def save():
         result = {"config": args.config, "kda_impl": config.model.mixers.get("kda", {}).get("impl", "auto"),
                   "jax": jax.__version__, "time": stamp,
-                  "xla_flags": os.environ.get("XLA_FLAGS", ""), "flops_counting": FLOPS_NOTE,
+                  "env": {k: os.environ[k] for k in ENV_KEYS if k in os.environ}, "flops_counting": FLOPS_NOTE,
                   "rows": rows, "scaling_efficiency": scaling(rows), "markdown": markdown(rows)}
         with open(out, "w") as f:
             json.dump(result, f, indent=1)
