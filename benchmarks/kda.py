@@ -204,22 +204,33 @@ def _peer(name, x):
     raise ValueError(f"Unknown peer {name!r}; expected one of {PEERS}")
 
 
-def run_shape(shape, impls, peers):
-    """All rows of one shape: dicts with name, kind, times, roofline figures, error or skip reason."""
+def run_shape(shape, impls, peers, on_row=None):
+    """All rows of one shape: dicts with name, kind, times, roofline figures, error or skip reason.
+
+    `on_row(rows)` runs after every measured row (ratios are filled in at the end of the shape),
+    so a run cut short by a time limit keeps what it measured."""
     B, T, H, D = shape
     x = make_inputs(shape)
     rows, outs = [], {}
+
+    def add(row, out):
+        rows.append(row)
+        if out is not None:
+            outs[row["name"]] = np.asarray(out, np.float32)
+        fwd, fb = row["fwd_ms"], row["fwd_bwd_ms"]
+        print(f"  {row['name']}: fwd {fwd if fwd is None else round(fwd, 3)} ms, "
+              f"fwd+bwd {fb if fb is None else round(fb, 3)} ms{'  ' + str(row['error'])[:120] if row['error'] else ''}",
+              flush=True)
+        if on_row is not None:
+            on_row(rows)
+
     for impl in impls:
         _check_impl(impl)
         res, err = _ours(impl, x, shape)
-        rows.append(_row(f"{impl}", "ours", shape, res, err))
-        if res is not None and res[2] is not None:
-            outs[impl] = np.asarray(res[2], np.float32)
+        add(_row(f"{impl}", "ours", shape, res, err), None if res is None else res[2])
     for name in peers:
         for label, (res, err) in _peer(name, x):
-            rows.append(_row(label, "peer", shape, res, err))
-            if res is not None and res[2] is not None:
-                outs[label] = np.asarray(res[2], np.float32)
+            add(_row(label, "peer", shape, res, err), None if res is None else res[2])
     ref = outs.get("chunk")
     for row in rows:
         if ref is not None and row["name"] in outs:
@@ -424,13 +435,20 @@ def main(argv=None):
         return result
     rows, path = [], a.out
     config = dict(shapes=[list(s) for s in shapes], impls=impls, peers=peers, lower_bound=LOWER_BOUND, **args_timing)
-    for shape in shapes:
-        rows += run_shape(shape, impls, peers)
-        print(table([r for r in rows if r["shape"] == list(shape)]) + "\n", flush=True)
-        # Written after every shape, so a run cut short still leaves its measurements.
-        report = table(rows)
-        result = dict(env=env, config=config, peak=dict(tflops=PEAK_TFLOPS, tbps=PEAK_TBPS), rows=rows, table=report)
+
+    def save(all_rows):
+        nonlocal path
+        report = table(all_rows)
+        result = dict(env=env, config=config, peak=dict(tflops=PEAK_TFLOPS, tbps=PEAK_TBPS), rows=all_rows, table=report)
         path = write_json(result, path, "kda")
+        return report, result
+
+    for shape in shapes:
+        print(f"# shape {shape}", flush=True)
+        done = list(rows)
+        rows += run_shape(shape, impls, peers, on_row=lambda partial: save(done + partial))
+        print(table([r for r in rows if r["shape"] == list(shape)]) + "\n", flush=True)
+        report, result = save(rows)
     print(report)
     print(f"\nwrote {path}")
     return result
