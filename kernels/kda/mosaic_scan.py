@@ -28,13 +28,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels.kda import chunk
+from kernels.kda.hopper import SUPPORTED_DIMS, unsupported_reason
+from kernels.kda.hopper import device_kind as _device_kind
 from kernels.kda.mosaic_state import smem_transforms
 
 log = logging.getLogger(__name__)
 
 C = 64  # chunk length
 BV = 64  # V columns per program
-SUPPORTED_DIMS = (64, 128)
 
 
 def _smem(shape, dtype):
@@ -284,29 +285,6 @@ def grad_scan_chunks(dS, w, kg, qg, do, dvn_intra, decay, *, cd, interpret=False
     dhs, dvn, dh0 = grad_scan(op(w), op(kg), op(qg), op(do), f32(dvn_intra), f32(decay),
                               dS.reshape(B * H, K, V).astype(jnp.float32), interpret=interpret)
     return dhs.reshape(N, B, H, K, V), dvn.reshape(N, B, H, C, V), dh0.reshape(B, H, K, V)
-
-
-@functools.cache
-def _device_kind() -> str:
-    """'hopper', 'cpu' (the kernels run in the Mosaic GPU interpreter) or 'other'."""
-    d = jax.devices()[0]
-    if d.platform == "cpu":
-        return "cpu"
-    if d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9."):
-        return "hopper"
-    return "other"
-
-
-def unsupported_reason(K: int, V: int, dtype, interpret: bool) -> str | None:
-    """Why the kernels cannot take this call (None when they can)."""
-    if not interpret and _device_kind() != "hopper":
-        return f"no Hopper GPU (device kind {_device_kind()!r})"
-    if K not in SUPPORTED_DIMS or V not in SUPPORTED_DIMS:
-        return f"K={K}, V={V} (the kernels take K, V in {SUPPORTED_DIMS})"
-    allowed = (jnp.bfloat16, jnp.float16) + ((jnp.float32,) if interpret else ())
-    if not any(jnp.dtype(dtype) == jnp.dtype(d) for d in allowed):
-        return f"dtype {jnp.dtype(dtype).name} (the kernels take bf16/fp16 q, k, v)"
-    return None
 
 
 _warned: set = set()

@@ -22,22 +22,12 @@ from benchmarks.common import attempt, environment, time_jax
 from kernels.kda import kda
 from kernels.kda.chunk import _Numerics, _grad_scan, _prep, _state_scan, _wy
 from kernels.kda.chunk_intra import to_chunks
+from kernels.kda.pallas_gpu_bench import inputs
 from kernels.testing import rel_rms
 
 SHAPES = ((8, 4096, 16, 128), (1, 65536, 16, 128))
 QUICK_SHAPES = ((1, 128, 2, 64),)
 LOWER_BOUND = -5.0
-
-
-def inputs(B, T, H, D, seed=0):
-    r = np.random.default_rng(seed)
-    nrm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
-    q = jnp.asarray(nrm(r.standard_normal((B, T, H, D))), jnp.bfloat16)
-    k = jnp.asarray(nrm(r.standard_normal((B, T, H, D))), jnp.bfloat16)
-    v = jnp.asarray(r.standard_normal((B, T, H, D)), jnp.bfloat16)
-    g = jnp.asarray(-5.0 / (1.0 + np.exp(-r.standard_normal((B, T, H, D)))), jnp.float32)
-    beta = jnp.asarray(1.0 / (1.0 + np.exp(-r.standard_normal((B, T, H)))), jnp.float32)
-    return q, k, v, g, beta
 
 
 def fwd_fn(impl):

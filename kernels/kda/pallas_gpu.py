@@ -41,12 +41,12 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from kernels.kda import mosaic_decode, mosaic_intra, mosaic_intra_bf16, mosaic_state
+from kernels.kda import hopper, mosaic_decode, mosaic_intra, mosaic_intra_bf16, mosaic_state
+from kernels.kda.hopper import SUPPORTED_DIMS, device_kind as _device_kind
 from kernels.kda.pallas_gpu_prep import chunked_reference, prepare
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_DIMS = (64, 128)
 BOUNDED_GATE = -5.0  # lower_bound at or above this may take the Mosaic GPU intra-chunk kernel
 INTRA_STAGES = ("xla", "chunk", "mosaic", "mosaic_bf16")
 # Measured on one H200 at (8, 4096, 16, 128) bf16, lower_bound=-5: chunk.py's intra pieces (prep
@@ -65,27 +65,9 @@ def _warn_once(reason: str) -> None:
         log.warning("kda impl='pallas_gpu' falls back to 'chunk': %s", reason)
 
 
-@functools.cache
-def _device_kind() -> str:
-    """'hopper', 'cpu' (interpret mode) or 'other'."""
-    d = jax.devices()[0]
-    if d.platform == "cpu":
-        return "cpu"
-    if d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9."):
-        return "hopper"
-    return "other"
-
-
 def unsupported_reason(K: int, V: int, dtype, interpret: bool) -> str | None:
-    """Why the kernels cannot take this call (None when they can)."""
-    if not interpret and _device_kind() != "hopper":
-        return f"no Hopper GPU (device kind {_device_kind()!r})"
-    if K not in SUPPORTED_DIMS or V not in SUPPORTED_DIMS:
-        return f"K={K}, V={V} (kernels take K, V in {SUPPORTED_DIMS})"
-    allowed = (jnp.bfloat16, jnp.float16) + ((jnp.float32,) if interpret else ())
-    if not any(jnp.dtype(dtype) == jnp.dtype(d) for d in allowed):
-        return f"dtype {jnp.dtype(dtype).name} (kernels take bf16/fp16 q, k, v)"
-    return None
+    """Why the kernels cannot take this call (None when they can); see `kernels.kda.hopper`."""
+    return hopper.unsupported_reason(K, V, dtype, interpret, _device_kind())
 
 
 def _fallback_impl():
