@@ -1,7 +1,7 @@
 """Grid sweeps: every trial is a normal train.py + eval.py run in its own workdir.
 
     python sweep.py --config configs/sweeps/mqar.py[:arg] --workdir DIR [--parallel N]
-        [--devices 0,1,...] [--launcher "srun -N 4 --ntasks-per-node=1"] [--dry_run]
+        [--devices 0,1,...] [--launcher "srun -N 4 --ntasks-per-node=1"] [--compile_cache off] [--dry_run]
 
 The sweep config (configs/sweeps/*.py) names a trial config file and an arg template, grid axes
 (lists; dict entries expand into several template keys), `--config.<key>=<value>` overrides per
@@ -14,7 +14,11 @@ share each one (small models leave a GPU mostly idle; their cost is process star
 host-side data), each then without preallocation and with 0.9/N of the device memory (JAX's
 XLA_PYTHON_CLIENT_* variables). `--deadline_s` bounds the sweep's wall time: no trial starts after
 it, running ones are stopped (SIGTERM, as does a SIGTERM to the sweep) and the summary is written
-from the trials that finished. A failed trial is recorded, with the tail of its log, in
+from the trials that finished. The trials share a persistent XLA compilation cache,
+DIR/xla_cache by default (`--compile_cache PATH`, relative to DIR, or `off`; handed to each trial
+through JAX's JAX_COMPILATION_CACHE_DIR variables), and run in an order that puts the trials of one
+grid point (differing only in `select_over`) apart, so that a later one finds the programs an
+earlier one compiled instead of compiling them at the same time. A failed trial is recorded, with the tail of its log, in
 DIR/status.json and DIR/summary.md, and the sweep goes on. On a TPU pod slice or a multi-host GPU
 cluster every trial must run on the whole slice: `--launcher` is the same launch train.py uses
 there (a command prefix, or a template with {cmd}, e.g. gcloud's `--worker=all --command '{cmd}'`),
@@ -53,6 +57,9 @@ def _define_flags():
     flags.DEFINE_float("deadline_s", 0.0, "Wall-clock budget of the sweep in seconds (0: none).")
     flags.DEFINE_string("device_env", "CUDA_VISIBLE_DEVICES", "Variable that pins a trial to its device.")
     flags.DEFINE_string("launcher", "", "Multi-host launch prefix or template with {cmd}.")
+    flags.DEFINE_string("compile_cache", "xla_cache", "Compilation cache shared by the trials: a directory "
+                        "(relative: under --workdir) or 'off'.")
+    flags.DEFINE_float("compile_cache_min_s", 0.0, "Compiles shorter than this (seconds) are not cached.")
     flags.DEFINE_bool("dry_run", False, "Print the trial commands and stop.")
     flags.mark_flags_as_required(["config", "workdir"])
 
@@ -138,6 +145,32 @@ def make_trials(sweep, root: str) -> list[Trial]:
     return trials
 
 
+def run_order(trials: list[Trial], select_over: str) -> list[Trial]:
+    """The trials with those of one grid point (equal but for `select_over`: the same model, the
+    same compiled programs) spread apart: every point's first trial, then every point's second...
+    With a shared compilation cache a point's later trials then start after its first one has
+    compiled (instead of compiling alongside it), and a deadline leaves one trial of each point
+    rather than every trial of the first points."""
+    seen: dict[tuple, int] = {}
+    rank = []
+    for i, t in enumerate(trials):
+        group = tuple(sorted((k, str(v)) for k, v in t.point.items() if k != select_over))
+        rank.append((seen.get(group, 0), i))
+        seen[group] = seen.get(group, 0) + 1
+    return [trials[i] for _, i in sorted(rank)]
+
+
+def compile_cache_env(path: str, min_compile_s: float = 0.0) -> dict:
+    """Environment that points JAX's persistent compilation cache of a trial at `path` ("" or
+    "off": none). Every entry is kept (no size floor; `min_compile_s` 0 by default, since compiles
+    that are fast alone take seconds when many trials share the host's cores)."""
+    if not path or path == "off":
+        return {}
+    return {"JAX_COMPILATION_CACHE_DIR": os.path.abspath(path),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": str(float(min_compile_s)),
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+
+
 # ------------------------------------------------------------------------------------- run
 LOG_TAIL_LINES = 30
 
@@ -162,11 +195,13 @@ class SubprocessRunner:
     log's tail. Setting `stop` ends the running command (SIGTERM to its process group, SIGKILL
     after `grace_s`): train.py then saves a checkpoint, so a restarted sweep resumes the trial.
     `share` > 1 trials per device run without preallocation, each with `mem_fraction` (default
-    0.9 / share) of the device memory."""
+    0.9 / share) of the device memory. `extra_env` (e.g. `compile_cache_env`) is set for every
+    command."""
 
     def __init__(self, launcher: str = "", device_env: str = "CUDA_VISIBLE_DEVICES", *, share: int = 1,
-                 mem_fraction: float = 0.0, stop: threading.Event | None = None, grace_s: float = 10.0):
-        self.launcher, self.device_env = launcher, device_env
+                 mem_fraction: float = 0.0, stop: threading.Event | None = None, grace_s: float = 10.0,
+                 extra_env: dict | None = None):
+        self.launcher, self.device_env, self.extra_env = launcher, device_env, dict(extra_env or {})
         self.share, self.mem_fraction, self.grace_s = share, mem_fraction, grace_s
         self.stop = stop or threading.Event()
 
@@ -178,7 +213,7 @@ class SubprocessRunner:
         return [*shlex.split(self.launcher), *cmd]
 
     def env(self, device: str | None) -> dict:
-        env = dict(os.environ)
+        env = {**os.environ, **self.extra_env}
         if device is not None:
             env[self.device_env] = device
         if self.share > 1:
@@ -381,10 +416,14 @@ def main(argv):
         timer = threading.Timer(FLAGS.deadline_s, stop.set)
         timer.daemon = True
         timer.start()
+    cache = "" if FLAGS.compile_cache in ("", "off") else os.path.join(root, FLAGS.compile_cache)
     runner = SubprocessRunner(FLAGS.launcher, FLAGS.device_env, stop=stop, mem_fraction=FLAGS.mem_fraction,
-                              share=FLAGS.trials_per_device if devices else 1)
-    print(f"[sweep] {len(trials)} trials, {parallel} at a time on {slots or 'this machine'}", flush=True)
-    status = run_trials(trials, runner, parallel=parallel, devices=slots, stop=stop)
+                              share=FLAGS.trials_per_device if devices else 1,
+                              extra_env=compile_cache_env(cache, FLAGS.compile_cache_min_s))
+    print(f"[sweep] {len(trials)} trials, {parallel} at a time on {slots or 'this machine'}; "
+          f"compilation cache {cache or 'off'}", flush=True)
+    order = run_order(trials, sweep.select_over) if cache else trials
+    status = run_trials(order, runner, parallel=parallel, devices=slots, stop=stop)
     rows = summarize(sweep, trials)
     write_summary(sweep, rows, root, trial_records(trials, status))
     counts = {s: list(status.values()).count(s) for s in ("done", "skipped", "failed", "stopped", "not_run")}
