@@ -14,7 +14,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from kernels.kda import naive
+from kernels.kda import hopper, naive
 from kernels.kda.validate import canonicalize, check_float, check_gate_values, state_dtype
 
 log = logging.getLogger(__name__)
@@ -37,20 +37,17 @@ def _platform() -> str:
     return jax.devices()[0].platform
 
 
-@functools.cache
-def _is_hopper() -> bool:
-    d = jax.devices()[0]
-    return d.platform == "gpu" and getattr(d, "compute_capability", "") in ("9.0", "9.0a")
-
-
 def resolve_impl(impl: str, table=IMPLS) -> str:
     """Map "auto" to the best impl for this platform; reject unknown names loudly."""
     if impl == "auto":
-        # On GPUs "auto" stays on `chunk`: the measured pallas_gpu forward+backward is slower than
-        # chunk at every benchmark shape (benchmarks/results/kda-h200-*.json), so picking it would
-        # be a silent slowdown. Request impl="pallas_gpu" explicitly to use it.
         if table is IMPLS and _platform() == "tpu":
             return "pallas_tpu"
+        # Hopper: chunk with the Mosaic GPU serial passes, the fastest measured forward+backward
+        # (1.4x chunk at (8,4096,16,128), 2.3x at (1,65536,16,128); benchmarks/results/
+        # kda-h200-20261129T2220.json). Calls its kernels cannot take run chunk's XLA passes and
+        # say so once in the log.
+        if table is IMPLS and _platform() == "gpu" and hopper.device_kind() == "hopper":
+            return "chunk_mosaic"
         return "chunk"
     if impl not in table:
         raise ValueError(f"Unknown impl={impl!r}; expected 'auto' or one of {sorted(table)}")
@@ -135,7 +132,7 @@ STEP_IMPLS = ("naive", "pallas_gpu")
 def resolve_step_impl(impl: str) -> str:
     """Decode-step impl: "auto" is the Mosaic GPU kernel on Hopper, else the jnp step."""
     if impl == "auto":
-        return "pallas_gpu" if _platform() == "gpu" and _is_hopper() else "naive"
+        return "pallas_gpu" if _platform() == "gpu" and hopper.device_kind() == "hopper" else "naive"
     if impl not in STEP_IMPLS:
         raise ValueError(f"Unknown step impl={impl!r}; expected 'auto' or one of {list(STEP_IMPLS)}")
     return impl

@@ -102,3 +102,20 @@ def test_naive_grads_exist_for_all_inputs(rng):
     grads = jax.grad(loss, argnums=range(6))(q, k, v, g, beta, h0)
     for x, dx in zip((q, k, v, g, beta, h0), grads):
         assert dx.shape == x.shape and np.all(np.isfinite(dx)) and np.any(dx != 0)
+
+
+@pytest.mark.parametrize("platform,kind,want,want_step", [
+    ("cpu", "cpu", "chunk", "naive"),
+    ("gpu", "hopper", "chunk_mosaic", "pallas_gpu"),
+    ("gpu", "other", "chunk", "naive"),
+    ("tpu", "other", "pallas_tpu", "naive"),
+])
+def test_auto_resolves_per_platform(monkeypatch, platform, kind, want, want_step):
+    from kernels.kda import hopper, ops
+
+    monkeypatch.setattr(ops, "_platform", lambda: platform)
+    monkeypatch.setattr(hopper, "device_kind", lambda: kind)
+    assert ops.resolve_impl("auto") == want
+    assert ops.resolve_impl("auto", ops.LINEAR_IMPLS) == "chunk"
+    assert ops.resolve_step_impl("auto") == want_step
+    assert ops.resolve_impl("chunk") == "chunk"
