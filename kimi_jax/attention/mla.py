@@ -21,19 +21,21 @@ from flax import nnx
 from kimi_jax.attention.common import (
     CACHE_DTYPES,
     MixerConfig,
-    causal_mask,
     check_cache_room,
     constrain_btd,
     constrain_heads,
     xla_attention,
 )
+from kimi_jax.attention.core import DEFAULT_MAX_SEGMENTS, IMPLS, attention, check_max_segments
 from kimi_jax.layers import Linear, RMSNorm, apply_rope, segment_positions
 
 
 @dataclasses.dataclass(frozen=True)
 class MLAConfig(MixerConfig):
     """q_lora_rank None = direct q projection; rope_theta None = NoPE (Kimi); norm_eps is the
-    eps of the q/kv latent norms; cache_dtype None = the compute dtype."""
+    eps of the q/kv latent norms; cache_dtype None = the compute dtype. attention_impl picks the
+    training/prefill attention ("auto", "xla", "cudnn"; see attention/core.py) and max_segments
+    bounds the packed documents per row on the cuDNN path."""
 
     num_heads: int = 8
     q_lora_rank: int | None = None
@@ -45,8 +47,12 @@ class MLAConfig(MixerConfig):
     rope_theta: float | None = None
     norm_eps: float = 1e-6
     cache_dtype: str | None = None
+    attention_impl: str = "auto"
+    max_segments: int = DEFAULT_MAX_SEGMENTS
 
     def __post_init__(self):
+        self._check_choice("attention_impl", IMPLS)
+        check_max_segments(self.max_segments)
         self._check_positive(
             "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", allow_none=("q_lora_rank",)
         )
@@ -139,7 +145,9 @@ class MLA(nnx.Module):
         x = constrain_btd(x)
         B, T, _ = x.shape
         q, k, v = self._expand(*self._project(x, segment_positions(segment_ids, T, B)))
-        o = xla_attention(q, k, v, causal_mask(segment_ids, T, B), self.config.qk_head_dim**-0.5)
+        c = self.config
+        o = attention(q, k, v, segment_ids, scale=c.qk_head_dim**-0.5, impl=c.attention_impl,
+                      max_segments=c.max_segments)
         return self._output(x, o)
 
     def init_cache(self, batch_size: int, max_len: int):

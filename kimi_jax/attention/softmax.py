@@ -1,10 +1,10 @@
 """Causal softmax multi-head attention with GQA, optional RoPE, packed-document masking and a
-growing KV cache; cuDNN flash attention on GPU where it applies, else the XLA path."""
+growing KV cache; training/prefill attention through attention/core.py (cuDNN flash attention
+on GPU where it applies, else the float32-logit XLA path)."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,46 +13,21 @@ from flax import nnx
 from kimi_jax.attention.common import (
     CACHE_DTYPES,
     MixerConfig,
-    causal_mask,
     check_cache_room,
     constrain_btd,
     constrain_heads,
     xla_attention,
 )
+from kimi_jax.attention.core import DEFAULT_MAX_SEGMENTS, IMPLS, attention, check_max_segments
 from kimi_jax.layers import Linear, apply_rope, segment_positions
-
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
-
-
-@functools.cache
-def _platform() -> str:
-    return jax.devices()[0].platform
-
-
-def resolve_attention_impl(impl: str, dtype, head_dim: int) -> str:
-    """The one place an attention `impl` name is resolved: "auto" takes cuDNN on GPU for
-    bf16/fp16 with head_dim a multiple of 8 up to 128, and the XLA path otherwise."""
-    cudnn_ok = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 8 == 0
-    cudnn_ok = cudnn_ok and head_dim <= 128
-    if impl == "auto":
-        return "cudnn" if _platform() == "gpu" and cudnn_ok else "xla"
-    if impl == "cudnn":
-        if _platform() != "gpu" or not cudnn_ok:
-            raise ValueError(
-                f"impl='cudnn' needs a GPU, bf16/fp16 and head_dim % 8 == 0 <= 128; got platform "
-                f"{_platform()}, dtype {jnp.dtype(dtype).name}, head_dim {head_dim}"
-            )
-        return impl
-    if impl == "xla":
-        return impl
-    raise ValueError(f"Unknown attention impl={impl!r}; expected one of {list(ATTENTION_IMPLS)}")
 
 
 @dataclasses.dataclass(frozen=True)
 class SoftmaxConfig(MixerConfig):
     """num_kv_heads None = num_heads (MHA); head_dim None = d_model // num_heads (then
-    the byte counts need it set); rope_theta
-    None = NoPE; cache_dtype None = the compute dtype."""
+    the byte counts need it set); rope_theta None = NoPE; cache_dtype None = the compute dtype.
+    impl picks the training/prefill attention ("auto", "xla", "cudnn"; see attention/core.py)
+    and max_segments bounds the packed documents per row on the cuDNN path."""
 
     num_heads: int = 8
     num_kv_heads: int | None = None
@@ -60,10 +35,12 @@ class SoftmaxConfig(MixerConfig):
     rope_theta: float | None = 10000.0
     impl: str = "auto"
     cache_dtype: str | None = None
+    max_segments: int = DEFAULT_MAX_SEGMENTS
 
     def __post_init__(self):
         self._check_positive("num_heads", "num_kv_heads", "head_dim", allow_none=("num_kv_heads", "head_dim"))
-        self._check_choice("impl", ATTENTION_IMPLS)
+        self._check_choice("impl", IMPLS)
+        check_max_segments(self.max_segments)
         self._check_choice("cache_dtype", (None,) + CACHE_DTYPES)
         if self.num_heads % self.kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.kv_heads}")
@@ -127,14 +104,8 @@ class SoftmaxAttention(nnx.Module):
         x = constrain_btd(x)
         B, T, _ = x.shape
         q, k, v = self._qkv(x, segment_positions(segment_ids, T, B))
-        Dh = q.shape[-1]
-        mask = causal_mask(segment_ids, T, B)
-        if resolve_attention_impl(self.config.impl, q.dtype, Dh) == "cudnn":
-            o = jax.nn.dot_product_attention(
-                q, k, v, mask=None if segment_ids is None else mask, is_causal=True, implementation="cudnn"
-            )
-        else:
-            o = xla_attention(q, k, v, mask, Dh**-0.5)
+        o = attention(q, k, v, segment_ids, scale=q.shape[-1] ** -0.5, impl=self.config.impl,
+                      max_segments=self.config.max_segments)
         return constrain_btd(self.o_proj(o))
 
     def init_cache(self, batch_size: int, max_len: int):
