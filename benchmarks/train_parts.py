@@ -3,9 +3,9 @@
 
     python benchmarks/train_parts.py --batch_size 4 --seq_len 4096 --out parts.json
 
-Pieces, in this order (a run cut short keeps the first): MLA's attention core alone (the
-float32-logit XLA attention the mixer uses; cuDNN's fused attention with v zero-padded to the q/k
-width of 192 through `jax.nn.dot_product_attention`; cuDNN's MLA form, q/k 192 and v 128), the KDA
+Pieces, in this order (a run cut short keeps the first): MLA's attention core alone through
+`kimi_jax.attention.core.attention` (the float32-logit XLA path; cuDNN's MLA form, q/k 192 and
+v 128; cuDNN with packed documents, one per row and 16 per row, where v is zero-padded to 192), the KDA
 (per --kda_impls too) and MLA mixers (pre-norm included) and the MLP under the config's remat
 policy, the head + cross-entropy and the optimizer update, then the layer pieces under the
 other --policies. Each piece returns its value and gradients, so
@@ -32,7 +32,7 @@ from flax import nnx  # noqa: E402
 
 from benchmarks.train import load_config, log  # noqa: E402
 from kimi_jax import optim, train_lib  # noqa: E402
-from kimi_jax.attention.common import xla_attention  # noqa: E402
+from kimi_jax.attention.core import attention  # noqa: E402
 from kimi_jax.config import ModelConfig  # noqa: E402
 from kimi_jax.ffn import MLP  # noqa: E402
 from kimi_jax.layers import Linear, RMSNorm  # noqa: E402
@@ -64,14 +64,6 @@ def fwd_bwd(module_fn, module, x, policy: str):
     if POLICIES[policy] is not None:
         loss = jax.checkpoint(loss, policy=make_policy(policy, x.shape[0] * x.shape[1]))
     return jax.value_and_grad(loss, argnums=(0, 1)), params, x
-
-
-def cudnn_mla(scale: float):
-    """cuDNN fused attention with a value head narrower than q/k (cuDNN >= 9.10 on Hopper). The
-    public `jax.nn.dot_product_attention` demands equal widths, so this calls JAX's cuDNN module."""
-    from jax._src.cudnn import fused_attention_stablehlo as fa
-
-    return lambda q, k, v: fa.dot_product_attention(q, k, v, scale=scale, mask_type=fa.MaskType.CAUSAL)
 
 
 class PreNormMixer(nnx.Module):
@@ -109,12 +101,13 @@ def main(argv=None) -> dict:
     ks = jax.random.split(jax.random.key(2), 3)
     q, k = (jax.random.normal(kk, (B, T, H, dqk), dtype) for kk in ks[:2])
     v = jax.random.normal(ks[2], (B, T, H, dv), dtype)
-    mask = jnp.tril(jnp.ones((T, T), bool))[None, None]
-    cores = {"xla f32 logits": lambda q, k, v: xla_attention(q, k, v, mask, dqk**-0.5),
-             "cudnn, v zero-padded to the q/k width": lambda q, k, v: jax.nn.dot_product_attention(
-                 q, k, jnp.pad(v, [(0, 0)] * 3 + [(0, dqk - dv)]), is_causal=True, scale=dqk**-0.5,
-                 implementation="cudnn")[..., :dv],
-             "cudnn mla (q/k 192, v 128)": cudnn_mla(dqk**-0.5)}
+    docs16 = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) // max(T // 16, 1), (B, T))
+    core = lambda impl, seg: lambda q, k, v: attention(  # noqa: E731
+        q, k, v, seg, scale=dqk**-0.5, impl=impl, max_segments=mla.get("max_segments", 64))
+    cores = {"xla f32 logits": core("xla", None),
+             "cudnn mla (q/k 192, v 128)": core("cudnn", None),
+             "cudnn packed, 1 document per row": core("cudnn", seg),
+             "cudnn packed, 16 documents per row": core("cudnn", docs16)}
     for name, fn in cores.items():
         grad = jax.value_and_grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
         jobs.append((f"mla attention core {name} fwd+bwd", lambda grad=grad: (grad, q, k, v)))
