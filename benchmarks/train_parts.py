@@ -5,7 +5,8 @@
 
 Pieces, in this order (a run cut short keeps the first): MLA's attention core alone through
 `kimi_jax.attention.core.attention` (the float32-logit XLA path; cuDNN's MLA form, q/k 192 and
-v 128; cuDNN with packed documents, one per row and 16 per row, where v is zero-padded to 192), the KDA
+v 128; cuDNN with packed documents, one per row and 16 per row, where v is zero-padded to 192,
+and once without that padding), the KDA
 (per --kda_impls too) and MLA mixers (pre-norm included) and the MLP under the config's remat
 policy, the head + cross-entropy and the optimizer update, then the layer pieces under the
 other --policies. Each piece returns its value and gradients, so
@@ -32,7 +33,7 @@ from flax import nnx  # noqa: E402
 
 from benchmarks.train import load_config, log  # noqa: E402
 from kimi_jax import optim, train_lib  # noqa: E402
-from kimi_jax.attention.core import attention  # noqa: E402
+from kimi_jax.attention.core import attention, cudnn_attention  # noqa: E402
 from kimi_jax.config import ModelConfig  # noqa: E402
 from kimi_jax.ffn import MLP  # noqa: E402
 from kimi_jax.layers import Linear, RMSNorm  # noqa: E402
@@ -107,7 +108,9 @@ def main(argv=None) -> dict:
     cores = {"xla f32 logits": core("xla", None),
              "cudnn mla (q/k 192, v 128)": core("cudnn", None),
              "cudnn packed, 1 document per row": core("cudnn", seg),
-             "cudnn packed, 16 documents per row": core("cudnn", docs16)}
+             "cudnn packed, 16 documents per row": core("cudnn", docs16),
+             "cudnn packed, 1 document per row, v not padded (check parity first)": lambda q, k, v: cudnn_attention(
+                 q, k, v, seg, dqk**-0.5, mla.get("max_segments", 64), pad_v=False)}
     for name, fn in cores.items():
         grad = jax.value_and_grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
         jobs.append((f"mla attention core {name} fwd+bwd", lambda grad=grad: (grad, q, k, v)))
