@@ -76,10 +76,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
     _log(f"model: {num_params:,} parameters; {tokens_per_step:,} tokens per step")
 
     # ----------------------------------------------------------------------------------------------
-    # Train and eval steps (jitted; the train step donates the old state)
+    # Train and eval steps (jitted; the train step donates the old state). The peak learning rate
+    # is an argument, not a constant: runs that differ only in it share one compiled step.
     # ----------------------------------------------------------------------------------------------
-    train_step = jax.jit(train_lib.make_train_step(config, graphdef, tx, schedule), donate_argnums=(0,),
-                         out_shardings=(state_sharding, replicated))
+    peak_lr = jnp.asarray(config.optim.lr, jnp.float32)
+    train_step = train_lib.jit_train_step(config, graphdef, tx, schedule, state_sharding, mesh)
     eval_step = jax.jit(train_lib.make_eval_step(config, graphdef), out_shardings=replicated)
 
     # ----------------------------------------------------------------------------------------------
@@ -165,7 +166,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
                 jax.profiler.start_trace(f"{workdir}/profile")
             with jax.set_mesh(mesh):
                 batch = train_lib.global_batch(next(train_iter), mesh)
-                state, metrics = train_step(state, batch, jnp.asarray(step, jnp.int32))
+                state, metrics = train_step(state, batch, jnp.asarray(step, jnp.int32), peak_lr)
             if profile and step == profile[-1]:
                 jax.block_until_ready(state)
                 jax.profiler.stop_trace()

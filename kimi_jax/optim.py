@@ -1,6 +1,12 @@
 """Optimizers from `config.optim`: AdamW or Muon with warmup + cosine/WSD schedules, global-norm
 clipping and decoupled weight decay behind a mask.
 
+The transformation is built for a peak learning rate of 1.0 (the schedule's shape only): every
+update it returns is linear in the learning rate (Adam's and Muon's steps, Muon's Adam-group ratio
+and the decoupled weight decay all scale with it, clipping acts on the gradients before), so the
+train step multiplies the updates by `optim.lr` given as a runtime argument. Runs that differ only
+in the learning rate then compile the same program (one persistent-cache entry for a sweep's lrs).
+
 Parameters are pure dicts (`nnx.State.to_pure_dict()`); the logical axis names of each parameter
 (a dict `{path: names}`, see `param_info`) decide the decay mask and Muon's matrix axes.
 """
@@ -25,10 +31,11 @@ def path_name(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
-def make_schedule(optim, total_steps: int):
+def make_schedule(optim, total_steps: int, peak: float | None = None):
     """Learning rate per step: linear warmup, then cosine to `min_lr_ratio * lr`, or WSD (constant,
-    then a linear decay over the last `decay_fraction` of the steps), or constant."""
-    lr, warmup = float(optim.lr), int(optim.warmup_steps)
+    then a linear decay over the last `decay_fraction` of the steps), or constant. `peak` replaces
+    `optim.lr` (1.0: the shape that the runtime learning rate scales)."""
+    lr, warmup = float(optim.lr if peak is None else peak), int(optim.warmup_steps)
     final = lr * float(optim.min_lr_ratio)
     rest = max(int(total_steps) - warmup, 1)
     if optim.schedule == "cosine":
@@ -95,10 +102,12 @@ def decoupled_weight_decay(rate: float, schedule, mask) -> optax.GradientTransfo
     return optax.GradientTransformation(init, update)
 
 
-def make_optimizer(optim, total_steps: int, names: dict):
-    """(optax transformation, schedule) for `config.optim`; `names` maps parameter paths to
-    logical axis names."""
-    schedule = make_schedule(optim, total_steps)
+def make_optimizer(optim, total_steps: int, names: dict, peak_lr: float = 1.0):
+    """(optax transformation, schedule) for `config.optim` at peak learning rate `peak_lr`; `names`
+    maps parameter paths to logical axis names. With the default 1.0 the updates are those of
+    `optim.lr` divided by it and `schedule` is the shape: scale both by the learning rate (see
+    `train_lib.make_train_step`)."""
+    schedule = make_schedule(optim, total_steps, peak=float(peak_lr))
     if optim.name == "adamw":
         core = optax.chain(optax.scale_by_adam(optim.b1, optim.b2, optim.eps),
                            optax.scale_by_learning_rate(schedule))

@@ -172,21 +172,27 @@ def _grads(loss_fn, state, batch, num_tokens, accum: int):
 
 
 def make_train_step(config, graphdef, tx, schedule):
-    """(state, batch, step) -> (state, metrics): one optimizer step on the global batch.
+    """(state, batch, step, lr) -> (state, metrics): one optimizer step on the global batch.
 
-    Non-finite loss or gradients: with `skip_nonfinite_updates` the old state is kept, else the
-    caller stops on `metrics["finite"] == False` before anything is saved."""
+    `tx` and `schedule` come from `optim.make_optimizer` at peak learning rate 1: the updates are
+    multiplied by `lr`, a float32 scalar argument (so the compiled step is the same for every
+    learning rate), and the logged lr is `lr * schedule(step - 1)`. Left out, `lr` is
+    `config.optim.lr` as a constant of the program. Non-finite loss or gradients: with
+    `skip_nonfinite_updates` the old state is kept, else the caller stops on
+    `metrics["finite"] == False` before anything is saved."""
     loss_fn = make_loss_fn(config, graphdef)
     accum, skip = int(config.optim.grad_accum_steps), bool(config.skip_nonfinite_updates)
     nan_step = int(config.inject_nan_at_step)
 
-    def train_step(state, batch, step):
+    def train_step(state, batch, step, lr=None):
+        lr = jnp.asarray(float(config.optim.lr) if lr is None else lr, jnp.float32)
         num_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
         if nan_step >= 0:  # fault injection for tests of the non-finite handling
             num_tokens = num_tokens / jnp.where(step == nan_step, jnp.nan, 1.0)
         grads, loss, sums, aux, rest = _grads(loss_fn, state, batch, num_tokens, accum)
         grad_norm = optax.global_norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        updates = jax.tree.map(lambda u: (lr * u).astype(u.dtype), updates)
         params = optax.apply_updates(state["params"], updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if skip:
@@ -200,9 +206,17 @@ def make_train_step(config, graphdef, tx, schedule):
         metrics = {"loss": loss, "ce_loss": sums["nll"] / num_tokens, "z_loss": sums["z"] / num_tokens,
                    "aux_loss": aux["aux_loss"], "accuracy": sums["correct"] / num_tokens,
                    "grad_norm": grad_norm, "param_norm": optax.global_norm(params),
-                   "lr": schedule(step - 1), "finite": finite, "moe_load": aux["moe_load"]}
+                   "lr": lr * schedule(step - 1), "finite": finite, "moe_load": aux["moe_load"]}
         return {"params": params, "rest": rest, "opt_state": opt_state}, metrics
     return train_step
+
+
+def jit_train_step(config, graphdef, tx, schedule, state_sharding, mesh):
+    """train.py's jitted train step: donates the old state, returns it in `state_sharding` and
+    the metrics replicated over `mesh`. Call it as (state, batch, step, lr)."""
+    replicated = NamedSharding(mesh, P())
+    return jax.jit(make_train_step(config, graphdef, tx, schedule), donate_argnums=(0,),
+                   out_shardings=(state_sharding, replicated))
 
 
 def make_eval_step(config, graphdef):
@@ -224,6 +238,6 @@ def global_batch(local_batch: dict, mesh) -> dict:
     return {k: jax.make_array_from_process_local_data(spec, v) for k, v in local_batch.items()}
 
 
-__all__ = ["abstract_model", "apply_balancing", "build_model", "global_batch", "make_eval_step", "make_init",
-           "make_loss_fn", "make_train_step", "maybe_initialize_distributed", "param_names", "path_name",
-           "remat_policy", "state_shardings", "token_losses"]
+__all__ = ["abstract_model", "apply_balancing", "build_model", "global_batch", "jit_train_step", "make_eval_step",
+           "make_init", "make_loss_fn", "make_train_step", "maybe_initialize_distributed", "param_names",
+           "path_name", "remat_policy", "state_shardings", "token_losses"]

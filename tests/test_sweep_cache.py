@@ -39,8 +39,8 @@ def test_run_order_puts_the_trials_of_a_point_apart():
 
 
 def test_second_trial_loads_the_first_ones_programs(tmp_path):
-    """mqar.py:tiny one trial at a time: the lr-independent programs (init, eval step, eval.py's)
-    are compiled by the first trial and loaded from DIR/xla_cache by the second."""
+    """mqar.py:tiny one trial at a time: the second trial (another lr) loads every program the
+    first compiled from DIR/xla_cache, the train step included (the lr is an argument of it)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "JAX_DEBUG_LOG_MODULES": "jax._src.compiler"}
     out = subprocess.run([sys.executable, "sweep.py", "--config", "configs/sweeps/mqar.py:tiny",
                           "--workdir", str(tmp_path), "--parallel", "1"],
@@ -51,4 +51,5 @@ def test_second_trial_loads_the_first_ones_programs(tmp_path):
     trials = sw.run_order(sw.make_trials(mqar.get_config("tiny"), str(tmp_path)), "lr")
     logs = {name: open(os.path.join(trials[1].workdir, f"{name}.log")).read() for name in ("train", "eval")}
     assert "Persistent compilation cache hit for 'jit_init'" in logs["train"]
+    assert "Persistent compilation cache hit for 'jit_train_step'" in logs["train"]
     assert "Persistent compilation cache hit" in logs["eval"] and "CACHE MISS" not in logs["eval"]
