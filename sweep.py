@@ -14,7 +14,7 @@ share each one (small models leave a GPU mostly idle; their cost is process star
 host-side data), each then without preallocation and with 0.9/N of the device memory (JAX's
 XLA_PYTHON_CLIENT_* variables). `--deadline_s` bounds the sweep's wall time: no trial starts after
 it, running ones are stopped (SIGTERM, as does a SIGTERM to the sweep) and the summary is written
-from the trials that finished. The trials share a persistent XLA compilation cache,
+from the trials that finished, marked partial (how many of each point's trials it holds). The trials share a persistent XLA compilation cache,
 DIR/xla_cache by default (`--compile_cache PATH`, relative to DIR, or `off`; handed to each trial
 through JAX's JAX_COMPILATION_CACHE_DIR variables), and run in an order that puts the trials of one
 grid point (differing only in `select_over`) apart, so that a later one finds the programs an
@@ -328,33 +328,48 @@ def trial_records(trials: list[Trial], status: dict) -> dict:
 # --------------------------------------------------------------------------------- summary
 def summarize(sweep, trials: list[Trial]) -> list[dict]:
     """Rows: one per grid point without `select_over` (with the keys of its settings), holding the
-    best score over `select_over` and the value that reached it."""
+    best score over `select_over` among its `finished` of `trials` trials and the value that
+    reached it."""
     best: dict[tuple, dict] = {}
     keys = [n for n in sweep.axes if n != sweep.select_over]
     for t in trials:
         score = t.score() if t.done() else None
         group = tuple(t.point[k] for k in keys)
         fixed = {k: v for k, v in t.point.items() if k != sweep.select_over}
-        row = best.setdefault(group, {**fixed, "score": None, sweep.select_over: None, "trials": 0})
+        row = best.setdefault(group, {**fixed, "score": None, sweep.select_over: None, "trials": 0, "finished": 0})
         row["trials"] += 1
+        row["finished"] += score is not None
         if score is not None and (row["score"] is None or score > row["score"]):
             row["score"], row[sweep.select_over] = score, t.point[sweep.select_over]
     return list(best.values())
 
 
+def partial_note(rows: list[dict]) -> str:
+    """"" when every trial finished, else what the summary is missing (a deadline, failures)."""
+    finished, total = sum(r.get("finished", r["trials"]) for r in rows), sum(r["trials"] for r in rows)
+    if finished == total:
+        return ""
+    return (f"Partial: {finished} of {total} trials finished; a score marked (k/n) is the best of the k "
+            f"finished trials of its n.")
+
+
 def write_summary(sweep, rows: list[dict], root: str, records: dict | None = None) -> None:
-    """summary.json (the rows), summary.md (their table, then the trials that did not finish
-    with the last line of their log), summary.png; with `records`, status.json (every trial)."""
+    """summary.json (the rows), summary.md (their table, marked as partial when trials did not
+    finish, then those trials with the last line of their log), summary.png; with `records`,
+    status.json (every trial)."""
     with open(os.path.join(root, "summary.json"), "w") as f:
         json.dump(rows, f, indent=2)
     if records is not None:
         with open(os.path.join(root, "status.json"), "w") as f:
             json.dump(records, f, indent=2)
-    keys = [k for k in rows[0] if k not in ("score", sweep.select_over, "trials")] if rows else []
-    lines = ["| " + " | ".join(keys) + f" | best {sweep.select_over} | score |",
-             "|" + "---|" * (len(keys) + 2)]
+    keys = [k for k in rows[0] if k not in ("score", sweep.select_over, "trials", "finished")] if rows else []
+    note = partial_note(rows)
+    lines = ([note, ""] if note else []) + ["| " + " | ".join(keys) + f" | best {sweep.select_over} | score |",
+                                            "|" + "---|" * (len(keys) + 2)]
     for r in rows:
         score = "-" if r["score"] is None else f"{r['score']:.3f}"
+        if r.get("finished", r["trials"]) < r["trials"]:
+            score += f" ({r['finished']}/{r['trials']})"
         lines.append("| " + " | ".join(str(r[k]) for k in keys) + f" | {r[sweep.select_over]} | {score} |")
     missing = {n: r for n, r in (records or {}).items() if r["status"] not in ("done", "skipped")}
     if missing:
@@ -389,7 +404,11 @@ def plot_summary(sweep, rows: list[dict], path: str) -> None:
         ax.set_ylabel("accuracy (best lr)")
         ax.set_ylim(-0.02, 1.02)
         ax.set_xscale("log", base=2)
-    axes[0][0].legend(fontsize=7)
+    if any(r["score"] is not None for r in rows):
+        axes[0][0].legend(fontsize=7)
+    note = partial_note(rows)
+    if note:
+        fig.suptitle(note.split(";")[0], fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -110,12 +110,21 @@ def test_best_lr_restart_and_devices(tmp_path):
 
 
 def test_tiny_sweep_end_to_end(tmp_path):
-    """configs/sweeps/mqar.py:tiny: two real trials (train.py + eval.py) on CPU, in parallel."""
-    out = subprocess.run([sys.executable, "sweep.py", "--config", "configs/sweeps/mqar.py:tiny",
-                          "--workdir", str(tmp_path), "--parallel", "2"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+    """configs/sweeps/mqar.py:tiny: a run cut by its deadline (summary marked partial), then two
+    real trials (train.py + eval.py) on CPU in parallel, then restarts that run only the trials
+    not done."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    cmd = [sys.executable, "sweep.py", "--config", "configs/sweeps/mqar.py:tiny", "--workdir", str(tmp_path)]
+    cut = subprocess.run(cmd + ["--parallel", "1", "--deadline_s", "1"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert cut.returncode == 1, cut.stdout[-2000:] + cut.stderr[-4000:]
+    assert (tmp_path / "summary.md").read_text().startswith("Partial: 0 of 2 trials finished")
+    assert [r["finished"] for r in json.load(open(tmp_path / "summary.json"))] == [0]
+    assert {r["status"] for r in json.load(open(tmp_path / "status.json")).values()} <= {"stopped", "not_run"}
+    assert (tmp_path / "summary.png").exists()
+    out = subprocess.run(cmd + ["--parallel", "2"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert not (tmp_path / "summary.md").read_text().startswith("Partial")
     rows = json.load(open(tmp_path / "summary.json"))
     assert len(rows) == 1 and rows[0]["trials"] == 2 and 0.0 <= rows[0]["score"] <= 1.0
     assert rows[0]["lr"] in (1e-3, 1e-2)
@@ -124,14 +133,21 @@ def test_tiny_sweep_end_to_end(tmp_path):
     for d in trial_dirs:
         res = json.load(open(tmp_path / "trials" / d / "eval" / "results.json"))
         assert list(res) == ["mqar"] and list(res["mqar"]) == ["L16_K2"]
-    again = subprocess.run([sys.executable, "sweep.py", "--config", "configs/sweeps/mqar.py:tiny",
-                            "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                           timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert again.returncode == 0 and "'skipped': 2" in again.stdout
+    # A trial whose DONE is missing (as after a deadline) runs again, alone.
+    kept, redo = (tmp_path / "trials" / d for d in trial_dirs)
+    (redo / "DONE").unlink()
+    kept_log = (kept / "train.log").stat().st_mtime_ns
+    third = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert third.returncode == 0, third.stdout[-2000:] + third.stderr[-4000:]
+    assert "{'done': 1, 'skipped': 1," in third.stdout and "1/1 (done 1) at" in third.stdout
+    assert (redo / "DONE").exists() and (kept / "train.log").stat().st_mtime_ns == kept_log
 
 
 @pytest.mark.parametrize("name,variant,count", [("mqar", None, 6 * 3 * 4 * 4), ("mqar", "gpu", 6 * 2 * 2 * 2),
-                                                ("mqar", "cpu", 6 * 2), ("kimi", None, 3 * 4 * 4 * 4)])
+                                                ("mqar", "gpu_small", 6 * 2 * 2), ("mqar", "cpu", 6 * 2),
+                                                ("kimi", None, 3 * 4 * 4 * 4)])
 def test_every_trial_of_the_sweep_configs_builds(name, variant, count):
     """Every trial's config: its task and its model (e.g. the 3:1 hybrid needs 4 layers)."""
     import importlib
@@ -157,6 +173,30 @@ def test_every_trial_of_the_sweep_configs_builds(name, variant, count):
         assert t.score_key[1] in ("", task.setting)
 
 
+def test_summary_of_a_partial_sweep_is_marked(tmp_path):
+    """Trials stopped by a deadline: the best lr over the finished ones, marked (k/n)."""
+    sweep = _sweep()
+    trials = sw.make_trials(sweep, str(tmp_path))
+    stop = threading.Event()
+    runner = FakeRunner()
+
+    def stop_after_three(trial, device):
+        ok = runner(trial, device)
+        if len(runner.calls) == 3:
+            stop.set()
+        return ok
+    status = sw.run_trials(sw.run_order(trials, "lr"), stop_after_three, parallel=1, stop=stop)
+    assert list(status.values()).count("done") == 3 and list(status.values()).count("not_run") == 5
+    rows = sw.summarize(sweep, trials)
+    assert sorted(r["finished"] for r in rows) == [0, 1, 1, 1] and all(r["trials"] == 2 for r in rows)
+    sw.write_summary(sweep, rows, str(tmp_path), sw.trial_records(trials, status))
+    md = (tmp_path / "summary.md").read_text().splitlines()
+    assert md[0].startswith("Partial: 3 of 8 trials finished")
+    assert sum(line.endswith("(1/2) |") for line in md) == 3 and sum(line.endswith("| - (0/2) |") for line in md) == 1
+    assert "Not finished (5; logs in status.json):" in md
+    assert (tmp_path / "summary.png").stat().st_size > 1000
+
+
 def test_score_of_the_only_setting(tmp_path):
     sweep = _sweep()
     sweep.score_setting = ""
@@ -171,8 +211,9 @@ def test_score_of_the_only_setting(tmp_path):
 
 
 def test_mqar_gpu_variant_trials():
-    """The gpu grid's trials: half Zoology's batch, no in-training eval, one final checkpoint;
-    keys given in the arg win over the variant's values."""
+    """The gpu grid's trials: half Zoology's batch, 4000 steps, no in-training eval, one final
+    checkpoint; gpu_small is its d_model 64 half (the same trial names, so a gpu_small workdir
+    continues as a gpu one); keys given in the arg win over the variant's values."""
     from configs.sweeps import mqar
 
     sweep = mqar.get_config("gpu")
@@ -181,10 +222,17 @@ def test_mqar_gpu_variant_trials():
     for t in trials:
         config = mqar.get_config(t.config.split(":", 1)[1])
         by_len[config.data.task_kwargs.seq_len] = config.data.batch_size
-        assert config.total_steps == 1000 and config.eval_every_steps == 0
-        assert config.checkpoint_every_steps == 1000 and config.keep_checkpoints == 1
+        assert config.total_steps == 4000 and config.eval_every_steps == 0
+        assert config.checkpoint_every_steps == 4000 and config.keep_checkpoints == 1
         assert config.evals.decode_lengths == () and config.evals.num_examples == 1000
     assert by_len == {64: 256, 256: 128}
+    small = sw.make_trials(mqar.get_config("gpu_small"), "/nonexistent")
+    assert {t.name for t in small} == {t.name for t in trials if t.point["d_model"] == 64}
+    assert {t.config for t in small} == {t.config for t in trials if t.point["d_model"] == 64}
+    # The two lrs of a grid point run 12 trials apart (all first lrs, then all second ones).
+    order = sw.run_order(small, "lr")
+    assert [t.point["lr"] for t in order] == [1e-3] * 12 + [3e-3] * 12
+    assert [t.config for t in order[:12]] == [t.config for t in order[12:]]
     short = mqar.get_config("gpu,steps=4")
     t = sw.make_trials(short, "/nonexistent")[0]
     assert mqar.get_config(t.config.split(":", 1)[1]).total_steps == 4

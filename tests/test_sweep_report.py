@@ -42,7 +42,7 @@ def test_report_of_the_gpu_grid(tmp_path):
                           "--out_dir", str(out), "--name", "mqar_sweep_test"])
     saved = json.load(open(out / "mqar_sweep_test.json"))
     assert saved["trials_total"] == 48 and saved["trials_finished"] == 47
-    assert saved["sweep"]["steps"] == 1000 and saved["sweep"]["batch_size"] == {"L64_K4": 256, "L256_K16": 128}
+    assert saved["sweep"]["steps"] == 4000 and saved["sweep"]["batch_size"] == {"L64_K4": 256, "L256_K16": 128}
     assert saved["sweep"]["axes"]["lr"] == [1e-3, 3e-3] and len(saved["sweep"]["axes"]["mixer"]) == 6
     assert saved["env"]["device"] == record["env"]["device"] and saved["env"]["versions"]["jax"]
     assert saved["trials"][failing]["status"] == "failed" and "tail" not in saved["trials"][failing]

@@ -5,7 +5,9 @@
     python sweep.py --config configs/sweeps/mqar.py:cpu --workdir workdirs/mqar_cpu --parallel 2
         # every mixer at d_model 64 on (L, K) = (64, 4), 2 lrs, 800 steps of batch 64 (12 trials)
     python sweep.py --config configs/sweeps/mqar.py:gpu --workdir /tmp/mqar_gpu --devices 0,1 \
-        --trials_per_device 12 --deadline_s 390       # 48 trials in about 5-6 minutes on 2 H200s
+        --trials_per_device 12 --deadline_s 540       # 48 trials of 4000 steps on 2 H200s
+    python sweep.py --config configs/sweeps/mqar.py:gpu_small --workdir /tmp/mqar --devices 0,1 \
+        --trials_per_device 6 --deadline_s 540        # the 24 trials at d_model 64
 
 Grid: softmax attention, linear attention, DeltaNet, Gated DeltaNet, KDA and the 3:1 KDA:MLA
 hybrid (the models of configs/ablations: same width, depth and MLP, differing only in the mixer)
@@ -17,14 +19,17 @@ each step. Differences from Zoology: 2 layers WITH the ablation MLP (Zoology: no
 conv in every recurrent mixer and RoPE in attention (Zoology: learned positions), no early stop;
 the 3:1 hybrid has 4 layers (3 KDA + 1 MLA, the shortest 3:1 stack), the other mixers 2.
 
-`:gpu` is the grid that fits a few minutes on 2 GPUs, where a trial's cost is on the host: fixed
-costs (measured on CPU at d_model 128, L=256: train-step compile 8 s for softmax to 36 s for the
-hybrid, start and init 10-25 s, eval.py 10-40 s) and the MQAR generator, about 0.25 ms per
-example on one core. Every mixer x d_model {64, 128} x (L, K) in {(64, 4), (256, 16)} x lr
-{1e-3, 3e-3} (48 trials), 1000 steps at batch 256 (L=64) / 128 (L=256): 256k / 128k training
-examples, 4% / 2% of Zoology's 64 epochs of 100k (half its batch, 8% of its steps); two
-learning rates instead of four; no in-training eval; eval.py on 1000 held-out examples
-(Zoology: 3000).
+`:gpu` is the grid sized for 2 GPUs, where much of a trial's cost is on the host: fixed costs
+(measured on CPU at d_model 128, L=256: train-step compile 8 s for softmax to 36 s for the
+hybrid, start and init 10-25 s, eval.py 10-40 s) and the MQAR generator, 0.31 ms per batch of
+256 at L=64 and 0.75 ms per batch of 128 at L=256 on one core (1.2 s / 3 s per 4000-step trial).
+The learning rate is a runtime argument of the train step, so a grid point's two lrs compile one
+program: the second trial loads it from the sweep's compilation cache. Every mixer x d_model
+{64, 128} x (L, K) in {(64, 4), (256, 16)} x lr {1e-3, 3e-3} (48 trials), 4000 steps at batch
+256 (L=64) / 128 (L=256): 1.02M / 512k training examples, 16% / 8% of Zoology's 64 epochs of
+100k (half its batch, 32% of its 12.5k steps; a first attempt at 1000 steps left every mixer
+near chance); two learning rates instead of four; no in-training eval; eval.py on 1000 held-out
+examples (Zoology: 3000). `:gpu_small` is the same at d_model 64 only (24 trials).
 
 The same file is the trial config: `configs/sweeps/mqar.py:trial,mixer=kda,d_model=64,seq_len=64,
 num_kv_pairs=4` is the full training config of one grid point (sweep.py adds `--config.optim.lr`).
@@ -87,8 +92,8 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
         sweep.axes.d_model = [64]
         sweep.axes.setting = [dict(seq_len=64, num_kv_pairs=4)]
         sweep.axes.lr = [1e-3, 3e-3]
-    if arg.gpu:  # every mixer, the two small widths, an easy and a hard setting (48 trials)
-        sweep.axes.d_model = [64, 128]
+    if arg.gpu:  # every mixer, the two small widths (gpu_small: 64), an easy and a hard setting
+        sweep.axes.d_model = [64] if arg.gpu_small else [64, 128]
         sweep.axes.setting = [dict(seq_len=64, num_kv_pairs=4), dict(seq_len=256, num_kv_pairs=16)]
         sweep.axes.lr = [1e-3, 3e-3]
     if arg.tiny:  # 2 trials in seconds on CPU: softmax, width 16, 2 learning rates
@@ -102,7 +107,7 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
 # Trial-arg values of the size variants; keys given explicitly in the arg win.
 VARIANTS = dict(
     cpu=dict(steps=800, batch_size=64, eval_examples=256, decode_timing=False),
-    gpu=dict(steps=1000, eval_examples=1000, decode_timing=False, final_only=True),
+    gpu=dict(steps=4000, eval_examples=1000, decode_timing=False, final_only=True),
     tiny=dict(TINY, vocab_size=64, num_layers=1),
 )
 
@@ -111,8 +116,9 @@ def get_config(arg=None):
     arg_str = arg or ""
     arg = common.parse_arg(arg_str, **{**TRIAL_ARGS, "steps": 12500, "batch_size": 0},
                            mixer="kda", d_model=64, num_layers=2, seq_len=64, num_kv_pairs=4,
-                           vocab_size=8192, cpu=False, gpu=False)
+                           vocab_size=8192, cpu=False, gpu=False, gpu_small=False)
     given = {item.partition("=")[0] for item in arg_str.split(",")}
+    arg.gpu = arg.gpu or arg.gpu_small  # gpu_small: the gpu trials, fewer of them
     for name, values in VARIANTS.items():
         if arg[name]:
             arg.update({k: v for k, v in values.items() if k not in given})
