@@ -15,9 +15,8 @@ impl:
 Packed documents (segment_ids [B, T]) go to cuDNN as its ragged layout: every row is cut into
 its runs of equal ids (segment_layout), each run is a sequence of its own with causal masking
 inside it, so no token sees another document. The number of runs per row has a static bound,
-`max_segments` (a mixer setting). Tokens of runs past the bound are not attended by cuDNN, and
-their outputs are NaN so that the loss goes non-finite instead of silently wrong; a concrete
-(non-traced) segment_ids with too many runs raises ValueError. "xla" masks by id equality,
+`max_segments` (a mixer setting). A batch with a row of more runs takes the exact "xla" path
+instead, chosen at run time by `lax.cond` and logged once: never a wrong answer, only slower. "xla" masks by id equality,
 which is the same as runs for ids that form one run per document (as the data packer writes
 them). With packing and Dv != Dqk, v is zero-padded to Dqk, since the ragged offsets are token
 strides shared by q/o and by k/v.
@@ -99,6 +98,7 @@ def cudnn_attention(q, k, v, segment_ids, scale: float, max_segments: int = DEFA
         q, k, vp, q_seqlen=seqlens, kv_seqlen=seqlens, q_offsets=offsets, kv_offsets=offsets,
         scale=scale, mask_type=fa.MaskType.PADDING_CAUSAL,
     )[..., :Dv]
+    # Tokens of runs past max_segments are not attended: NaN marks them (`attention` never sends such rows).
     return jnp.where(covered[:, :, None, None], out, jnp.nan).astype(out.dtype)
 
 
@@ -154,18 +154,17 @@ def resolve_impl(impl: str, q, k, v, segment_ids=None, max_segments: int = DEFAU
     return "xla"
 
 
-def check_segment_count(segment_ids, max_segments: int) -> None:
-    """Raise when a concrete segment_ids [B, T] has a row with more than max_segments runs
-    (traced ids cannot be checked here; their uncovered tokens come out NaN)."""
-    if isinstance(segment_ids, jax.core.Tracer):
-        return
-    seg = np.asarray(segment_ids)
-    runs = 1 + np.sum(seg[:, 1:] != seg[:, :-1], axis=1)
-    if runs.max() > max_segments:
-        raise ValueError(
-            f"segment_ids has a row with {int(runs.max())} documents (runs of equal ids) but cuDNN packing "
-            f"holds max_segments={max_segments}; raise the mixer's max_segments"
-        )
+def count_runs(segment_ids):
+    """segment_ids [B, T] -> [B] int32: documents per row (runs of equal consecutive ids)."""
+    return 1 + jnp.sum(segment_ids[:, 1:] != segment_ids[:, :-1], axis=1, dtype=jnp.int32)
+
+
+def _log_fallback(runs, max_segments):
+    msg = f"max_segments={max_segments}"
+    if msg not in _logged:
+        _logged.add(msg)
+        log.warning("attention: a batch row holds %d documents, more than cuDNN packing's max_segments=%d; "
+                    "this batch takes the XLA path (raise the mixer's max_segments)", int(runs), max_segments)
 
 
 def attention(q, k, v, segment_ids=None, *, scale: float, impl: str = "auto",
@@ -178,8 +177,19 @@ def attention(q, k, v, segment_ids=None, *, scale: float, impl: str = "auto",
     if segment_ids is not None and segment_ids.shape != (B, T):
         raise ValueError(f"segment_ids must be [B, T] = {(B, T)}; got {segment_ids.shape}")
     check_max_segments(max_segments)
-    if resolve_impl(impl, q, k, v, segment_ids, max_segments) == "cudnn":
-        if segment_ids is not None:
-            check_segment_count(segment_ids, max_segments)
-        return cudnn_attention(q, k, v, segment_ids, scale, max_segments)
-    return xla_attention(q, k, v, causal_mask(segment_ids, T, B), scale)
+    def exact(q, k, v, segment_ids):
+        return xla_attention(q, k, v, causal_mask(segment_ids, T, B), scale).astype(v.dtype)
+
+    if resolve_impl(impl, q, k, v, segment_ids, max_segments) != "cudnn":
+        return exact(q, k, v, segment_ids)
+    if segment_ids is None:
+        return cudnn_attention(q, k, v, None, scale, max_segments)
+    runs = jnp.max(count_runs(segment_ids))
+
+    def fallback(q, k, v, segment_ids):
+        jax.debug.callback(_log_fallback, runs, max_segments)
+        return exact(q, k, v, segment_ids)
+
+    return jax.lax.cond(runs <= max_segments,
+                        lambda *a: cudnn_attention(*a, scale, max_segments).astype(v.dtype), fallback,
+                        q, k, v, segment_ids)
