@@ -107,7 +107,9 @@ def main(argv=None) -> dict:
         q, k, v, seg, scale=dqk**-0.5, impl=impl, max_segments=mla.get("max_segments", 64))
     cores = {"xla f32 logits": core("xla", None),
              "cudnn mla (q/k 192, v 128)": core("cudnn", None),
-             "cudnn packed, 1 document per row": core("cudnn", seg),
+             "cudnn, segment_ids of 1 document per row (plain causal kernel)": core("cudnn", seg),
+             "cudnn ragged layout, 1 document per row": lambda q, k, v: cudnn_attention(
+                 q, k, v, seg, dqk**-0.5, mla.get("max_segments", 64)),
              "cudnn packed, 16 documents per row": core("cudnn", docs16),
              "cudnn packed, 1 document per row, v not padded (check parity first)": lambda q, k, v: cudnn_attention(
                  q, k, v, seg, dqk**-0.5, mla.get("max_segments", 64), pad_v=False)}

@@ -132,18 +132,21 @@ def test_mixers_auto_equals_xla_and_cudnn_raises(name, settings):
 
 
 def test_rows_past_max_segments_take_the_exact_path(monkeypatch, caplog):
-    """The cuDNN branch is taken only when every row fits max_segments; otherwise the XLA path
-    runs (chosen inside jit) and the fallback is logged. cuDNN is stood in for by zeros."""
+    """Chosen inside jit per batch: the plain cuDNN kernel when every row is one document, the
+    ragged layout when every row fits max_segments, else the XLA path (logged)."""
     from kimi_jax.attention import core
 
     monkeypatch.setattr(core, "resolve_impl", lambda *a, **k: "cudnn")
-    monkeypatch.setattr(core, "cudnn_attention", lambda q, k, v, seg, scale, m: jnp.zeros(q.shape[:3] + v.shape[-1:], v.dtype))
+    # Stand-in for cuDNN: 0 from the ragged (packed) layout, 1 from the plain causal kernel.
+    monkeypatch.setattr(core, "cudnn_attention",
+                        lambda q, k, v, seg, scale, m: jnp.full(q.shape[:3] + v.shape[-1:], seg is None, v.dtype))
     q, k, v = _qkv(dtype=jnp.bfloat16)
     B, T = q.shape[:2]
     few = jnp.asarray(np.repeat([[1, 2]], [T // 2, T - T // 2], axis=1).repeat(B, 0), jnp.int32)
     many = few.at[0, -1].set(7)  # row 0: three runs
     f = jax.jit(lambda seg: core.attention(q, k, v, seg, scale=0.25, impl="cudnn", max_segments=2))
     assert not np.asarray(f(few), np.float32).any()
+    assert (np.asarray(f(jnp.full_like(few, 3)), np.float32) == 1).all()  # one document per row
     with caplog.at_level(logging.WARNING, logger="kimi_jax.attention.core"):
         out = jax.block_until_ready(f(many))
     ref = jax.jit(lambda seg: xla_attention(q, k, v, causal_mask(seg, T, B), 0.25))(many)

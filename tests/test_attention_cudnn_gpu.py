@@ -2,7 +2,7 @@
 GPU: MLA shapes (q/k 192, v 128) and GQA, with and without packed documents, values and
 gradients at bf16 tolerances; rows with more documents than max_segments; the MLA mixer.
 
-    JAX_PLATFORMS=cuda python -m pytest -q -m gpu tests/test_attention_cudnn_gpu.py -rs
+    JAX_PLATFORMS=cuda,cpu python -m pytest -q -m gpu tests/test_attention_cudnn_gpu.py -rs
 """
 
 import jax
@@ -78,7 +78,10 @@ def test_rows_past_max_segments_take_the_exact_path(caplog):
     with caplog.at_level("WARNING", logger="kimi_jax.attention.core"):
         o = np.asarray(jax.block_until_ready(f(q, k, v, SEG)), np.float32)
     np.testing.assert_array_equal(o, ref)
-    assert any("max_segments=2" in r.getMessage() for r in caplog.records)
+    from kimi_jax.attention.core import _has_cpu
+
+    if _has_cpu():  # the log comes from a host callback (JAX_PLATFORMS=cuda,cpu)
+        assert any("max_segments=2" in r.getMessage() for r in caplog.records)
     raw = np.asarray(jax.jit(lambda: cudnn_attention(q, k, v, SEG, 192**-0.5, 2))(), np.float32)
     assert np.isnan(raw[0, 800:]).all() and np.isfinite(raw[0, :800]).all()
     ok = np.asarray(f(q, k, v, jnp.ones_like(SEG)), np.float32)  # one document per row: cuDNN
