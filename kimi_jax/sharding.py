@@ -143,16 +143,43 @@ def state_shardings(abstract_state, mesh, rules=LOGICAL_AXIS_RULES):
     return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def _fits(spec: P, shape, mesh) -> bool:
+    """Whether `spec` can shard an array of `shape` (rank and divisibility)."""
+    if len(spec) > len(shape):
+        return False
+    for entry, dim in zip(spec, shape):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        if dim % math.prod(mesh.shape[a] for a in axes):
+            return False
+    return True
+
+
 def optimizer_shardings(tx, abstract_opt_state, param_shardings, mesh):
-    """Optimizer-state shardings: leaves that mirror a parameter take its sharding, the rest
-    (step counts, scalars) are replicated."""
+    """Optimizer-state shardings with the structure of `abstract_opt_state`.
+
+    Each copy of the parameter tree inside the state (Adam moments, Muon momentum) takes the
+    parameters' shardings leaf by leaf; a leaf whose shape the parameter's sharding cannot split
+    (a factored statistic) and every other leaf (step counts, scalars, Newton-Schulz coefficients)
+    is replicated. `optax.MaskedNode` placeholders, which `optax.masked`/`partition` (and so
+    Muon's Adam and Muon groups) leave where a parameter belongs to the other group, stay in place
+    so the result matches the state's pytree structure (as `jit`'s out_shardings and Orbax need).
+    """
     import optax
 
     replicated = NamedSharding(mesh, P())
+
+    def leaf(x, s):
+        if isinstance(x, optax.MaskedNode):
+            return x
+        return s if _fits(s.spec, x.shape, mesh) else replicated
+
+    def params_like(tree):
+        return jax.tree.map(leaf, tree, param_shardings, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+
+    # is_leaf=True: `params_like` gets each parameter-shaped subtree whole.
     return optax.tree_utils.tree_map_params(
-        tx, lambda _, s: s, abstract_opt_state, param_shardings,
-        transform_non_params=lambda _: replicated,
-        is_leaf=lambda x: isinstance(x, (nnx.Variable, NamedSharding)))
+        tx, params_like, abstract_opt_state, is_leaf=lambda _: True,
+        transform_non_params=lambda t: jax.tree.map(lambda _: replicated, t))
 
 
 __all__ = ["LOGICAL_AXIS_RULES", "MESH_AXES", "BATCH_AXES", "logical_to_spec", "constrain", "mesh_shape",

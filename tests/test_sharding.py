@@ -44,16 +44,26 @@ def test_spec_for_shape_follows_rules_and_falls_back():
 
 
 def _step(config, mesh, batch):
+    """Init straight into the shardings, then two steps of train.py's jitted step (lr as an argument)."""
     graphdef, params, rest = train_lib.abstract_model(config)
     tx, schedule = optim.make_optimizer(config.optim, config.total_steps, train_lib.param_names(params))
     shardings = train_lib.state_shardings(tx, params, rest, mesh)
-    replicated = jax.sharding.NamedSharding(mesh, P())
     state = jax.jit(train_lib.make_init(config, tx), out_shardings=shardings)()
-    step = jax.jit(train_lib.make_train_step(config, graphdef, tx, schedule), out_shardings=(shardings, replicated))
+    step = train_lib.jit_train_step(config, graphdef, tx, schedule, shardings, mesh)
+    lr = jnp.asarray(config.optim.lr, jnp.float32)
     with jax.set_mesh(mesh):
-        state, metrics = step(state, train_lib.global_batch(batch, mesh), jnp.asarray(1, jnp.int32))
-        state, metrics = step(state, train_lib.global_batch(batch, mesh), jnp.asarray(2, jnp.int32))
+        for i in (1, 2):
+            state, metrics = step(state, train_lib.global_batch(batch, mesh), jnp.asarray(i, jnp.int32), lr)
     return state, metrics
+
+
+def assert_matches(state, metrics, ref_state, ref, name):
+    """Loss, gradient norm and every state leaf (parameters and optimizer state) as on one device."""
+    np.testing.assert_allclose(metrics["loss"], ref["loss"], rtol=2e-5, err_msg=name)
+    np.testing.assert_allclose(metrics["grad_norm"], ref["grad_norm"], rtol=1e-4, err_msg=name)
+    assert jax.tree.structure(state) == jax.tree.structure(ref_state), name
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, err_msg=name)
 
 
 MESHES = {
@@ -73,10 +83,7 @@ def test_one_step_on_8_devices_matches_one_device(monkeypatch):
     for name, shape in MESHES.items():
         mesh = sharding.make_mesh(shape)
         state, metrics = _step(config, mesh, batch)
-        np.testing.assert_allclose(metrics["loss"], ref["loss"], rtol=2e-5, err_msg=name)
-        np.testing.assert_allclose(metrics["grad_norm"], ref["grad_norm"], rtol=1e-4, err_msg=name)
-        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, err_msg=name)
+        assert_matches(state, metrics, ref_state, ref, name)
         # parameters and their Adam moments are sharded as the rules say
         embed = state["params"]["embed"]
         expect = {"fsdp8": P(None, "fsdp"), "data2-fsdp2-tensor2": P("tensor", "fsdp")}.get(name, P(None, None))
