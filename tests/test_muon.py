@@ -72,6 +72,36 @@ def test_state_leaves_the_parameter_sharding_cannot_split_are_replicated():
     assert out[1] == shard
 
 
+def _spec(s):
+    return s if isinstance(s, optax.MaskedNode) else s.spec
+
+
+@pytest.mark.parametrize("case", ["all_masked", "subtree_masked", "empty_group", "muon"])
+def test_masked_and_empty_parts_keep_the_state_structure(case):
+    """A group that masks out every parameter, a mask that drops a whole subtree (one MaskedNode
+    for it), a parameter tree with an empty module, a partition group without parameters."""
+    mesh = sharding.make_mesh({"fsdp": 4, "data": 2})
+    shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+    params = {"w": shape(8, 6), "empty": {}, "b": {"v": shape(8)}}
+    named = lambda *s: jax.sharding.NamedSharding(mesh, P(*s))  # noqa: E731
+    shard = {"w": named("fsdp", None), "empty": {}, "b": {"v": named("fsdp")}}
+    tx = {"all_masked": optax.masked(optax.adam(1.0), {"w": False, "empty": {}, "b": False}),
+          "subtree_masked": optax.masked(optax.adam(1.0), {"w": True, "empty": {}, "b": False}),
+          "empty_group": optax.partition({"a": optax.adam(1.0), "s": optax.sgd(1.0, momentum=0.9)},
+                                         {"w": "a", "empty": {}, "b": {"v": "a"}}),
+          "muon": optax.contrib.muon(1.0)}[case]
+    state = jax.eval_shape(tx.init, params)
+    out = sharding.optimizer_shardings(tx, state, shard, mesh)
+    assert jax.tree.structure(out) == jax.tree.structure(state)
+    mask, w, v = optax.MaskedNode(), P("fsdp", None), {"v": P("fsdp")}
+    want = {"all_masked": [(mask, mask)], "subtree_masked": [(w, mask)], "empty_group": [(w, v)],
+            "muon": [(mask, v), (w, {"v": mask})]}[case]  # Muon: its Adam group's mu, then its own
+    moments = [m for _, m in optax.tree_utils.tree_get_all_with_path(out, "mu")]
+    assert [(_spec(m["w"]), jax.tree.map(_spec, m["b"]), m["empty"]) for m in moments] == \
+        [(a, b, {}) for a, b in want]
+    assert all(c.spec == P() for _, c in optax.tree_utils.tree_get_all_with_path(out, "count"))
+
+
 @pytest.mark.parametrize("shape", [{"data": 2, "fsdp": 4}, {"data": 8}, {"data": 2, "fsdp": 2, "tensor": 2},
                                    {"data": 2, "expert": 4}], ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
 def test_muon_step_on_8_devices_matches_one_device(monkeypatch, shape):
