@@ -3,6 +3,11 @@
 The kernels are written for Hopper (wgmma, TMA); on a CPU-only machine they run in the Mosaic GPU
 interpreter, where float32 inputs are accepted too. Callers fall back to XLA with a logged reason
 for anything else, so this is the one place that decides.
+
+Sharding: XLA cannot partition a Mosaic custom call; under a mesh it would gather the whole
+batch onto every device and run the kernel there. `per_shard` therefore runs an impl inside
+`jax.shard_map` over the batch and head axes of the active mesh (sequence sharding is not
+supported: each shard holds whole sequences).
 """
 
 from __future__ import annotations
@@ -38,3 +43,35 @@ def unsupported_reason(K: int, V: int, dtype, interpret: bool, kind: str | None 
     if not any(jnp.dtype(dtype) == jnp.dtype(d) for d in allowed):
         return f"dtype {jnp.dtype(dtype).name} (the kernels take bf16/fp16 q, k, v)"
     return None
+
+
+def _shard_specs(q):
+    """(mesh, spec [B,T,H,*], spec [B,H,K,V], spec [B,T], spec [B,T,H]) under a mesh of more than
+    one device that shards the batch or the heads of q [B, T, H, K], else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or mesh.size == 1:
+        return None
+    from jax.sharding import PartitionSpec as P
+
+    from kimi_jax.sharding import spec_for_shape
+
+    b, _, h, _ = spec_for_shape(("act_batch", None, "act_heads", None), q.shape, mesh)
+    if b is None and h is None:
+        return None
+    return mesh, P(b, None, h, None), P(b, h, None, None), P(b, None), P(b, None, h)
+
+
+def per_shard(run, q, k, v, g, beta, initial_state, segment_ids):
+    """run(q, k, v, g, beta, initial_state, segment_ids) -> (o [B,T,H,V], S [B,H,K,V]) on the
+    canonical KDA form (g [B,T,H,K], beta [B,T,H]), called once per (batch, head) shard of the
+    active mesh through `jax.shard_map`, or directly without a mesh."""
+    specs = _shard_specs(q)
+    if specs is None:
+        return run(q, k, v, g, beta, initial_state, segment_ids)
+    mesh, x4, s4, s2, s3 = specs
+    h0_spec = None if initial_state is None else s4
+    seg_spec = None if segment_ids is None else s2
+    sharded = jax.shard_map(
+        run, mesh=mesh, in_specs=(x4, x4, x4, x4, s3, h0_spec, seg_spec), out_specs=(x4, s4), check_vma=False
+    )
+    return sharded(q, k, v, g, beta, initial_state, segment_ids)

@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels.kda import chunk
-from kernels.kda.hopper import SUPPORTED_DIMS, unsupported_reason
+from kernels.kda.hopper import SUPPORTED_DIMS, per_shard, unsupported_reason
 from kernels.kda.hopper import device_kind as _device_kind
 from kernels.kda.mosaic_state import smem_transforms
 
@@ -293,8 +293,9 @@ _warned: set = set()
 def kda_impl(
     q, k, v, g, beta, *, scale, initial_state, segment_ids, lower_bound=None, output_final_state=True, interpret=None
 ):
-    """impl="chunk_mosaic": `chunk.kda_impl` with both serial passes in these kernels. Falls back
-    to the XLA passes (logged once per reason) where the kernels do not apply. `interpret` None
+    """impl="chunk_mosaic": `chunk.kda_impl` with both serial passes in these kernels, once per
+    (batch, head) shard under a mesh (`hopper.per_shard`). Falls back to the XLA passes (logged
+    once per reason) where the kernels do not apply. `interpret` None
     means the interpreter on a CPU-only machine, compiled kernels on a GPU."""
     if interpret is None:
         interpret = _device_kind() == "cpu"
@@ -303,5 +304,11 @@ def kda_impl(
         _warned.add(reason)
         log.warning("kda impl='chunk_mosaic' runs the XLA state passes: %s", reason)
     state_pass = "xla" if reason else ("mosaic_interpret" if interpret else "mosaic")
-    return chunk.kda_impl(q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids,
-                          lower_bound=lower_bound, output_final_state=output_final_state, state_pass=state_pass)
+
+    def run(q, k, v, g, beta, initial_state, segment_ids):
+        return chunk.kda_impl(q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids,
+                              lower_bound=lower_bound, output_final_state=output_final_state, state_pass=state_pass)
+
+    if reason:  # plain XLA: the partitioner shards it like any other computation
+        return run(q, k, v, g, beta, initial_state, segment_ids)
+    return per_shard(run, q, k, v, g, beta, initial_state, segment_ids)

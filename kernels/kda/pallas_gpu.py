@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.kda import hopper, mosaic_decode, mosaic_intra, mosaic_intra_bf16, mosaic_state
-from kernels.kda.hopper import SUPPORTED_DIMS, device_kind as _device_kind
+from kernels.kda.hopper import SUPPORTED_DIMS, device_kind as _device_kind, per_shard
 from kernels.kda.pallas_gpu_prep import chunked_reference, prepare
 
 log = logging.getLogger(__name__)
@@ -261,21 +261,6 @@ def _run(q, k, v, g, beta, h0, seg, *, scale, intra, interpret, chunk_bounded=Fa
     return _kda(q, k, v, g, beta, h0.astype(jnp.float32), seg, scale, intra, chunk_bounded, interpret)
 
 
-def _shard_specs(q):
-    """(mesh, spec for [B,T,H,*], spec for [B,H,K,V], spec for [B,T], spec for [B,T,H]) or None."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or mesh.size == 1:
-        return None
-    from jax.sharding import PartitionSpec as P
-
-    from kimi_jax.sharding import spec_for_shape
-
-    b, _, h, _ = spec_for_shape(("act_batch", None, "act_heads", None), q.shape, mesh)
-    if b is None and h is None:
-        return None
-    return mesh, P(b, None, h, None), P(b, h, None, None), P(b, None), P(b, None, h)
-
-
 def kda_impl(
     q, k, v, g, beta, *, scale, initial_state, segment_ids, lower_bound=None, output_final_state=True, interpret=None,
     intra=None,
@@ -302,16 +287,7 @@ def kda_impl(
     ck = _chunk_module()
     if ck is not None and ck.use_bounded_path(lower_bound, q.dtype):
         run = functools.partial(run, chunk_bounded=True)
-    specs = _shard_specs(q)
-    if specs is None:
-        return run(q, k, v, g, beta, initial_state, segment_ids)
-    mesh, x4, s4, s2, s3 = specs
-    h0_spec = None if initial_state is None else s4
-    seg_spec = None if segment_ids is None else s2
-    sharded = jax.shard_map(
-        run, mesh=mesh, in_specs=(x4, x4, x4, x4, s3, h0_spec, seg_spec), out_specs=(x4, s4), check_vma=False
-    )
-    return sharded(q, k, v, g, beta, initial_state, segment_ids)
+    return per_shard(run, q, k, v, g, beta, initial_state, segment_ids)
 
 
 def kda_step_impl(state, q, k, v, g, beta, scale, *, interpret=None):
