@@ -92,8 +92,7 @@ def _lowered_text(config, pass_lr: bool, sharded: bool) -> str:
         return step.lower(*args).as_text()
 
 
-# (Muon unsharded: sharding.optimizer_shardings does not map Muon's masked state yet.)
-@pytest.mark.parametrize("name,sharded", [("adamw", True), ("adamw", False), ("muon", False)])
+@pytest.mark.parametrize("name,sharded", [("adamw", True), ("adamw", False), ("muon", True), ("muon", False)])
 def test_train_steps_of_two_learning_rates_lower_to_the_same_program(monkeypatch, name, sharded):
     use_toy_model(monkeypatch)
     texts = [_lowered_text(_config(name, "cosine", lr), True, sharded) for lr in (1e-3, 3e-3)]
