@@ -68,8 +68,8 @@ def test_packed_documents_do_not_leak():
 
 
 def test_rows_past_max_segments_take_the_exact_path(caplog):
-    """A batch with a row of more documents than max_segments runs the XLA path (bit-equal to
-    impl="xla") and says so; the cuDNN ragged layout leaves such tokens unattended (NaN)."""
+    """A batch with a row of more documents than max_segments runs the XLA path (impl="xla" up to
+    bf16 rounding of its fusions) and says so; the cuDNN ragged layout leaves such tokens unattended (NaN)."""
     from kimi_jax.attention.core import cudnn_attention
 
     q, k, v, _ = _qkv(4, 4, 192, 128)
@@ -77,7 +77,7 @@ def test_rows_past_max_segments_take_the_exact_path(caplog):
     f = jax.jit(lambda q, k, v, seg: attention(q, k, v, seg, scale=192**-0.5, impl="cudnn", max_segments=2))
     with caplog.at_level("WARNING", logger="kimi_jax.attention.core"):
         o = np.asarray(jax.block_until_ready(f(q, k, v, SEG)), np.float32)
-    np.testing.assert_array_equal(o, ref)
+    assert_close("fallback vs xla", ref, o, 1e-3)  # the same XLA path, fused inside lax.switch
     from kimi_jax.attention.core import _has_cpu
 
     if _has_cpu():  # the log comes from a host callback (JAX_PLATFORMS=cuda,cpu)
