@@ -384,7 +384,8 @@ def write_summary(sweep, rows: list[dict], root: str, records: dict | None = Non
 
 
 def plot_summary(sweep, rows: list[dict], path: str) -> None:
-    """One panel per `plot.panel` value, x = `plot.x`, one line per `plot.line` value."""
+    """One panel per `plot.panel` value, x = `plot.x`, one line per `plot.line` value; with a
+    single `plot.x` value (one width, say) one bar per `plot.line` value instead."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -393,18 +394,26 @@ def plot_summary(sweep, rows: list[dict], path: str) -> None:
     x, line, panel = sweep.plot["x"], sweep.plot["line"], sweep.plot["panel"]
     panels = list(dict.fromkeys(r[panel] for r in rows))
     fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(4 * max(len(panels), 1), 3.2), squeeze=False)
+    names = list(dict.fromkeys(r[line] for r in rows))
+    xs = list(dict.fromkeys(r[x] for r in rows))
     for ax, p in zip(axes[0], panels):
-        for name in dict.fromkeys(r[line] for r in rows):
+        for i, name in enumerate(names):
             pts = sorted((r[x], r["score"]) for r in rows
                          if r[panel] == p and r[line] == name and r["score"] is not None)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=str(name))
-        ax.set_title(str(p), fontsize=9)
-        ax.set_xlabel(x)
+            if pts and len(xs) == 1:
+                ax.bar(i, pts[0][1], color=f"C{i}")
+                ax.text(i, pts[0][1] + 0.01, f"{pts[0][1]:.2f}", ha="center", va="bottom", fontsize=7)
+            elif pts:
+                ax.plot(*zip(*pts), marker="o", label=str(name), color=f"C{i}")
+        ax.set_title(str(p) + (f" ({x}={xs[0]})" if len(xs) == 1 else ""), fontsize=9)
         ax.set_ylabel("accuracy (best lr)")
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_xscale("log", base=2)
-    if any(r["score"] is not None for r in rows):
+        ax.set_ylim(-0.02, 1.08)
+        if len(xs) == 1:
+            ax.set_xticks(range(len(names)), [str(n) for n in names], rotation=30, ha="right", fontsize=8)
+        else:
+            ax.set_xlabel(x)
+            ax.set_xscale("log", base=2)
+    if len(xs) > 1 and any(r["score"] is not None for r in rows):
         axes[0][0].legend(fontsize=7)
     note = partial_note(rows)
     if note:
