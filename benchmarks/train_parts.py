@@ -31,6 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks.common import environment  # noqa: E402
 from benchmarks.train import load_config, log  # noqa: E402
 from kimi_jax import optim, train_lib  # noqa: E402
 from kimi_jax.attention.core import attention, cudnn_attention  # noqa: E402
@@ -94,7 +95,8 @@ def main(argv=None) -> dict:
     kw = dict(dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(0), (B, T, D), jnp.float32).astype(dtype)
     seg = jnp.ones((B, T), jnp.int32)
-    results = {"device": jax.devices()[0].device_kind, "batch": B, "seq_len": T, "policy": policy, "parts": {}}
+    results = {"env": environment(), "config": args.config, "device": jax.devices()[0].device_kind, "batch": B,
+               "seq_len": T, "policy": policy, "parts": {}}
     jobs = []  # (name, () -> (fn, *args)), run in order of interest; the JSON is rewritten after each
 
     mla = cfg.settings("mla")
@@ -110,9 +112,7 @@ def main(argv=None) -> dict:
              "cudnn, segment_ids of 1 document per row (plain causal kernel)": core("cudnn", seg),
              "cudnn ragged layout, 1 document per row": lambda q, k, v: cudnn_attention(
                  q, k, v, seg, dqk**-0.5, mla.get("max_segments", 64)),
-             "cudnn packed, 16 documents per row": core("cudnn", docs16),
-             "cudnn packed, 1 document per row, v not padded (check parity first)": lambda q, k, v: cudnn_attention(
-                 q, k, v, seg, dqk**-0.5, mla.get("max_segments", 64), pad_v=False)}
+             "cudnn packed, 16 documents per row": core("cudnn", docs16)}
     for name, fn in cores.items():
         grad = jax.value_and_grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
         jobs.append((f"mla attention core {name} fwd+bwd", lambda grad=grad: (grad, q, k, v)))

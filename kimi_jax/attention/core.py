@@ -83,11 +83,10 @@ def _on_cuda() -> bool:
         return False
 
 
-def cudnn_attention(q, k, v, segment_ids, scale: float, max_segments: int = DEFAULT_MAX_SEGMENTS,
-                    *, pad_v: bool = True):
-    """The cuDNN path of `attention`, without support checks (see cudnn_unsupported). pad_v=False
-    hands a narrower packed v to cuDNN as is (for checking whether this JAX/cuDNN gets its
-    ragged strides right; `attention` always pads)."""
+def cudnn_attention(q, k, v, segment_ids, scale: float, max_segments: int = DEFAULT_MAX_SEGMENTS):
+    """The cuDNN path of `attention`, without support checks (see cudnn_unsupported). With packing
+    and Dv < Dqk, v is zero-padded to Dqk: handed over narrower, cuDNN's ragged layout gave a wrong
+    loss and NaN gradients (checked on an H200 with JAX 0.11.2 at q/k 192, v 128)."""
     from jax._src.cudnn import fused_attention_stablehlo as fa
 
     Dqk, Dv = q.shape[-1], v.shape[-1]
@@ -96,7 +95,7 @@ def cudnn_attention(q, k, v, segment_ids, scale: float, max_segments: int = DEFA
             return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn")
         return fa.dot_product_attention(q, k, v, scale=scale, mask_type=fa.MaskType.CAUSAL)
     seqlens, offsets, covered = segment_layout(segment_ids, max_segments)
-    vp = v if Dv == Dqk or not pad_v else jnp.pad(v, [(0, 0)] * 3 + [(0, Dqk - Dv)])
+    vp = v if Dv == Dqk else jnp.pad(v, [(0, 0)] * 3 + [(0, Dqk - Dv)])
     out = fa.dot_product_attention(
         q, k, vp, q_seqlen=seqlens, kv_seqlen=seqlens, q_offsets=offsets, kv_offsets=offsets,
         scale=scale, mask_type=fa.MaskType.PADDING_CAUSAL,
