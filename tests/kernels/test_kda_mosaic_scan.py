@@ -143,10 +143,7 @@ def test_chunk_mosaic_runs_per_shard_under_a_mesh(rng, monkeypatch):
     shard_map (XLA cannot partition the Mosaic custom calls: without it every device would run the
     whole batch). The interpreter cannot run on 8 fake devices at once, so each shard runs the
     XLA passes that the kernels are checked against above; what is tested is the wiring."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from kernels.kda import kda
-    from kimi_jax.sharding import make_mesh
+    from tests.kernels.mesh import kda_on_mesh
 
     calls, real = [], chunk.kda_impl
 
@@ -156,15 +153,7 @@ def test_chunk_mosaic_runs_per_shard_under_a_mesh(rng, monkeypatch):
 
     monkeypatch.setattr(chunk, "kda_impl", shard_impl)
     q, k, v, g, beta, h0, seg = make_inputs(rng, 2, 40, 4, 64, 64, seg="random")
-    mesh = make_mesh({"data": 2, "tensor": 2, "fsdp": 2})
-    put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
-    x4 = P("data", None, "tensor", None)
-    args = (put(q, x4), put(k, x4), put(v, x4), put(g, x4), put(beta, P("data", None, "tensor")))
-    with jax.set_mesh(mesh):
-        f = jax.jit(lambda *a: kda(*a, initial_state=put(h0, P("data", "tensor")), segment_ids=seg,
-                                   output_final_state=True, impl="chunk_mosaic"))
-        o, S = f(*args)
-    o_ref, S_ref = kda(q, k, v, g, beta, initial_state=h0, segment_ids=seg, output_final_state=True, impl="naive")
+    (o, S), (o_ref, S_ref) = kda_on_mesh("chunk_mosaic", q, k, v, g, beta, h0, seg)
     assert calls == [((1, 40, 2, 64), "mosaic_interpret")]  # one shard: batch / 2, heads / 2
     assert_close("o", o_ref, o, F32_TOL)
     assert_close("S", S_ref, S, F32_TOL)

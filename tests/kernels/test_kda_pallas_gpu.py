@@ -148,10 +148,8 @@ def test_sharded_over_batch_and_heads(rng, monkeypatch):
     devices at once, so here each shard runs the float32 plain-JAX chunked path that the
     kernel path is checked against above; what is tested is the sharding wiring.
     """
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
     from kernels.kda.pallas_gpu_prep import chunked_reference
-    from kimi_jax.sharding import make_mesh
+    from tests.kernels.mesh import kda_on_mesh
 
     calls = []
 
@@ -162,15 +160,7 @@ def test_sharded_over_batch_and_heads(rng, monkeypatch):
     monkeypatch.setattr(pallas_gpu, "_run", per_shard)
 
     q, k, v, g, beta, h0, seg = _inputs(rng, 2, 40, 4, 64, 64, "channel", jnp.float32, n_docs=2)
-    mesh = make_mesh({"data": 2, "tensor": 2, "fsdp": 2})
-    put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
-    x4 = P("data", None, "tensor", None)
-    args = (put(q, x4), put(k, x4), put(v, x4), put(g, x4), put(beta, P("data", None, "tensor")))
-    with jax.set_mesh(mesh):
-        f = jax.jit(lambda *a: kda(*a, initial_state=put(h0, P("data", "tensor")), segment_ids=seg,
-                                   output_final_state=True, impl="pallas_gpu"))
-        o, S = f(*args)
-    o_ref, S_ref = kda(q, k, v, g, beta, initial_state=h0, segment_ids=seg, output_final_state=True, impl="naive")
+    (o, S), (o_ref, S_ref) = kda_on_mesh("pallas_gpu", q, k, v, g, beta, h0, seg)
     assert calls == [(1, 40, 2, 64)]  # one shard: batch / 2, heads / 2
     assert_close("o", o_ref, o, 1e-4)
     assert_close("S", S_ref, S, 1e-4)
