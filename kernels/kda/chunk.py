@@ -23,6 +23,7 @@ cumsum, the triangular inverse and the carried states are float32 (float64 for f
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 from kernels.kda.chunk_intra import (
     CHUNK,
     SAFE_LOWER_BOUND,
+    SCORES,
     from_chunks,
     prep,
     segment_counts,
@@ -62,10 +64,12 @@ class _Numerics:
         return jnp.einsum(spec, x.astype(self.sdt), y.astype(self.sdt), precision=self.fine)
 
 
-def _prep(nm, q, k, v, g, beta, counts, scale, bounded, delta):
+def _prep(nm, q, k, v, g, beta, counts, scale, bounded, delta, scores="tiled"):
     # float16 cannot hold the anchored factors of the bounded path (up to e^75): score in float32.
-    mm = nm.mm if nm.cd != jnp.dtype(jnp.float16) else functools.partial(nm.mm, dtype=jnp.float32)
-    return prep(q, k, v, g, beta, counts, scale=scale, bounded=bounded, delta=delta, mm=mm)
+    f16 = nm.cd == jnp.dtype(jnp.float16)
+    mm = functools.partial(nm.mm, dtype=jnp.float32) if f16 else nm.mm
+    return prep(q, k, v, g, beta, counts, scale=scale, bounded=bounded, delta=delta, mm=mm, scores=scores,
+                cd=jnp.float32 if f16 else nm.cd, prec=nm.prec)
 
 
 def _wy(nm, P):
@@ -106,9 +110,9 @@ def _state_scan(nm, h0, w, u, kg, decay, state_pass="xla"):
     return states, vn, S
 
 
-def _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass):
+def _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass, scores):
     nm = _Numerics(q.dtype)
-    P = _prep(nm, q, k, v, g, beta, counts, scale, bounded, delta)
+    P = _prep(nm, q, k, v, g, beta, counts, scale, bounded, delta, scores)
     if delta:
         _, w, u = _wy(nm, P)
     else:
@@ -118,27 +122,27 @@ def _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass):
     return o, S, states
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def chunk_core(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass="xla"):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def chunk_core(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass="xla", scores="tiled"):
     """Chunked arrays in, (o [N, B, H, C, V] float32, final state [B, H, K, V]) out.
 
     q, k [N, B, H, C, K] and v [N, B, H, C, V] in one dtype; g [N, B, H, C, K] and beta [N, B, H, C]
     in the state dtype; h0 [B, H, K, V] state dtype; counts [N, B, 1, C] int32 or None;
-    state_pass in STATE_PASSES."""
-    o, S, _ = _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass)
+    state_pass in STATE_PASSES; scores in chunk_intra.SCORES."""
+    o, S, _ = _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass, scores)
     return o, S
 
 
-def _core_fwd(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass):
-    o, S, states = _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass)
+def _core_fwd(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass="xla", scores="tiled"):
+    o, S, states = _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass, scores)
     return (o, S), (q, k, v, g, beta, counts, states)
 
 
-def _core_bwd(scale, bounded, delta, state_pass, res, cts):
+def _core_bwd(scale, bounded, delta, state_pass, scores, res, cts):
     q, k, v, g, beta, counts, states = res
     do, dS_final = cts
     nm = _Numerics(q.dtype)
-    P, pull = jax.vjp(lambda *a: _prep(nm, *a, counts, scale, bounded, delta), q, k, v, g, beta)
+    P, pull = jax.vjp(lambda *a: _prep(nm, *a, counts, scale, bounded, delta, scores), q, k, v, g, beta)
     if delta:
         Ai, w, u = _wy(nm, P)
         vn = (u.astype(nm.sdt) - nm.mm("nbhck,nbhkv->nbhcv", w, states)).astype(nm.cd)
@@ -196,12 +200,16 @@ def _grad_scan(nm, dS, w, kg, decay, dS_out, dvn_intra):
 chunk_core.defvjp(_core_fwd, _core_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "bounded", "delta", "state_pass"))
-def run_chunked(q, k, v, g, beta, *, scale, initial_state, segment_ids, bounded, delta, state_pass="xla"):
+@functools.partial(jax.jit, static_argnames=("scale", "bounded", "delta", "state_pass", "scores"))
+def run_chunked(q, k, v, g, beta, *, scale, initial_state, segment_ids, bounded, delta, state_pass="xla",
+                scores="tiled"):
     """Pad T to a multiple of 64 (g = 0, beta = 0, q = k = v = 0 leave the state unchanged), chunk,
-    run `chunk_core`, un-chunk. Canonical-form inputs; returns (o [B, T, H, V] in v's dtype, S)."""
+    run `chunk_core`, un-chunk. Canonical-form inputs; returns (o [B, T, H, V] in v's dtype, S).
+    `scores` ("tiled" or "dense") picks the intra-chunk score formulation (`chunk_intra.prep`)."""
     if state_pass not in STATE_PASSES:
         raise ValueError(f"state_pass={state_pass!r}; expected one of {STATE_PASSES}")
+    if scores not in SCORES:
+        raise ValueError(f"scores={scores!r}; expected one of {SCORES}")
     B, T, H, K = q.shape
     V = v.shape[-1]
     sdt = state_dtype(q.dtype)
@@ -231,6 +239,7 @@ def run_chunked(q, k, v, g, beta, *, scale, initial_state, segment_ids, bounded,
         bounded,
         delta,
         state_pass,
+        scores,
     )
     return from_chunks(o)[:, :T].astype(v.dtype), S
 
@@ -240,10 +249,18 @@ def use_bounded_path(lower_bound, dtype) -> bool:
     return lower_bound is not None and float(lower_bound) >= SAFE_LOWER_BOUND and jnp.dtype(dtype) != jnp.float16
 
 
+def default_scores() -> str:
+    """The score formulation when a caller does not pick one: the KDA_CHUNK_SCORES environment
+    variable ("tiled" or "dense", read per call, so one process can time both), else "tiled"."""
+    return os.environ.get("KDA_CHUNK_SCORES", "tiled")
+
+
 def kda_impl(
-    q, k, v, g, beta, *, scale, initial_state, segment_ids, lower_bound=None, output_final_state=True, state_pass="xla"
+    q, k, v, g, beta, *, scale, initial_state, segment_ids, lower_bound=None, output_final_state=True, state_pass="xla",
+    scores=None,
 ):
-    """Canonical-form chunked KDA: see `kernels.kda.kda` for the contract."""
+    """Canonical-form chunked KDA: see `kernels.kda.kda` for the contract. `scores`: see
+    `run_chunked` (None: `default_scores()`)."""
     del output_final_state  # the final state is a by-product of the scan
     return run_chunked(
         q,
@@ -257,4 +274,5 @@ def kda_impl(
         bounded=use_bounded_path(lower_bound, q.dtype),
         delta=True,
         state_pass=state_pass,
+        scores=default_scores() if scores is None else scores,
     )

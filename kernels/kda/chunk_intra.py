@@ -126,8 +126,17 @@ def _block_diag(d):
     return (d[..., :, :, None, :] * eye[:, None, :, None]).reshape(*lead, nt * T, nt * T)
 
 
-def prep(q, k, v, g, beta, counts, *, scale: float, bounded: bool, delta: bool, mm):
+SCORES = ("tiled", "dense")
+
+
+def prep(q, k, v, g, beta, counts, *, scale: float, bounded: bool, delta: bool, mm, scores="tiled", cd=None,
+         prec=None):
     """Everything that depends on the inputs only (not on the carried state), all chunks at once.
+
+    `scores` picks how Aqk and L are formed: "tiled" (`chunk_scores.tiled_scores`: lower tile pairs
+    only, operands in the compute dtype `cd` (default q's) at matmul precision `prec`, a
+    hand-written VJP) or "dense" (`decayed_scores`: every row tile against a masked float32 copy
+    of k, through `mm`; differentiated by autodiff).
 
     q, k, g [N, B, H, C, K]; v [N, B, H, C, V]; beta [N, B, H, C]; counts [N, B, 1, C] or None.
     Returns a dict (state dtype):
@@ -156,8 +165,16 @@ def prep(q, k, v, g, beta, counts, *, scale: float, bounded: bool, delta: bool, 
     def keep(x, m):
         return x if m is None else jnp.where(m, x, 0)
 
-    rows = [qf * scale, kf] if delta else [qf * scale]
-    scores = decayed_scores(rows, kf, G, bounded=bounded, mm=mm)
+    if scores == "tiled":
+        from kernels.kda.chunk_scores import tiled_scores
+
+        A = tiled_scores(qf, kf, G, scale, delta, bounded, jnp.dtype(q.dtype if cd is None else cd), prec)
+        scores = [A[..., x, :, :] for x in range(A.shape[-3])]
+    elif scores == "dense":
+        rows = [qf * scale, kf] if delta else [qf * scale]
+        scores = decayed_scores(rows, kf, G, bounded=bounded, mm=mm)
+    else:
+        raise ValueError(f"scores={scores!r}; expected one of {SCORES}")
     incl = _tri(C, False) if same is None else _tri(C, False) & same
     out = dict(
         qg=keep(qf * scale * gam, z),
