@@ -16,9 +16,11 @@ Diagonal tiles (c in r's tile) stay in the state dtype, as in `chunk_intra.decay
 by pair for any g <= 0 (exact for g = -1000), or with the same anchor as one HIGHEST-precision
 matmul per tile when g >= -5 (`bounded`: exp(G_a - G_c) <= e^75 fits float32).
 
-The VJP recomputes every factor from (q, k, G), so nothing larger than the inputs is stored, and
-takes the gate gradient from the identity  dG = sum_x a_x * da_x - k * dk_col  (d/dG_r of
-exp(G_r - G_c) is +e, d/dG_c is -e): the anchor never appears in a gradient term.
+The VJP recomputes every factor from (q, k, G), so nothing larger than the inputs is stored. Its
+gate gradient is the one of the anchored form (d/dG_r of exp(G_r - G_c) is +e, d/dG_c is -e, and
+the anchor's terms are their negated sums): with bf16 operands, the plain identity
+dG = sum_x a_x da_x - k dk_col is 25% less accurate in dg, whose reverse cumsum carries each
+pair's rounding error to every earlier token of the chunk.
 """
 
 from __future__ import annotations
@@ -60,31 +62,53 @@ def _pair_decay(Gt):
     return jnp.exp(jnp.where(tri[:, :, None], Gt[..., :, None, :] - Gt[..., None, :, :], -jnp.inf))
 
 
-def _diag(at, kt, Gt, bounded):
+# Bounded diagonal tiles for bf16/f16 inputs: "f32" (HIGHEST-precision float32 products) or
+# "split" (hi/lo compute-dtype split, 3 products with float32 accumulation: on CPU the same o and
+# gradient errors against the token-serial reference as "f32" to 3 digits; plain bf16 operands
+# give dg errors of 0.03, above the 0.02 tolerance).
+DIAG_MODE = "f32"
+
+
+def _mm_diag(spec, x, y, cd):
+    """A diagonal-tile product in the state dtype (see DIAG_MODE)."""
+    sdt = x.dtype
+    if DIAG_MODE == "f32" or jnp.dtype(cd) == sdt:
+        return jnp.einsum(spec, x, y, precision=_HI)
+    mm = functools.partial(jnp.einsum, preferred_element_type=sdt)
+    xh, yh = x.astype(cd), y.astype(cd)
+    xl, yl = (x - xh.astype(sdt)).astype(cd), (y - yh.astype(sdt)).astype(cd)
+    return mm(spec, xh, yh) + mm(spec, xh, yl) + mm(spec, xl, yh)
+
+
+def _diag(at, kt, Gt, bounded, cd):
     """Diagonal tiles in the state dtype: at [..., X, nt, T, K]; kt, Gt [..., nt, T, K] ->
     [..., X, nt, T, T] (entries r < c are finite and meaningless)."""
     if bounded:
         Ga = Gt[..., :1, :]
         a_hat = at * jnp.exp(Gt - Ga)[..., None, :, :, :]
-        return jnp.einsum("...xird,...icd->...xirc", a_hat, kt * jnp.exp(Ga - Gt), precision=_HI)
+        return _mm_diag("...xird,...icd->...xirc", a_hat, kt * jnp.exp(Ga - Gt), cd)
     return jnp.sum(at[..., :, None, :] * (kt[..., None, :, :] * _pair_decay(Gt))[..., None, :, :, :, :], axis=-1)
 
 
-def _diag_bwd(at, kt, Gt, dD, bounded):
-    """Gradients of `_diag` w.r.t. at and kt for the cotangent dD [..., X, nt, T, T] (r >= c)."""
+def _diag_bwd(at, kt, Gt, dD, bounded, cd):
+    """Gradients of `_diag` for the cotangent dD [..., X, nt, T, T] (zero where r < c): w.r.t.
+    the anchored rows a_hat = at exp(G_r - G_a) ([..., X, nt, T, K]) on the bounded path or at
+    itself on the exact path (`row_anchored`), w.r.t. kt, and w.r.t. Gt with the anchor terms."""
     if bounded:
         Ga = Gt[..., :1, :]
-        rd = jnp.exp(Gt - Ga)
+        a_hat = at * jnp.exp(Gt - Ga)[..., None, :, :, :]
         kt_hat = kt * jnp.exp(Ga - Gt)
-        d_at = jnp.einsum("...xirc,...icd->...xird", dD, kt_hat, precision=_HI) * rd[..., None, :, :, :]
-        a_hat = at * rd[..., None, :, :, :]
-        # r >= c: a_hat_r <= exp(G_c - G_a), so the product with exp(G_a - G_c) stays bounded.
-        d_kt = jnp.einsum("...xirc,...xird->...icd", dD, a_hat, precision=_HI) * jnp.exp(Ga - Gt)
-        return d_at, d_kt
+        d_ahat = _mm_diag("...xirc,...icd->...xird", dD, kt_hat, cd)
+        # r >= c: a_hat_r <= exp(G_c - G_a), so dkt_hat * exp(G_a - G_c) stays bounded.
+        dkt_hat = _mm_diag("...xirc,...xird->...icd", dD, a_hat, cd)
+        p = jnp.sum(a_hat * d_ahat, axis=-4) - kt_hat * dkt_hat  # [..., nt, T, K]
+        dG = p - jnp.sum(p, axis=-2, keepdims=True) * (jnp.arange(Gt.shape[-2]) == 0)[:, None]
+        return d_ahat, dkt_hat * jnp.exp(Ga - Gt), dG
     p = dD[..., None] * _pair_decay(Gt)[..., None, :, :, :, :]  # [..., X, nt, r, c, K]
+    x = jnp.sum(p * at[..., :, :, :, None, :] * kt[..., None, :, None, :, :], axis=-5)
     d_at = jnp.sum(p * kt[..., None, :, None, :, :], axis=-2)
     d_kt = jnp.sum(p * at[..., :, :, :, None, :], axis=(-5, -3))
-    return d_at, d_kt
+    return d_at, d_kt, jnp.sum(x, axis=-2) - jnp.sum(x, axis=-3)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
@@ -98,7 +122,7 @@ def tiled_scores(q, k, G, scale, delta, bounded, cd, prec):
     rows = _rows(q, k, scale, delta)
     X = rows.shape[-3]
     Gt, _, _, at, a_hat, cols = _factors(rows, k, G, cd)
-    D = _diag(at, k.reshape(*lead, nt, TILE, K), Gt, bounded)
+    D = _diag(at, k.reshape(*lead, nt, TILE, K), Gt, bounded, cd)
     out = []
     for i in range(nt):
         parts = [D[..., i, :, :]]
@@ -122,21 +146,41 @@ def _bwd(scale, delta, bounded, cd, prec, res, dA):
     sdt = G.dtype
     rows = _rows(q, k, scale, delta)
     Gt, Ga, rd, at, a_hat, cols = _factors(rows, k, G, cd)
+    kt = k.reshape(*lead, nt, TILE, K)
+    a32 = at * rd[..., None, :, :, :]
     dAt = dA.reshape(*dA.shape[:-2], nt, TILE, C)
     tri = jnp.arange(TILE)[:, None] >= jnp.arange(TILE)[None, :]
     dD = jnp.stack([dAt[..., i, :, TILE * i : TILE * (i + 1)] for i in range(nt)], axis=-3)
-    d_at, d_kt = _diag_bwd(at, k.reshape(*lead, nt, TILE, K), Gt, jnp.where(tri, dD, 0), bounded)
+    d_diag, dk_diag, dG_diag = _diag_bwd(at, kt, Gt, jnp.where(tri, dD, 0), bounded, cd)
     mm = functools.partial(jnp.einsum, preferred_element_type=sdt, precision=prec)
-    d_ahat = [jnp.zeros_like(d_at[..., 0, :, :])]  # row tile 0 has no off-diagonal pairs
-    dk = d_kt.reshape(*lead, C, K)
+    # Off-diagonal pairs. The gate gradient keeps the anchored form (terms at r and c, their
+    # negated sums at the anchor), so each pair's rounding errors cancel in dg = reverse cumsum
+    # of dG above the pair's columns instead of reaching every earlier token of the chunk.
+    d_ahat = [jnp.zeros_like(a32[..., 0, :, :])]  # row tile 0 has no off-diagonal pairs
+    dk, dG_col, anchor = [], [], []
     for i in range(1, nt):
         n = TILE * i
         dAi = dAt[..., i, :, :n].astype(cd)  # [..., X, T, n]
         d_ahat.append(mm("...xrc,...cd->...xrd", dAi, cols[i - 1]))
-        dcol = mm("...xrc,...xrd->...cd", dAi, a_hat[..., i, :, :]) * jnp.exp(Ga[..., i, :, :] - G[..., :n, :])
-        dk = dk + jnp.pad(dcol, [(0, 0)] * len(lead) + [(0, C - n), (0, 0)])
-    d_rows = (d_at + jnp.stack(d_ahat, axis=-3) * rd[..., None, :, :, :]).reshape(rows.shape)
-    dG = jnp.sum(rows * d_rows, axis=-3) - k * dk
+        e = jnp.exp(Ga[..., i, :, :] - G[..., :n, :])
+        dcol = mm("...xrc,...xrd->...cd", dAi, a_hat[..., i, :, :]) * e  # d/dk_c, c < 16 i
+        qc = k[..., :n, :] * dcol
+        pad = [(0, 0)] * len(lead) + [(0, C - n), (0, 0)]
+        dk.append(jnp.pad(dcol, pad))
+        dG_col.append(jnp.pad(qc, pad))
+        anchor.append(jnp.sum(qc, axis=-2))
+    d_off = jnp.stack(d_ahat, axis=-3)  # [..., X, nt, T, K]
+    p_off = jnp.sum(a32 * d_off, axis=-4)  # [..., nt, T, K]
+    first = (jnp.arange(TILE) == 0)[:, None]
+    anchors = jnp.stack([jnp.zeros_like(anchor[0])] + anchor, axis=-2)[..., None, :]  # [..., nt, 1, K]
+    dG_rows = p_off + first * (anchors - jnp.sum(p_off, axis=-2, keepdims=True))
+    dG = (dG_rows + dG_diag).reshape(*lead, C, K) - sum(dG_col)
+    if bounded:  # d_diag is w.r.t. the anchored rows, like d_off
+        d_rows = (d_off + d_diag) * rd[..., None, :, :, :]
+    else:
+        d_rows = d_off * rd[..., None, :, :, :] + d_diag
+    d_rows = d_rows.reshape(rows.shape)
+    dk = dk_diag.reshape(*lead, C, K) + sum(dk)
     dq = d_rows[..., 0, :, :] * scale
     dk_total = dk + d_rows[..., 1, :, :] if delta else dk
     return dq.astype(q.dtype), dk_total.astype(k.dtype), dG.astype(sdt)

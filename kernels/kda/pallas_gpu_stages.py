@@ -4,9 +4,11 @@ Each stage of impl="chunk" (pure JAX) and impl="pallas_gpu" (Mosaic GPU) is jitt
 fed with the real outputs of the stages before it, and timed (mean ms of `iters` calls after
 `warmup`; the first call's compile+run seconds are recorded too). Stages:
 
-  chunk.*       intra pieces (`chunk_intra.prep`, bounded), the WY inverse, the state scan, the
+  chunk.*       intra pieces (`chunk_intra.prep`, bounded and exact, with the "dense" scores and,
+                as "chunk.prep (new)", the "tiled" ones), the WY inverse, the state scan, the
                 output products; the whole backward (`chunk._core_bwd`) with the bounded and the
-                exact intra path, and its pieces (prep's vjp, the reverse state scan).
+                exact intra path and either scores, and its pieces (prep's vjp for both scores,
+                the reverse state scan).
   pallas_gpu.*  the exact XLA intra stage (`pallas_gpu_prep.prepare`) and its cast to kernel
                 operands, the Mosaic GPU state kernel alone, the Mosaic GPU intra kernels alone
                 (`mosaic_intra`, `mosaic_intra_bf16`) and their XLA inputs (cumsum, pad).
@@ -19,6 +21,7 @@ fed with the real outputs of the stages before it, and timed (mean ms of `iters`
 from __future__ import annotations
 
 import json
+import os
 import time
 import traceback
 
@@ -101,10 +104,13 @@ def _chunk_stages(rec, q, k, v, g, beta, scale):
     cq, ck, cv = (to_chunks(x) for x in (q, k, v))
     cg, cb = to_chunks(g.astype(nm.sdt)), to_chunks(beta.astype(nm.sdt))
     h0 = jnp.zeros((B, H, K, v.shape[-1]), nm.sdt)
-    P = rec.feed("chunk.prep (intra scores, bounded)", lambda *a: chunk._prep(nm, *a, None, scale, True, True),
-            cq, ck, cv, cg, cb)
-    rec("chunk.prep (intra scores, exact)", lambda *a: chunk._prep(nm, *a, None, scale, False, True),
-        cq, ck, cv, cg, cb)
+    args = (cq, ck, cv, cg, cb)
+    P = rec.feed("chunk.prep (intra scores, bounded)",
+                 lambda *a: chunk._prep(nm, *a, None, scale, True, True, "dense"), *args)
+    rec("chunk.prep (intra scores, exact)", lambda *a: chunk._prep(nm, *a, None, scale, False, True, "dense"), *args)
+    for bounded, label in ((True, "bounded"), (False, "exact")):
+        rec(f"chunk.prep (new) (tiled scores, {label})",
+            lambda *a, b=bounded: chunk._prep(nm, *a, None, scale, b, True, "tiled"), *args)
     if P is None:
         return
     wy = rec.feed("chunk.wy (inverse, w, u)", lambda P: chunk._wy(nm, P), P)
@@ -120,22 +126,25 @@ def _chunk_stages(rec, q, k, v, g, beta, scale):
         P["qg"], states, P["Aqk"], vn)
     do = jnp.ones(cv.shape, jnp.float32)
     dS = jnp.ones(h0.shape, nm.sdt)
-    for bounded in (True, False):
-        if not rec.wants(f"chunk.bwd whole ({'bounded' if bounded else 'exact'} intra)"):
+    state_pass = pallas_gpu._core_defaults(chunk, interpret=pallas_gpu._device_kind() == "cpu")[0]
+    for bounded, scores in ((True, "dense"), (False, "dense"), (True, "tiled"), (False, "tiled")):
+        name = f"chunk.bwd whole ({'bounded' if bounded else 'exact'} intra, {scores} scores)"
+        if not rec.wants(name):
             continue
-        extra = pallas_gpu._core_defaults(chunk, interpret=pallas_gpu._device_kind() == "cpu")
-        res = rec.feed("chunk forward residuals (untimed)", lambda *a, b=bounded: chunk._core_fwd(
-            *a, None, scale, b, True, *extra)[1], cq, ck, cv, cg, cb, h0)
+        extra = (state_pass, scores)
+        res = rec.feed("chunk forward residuals (untimed)", lambda *a, b=bounded, e=extra: chunk._core_fwd(
+            *a, None, scale, b, True, *e)[1], cq, ck, cv, cg, cb, h0)
         if res is None:
             continue
-        rec(f"chunk.bwd whole ({'bounded' if bounded else 'exact'} intra)",
-            lambda res, do, dS, b=bounded: chunk._core_bwd(scale, b, True, *extra, res, (do, dS)), res, do, dS)
+        rec(name, lambda res, do, dS, b=bounded, e=extra: chunk._core_bwd(scale, b, True, *e, res, (do, dS)),
+            res, do, dS)
 
-    def prep_vjp(*a):
-        Pb, pull = jax.vjp(lambda *x: chunk._prep(nm, *x, None, scale, True, True), *a)
+    def prep_vjp(*a, scores):
+        Pb, pull = jax.vjp(lambda *x: chunk._prep(nm, *x, None, scale, True, True, scores), *a)
         return pull(jax.tree.map(jnp.ones_like, Pb))
 
-    rec("chunk.bwd piece: prep recompute + vjp", prep_vjp, cq, ck, cv, cg, cb)
+    rec("chunk.bwd piece: prep recompute + vjp", lambda *a: prep_vjp(*a, scores="dense"), *args)
+    rec("chunk.prep (new) recompute + vjp (tiled scores)", lambda *a: prep_vjp(*a, scores="tiled"), *args)
     dvi = jnp.ones(vn.shape, nm.sdt)
     rec("chunk.bwd piece: reverse state scan",
         lambda *a: chunk._grad_scan(nm, *a), dS, w, P["kg"], P["decay"], states.astype(nm.sdt), dvi)
@@ -180,9 +189,9 @@ def _whole(rec, args):
         return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4))
 
     cases = (("pallas_gpu", "mosaic_bf16"), ("pallas_gpu", "chunk"), ("pallas_gpu", "xla"), ("chunk", None),
-             ("chunk_mosaic", None), ("pallas_gpu", "mosaic"))
+             ("chunk_mosaic", None), ("chunk", "dense"), ("chunk_mosaic", "dense"), ("pallas_gpu", "mosaic"))
     for impl, intra in cases:
-        label = impl if intra is None else f"{impl} intra={intra}"
+        label = impl if intra is None else f"{impl} scores={intra}" if intra == "dense" else f"{impl} intra={intra}"
         optional = intra == "mosaic"  # the older intra kernel compiles for ~25 s: only when asked for
         rec(f"whole {label} fwd", fwd(impl, intra), *args, optional=optional)
         # The backward does not depend on the intra stage: the XLA-stage variants skip it (compiles cost seconds).
@@ -190,10 +199,24 @@ def _whole(rec, args):
 
 
 def _kda(impl, kw):
+    if kw.get("intra") == "dense":  # chunk's score formulation, read from the environment while tracing
+        return lambda *a: _with_env("KDA_CHUNK_SCORES", "dense", lambda: kda(*a, lower_bound=LOWER_BOUND, impl=impl))
     if impl == "pallas_gpu":
         return lambda *a: pallas_gpu.kda_impl(*a, scale=a[0].shape[-1] ** -0.5, initial_state=None, segment_ids=None,
                                               lower_bound=LOWER_BOUND, **kw)
     return lambda *a: kda(*a, lower_bound=LOWER_BOUND, impl=impl)
+
+
+def _with_env(key, value, f):
+    old = os.environ.get(key)
+    os.environ[key] = value
+    try:
+        return f()
+    finally:
+        if old is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = old
 
 
 def run_stages(shape, *, warmup=2, iters=5, only=None, out=None):
