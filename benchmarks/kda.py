@@ -5,6 +5,7 @@
     python benchmarks/kda.py --shapes 8x4096x16x128 --impls chunk --peers fla,cudnn
     python benchmarks/kda.py --decode             # one decoding step, B=64, H=32, K=V=128
     python benchmarks/kda.py --impls chunk,pallas_gpu:mosaic_bf16 --peers fla   # a chosen intra stage
+    python benchmarks/kda.py --impls chunk_mosaic:dense,chunk_mosaic:tiled --peers fla   # chunk's score formulations
 
 Ours: `kda(..., impl=...)` for `naive` (only where its autodiff states fit, else skipped with the
 reason), `chunk`, `chunk_mosaic` (chunk with Mosaic GPU serial passes) and `pallas_gpu` (when it
@@ -57,6 +58,7 @@ from benchmarks.common import (  # noqa: E402
     write_json,
 )
 from kernels.kda import kda  # noqa: E402
+from kernels.kda.chunk_intra import SCORES  # noqa: E402
 from kernels.testing import rel_rms  # noqa: E402
 
 SHAPES = ((8, 4096, 16, 128), (2, 16384, 16, 128), (1, 65536, 16, 128), (4, 8192, 32, 128))
@@ -135,6 +137,14 @@ def _ours(impl, x, shape):
     f = lambda q, k, v, g, beta: kda(q, k, v, g, beta, lower_bound=LOWER_BOUND, impl=impl)[0]
     if not intra:
         return attempt(lambda: _jax_timings(f, x, args))
+    if impl in ("chunk", "chunk_mosaic"):  # chunk:<scores>, the intra-chunk score formulation
+        from kernels.kda import chunk
+
+        default, chunk.DEFAULT_SCORES = chunk.DEFAULT_SCORES, intra  # read while the jitted functions trace
+        try:
+            return attempt(lambda: _jax_timings(f, x, args))
+        finally:
+            chunk.DEFAULT_SCORES = default
     from kernels.kda import pallas_gpu
 
     default = pallas_gpu.DEFAULT_INTRA
@@ -244,9 +254,11 @@ def run_shape(shape, impls, peers, on_row=None):
 
 
 def _check_impl(impl):
-    name, sep, intra = impl.partition(":")
-    if name not in IMPLS or (sep and (name != "pallas_gpu" or intra not in PALLAS_INTRA)):
-        raise ValueError(f"Unknown impl {impl!r}; expected one of {IMPLS} or pallas_gpu:<{'|'.join(PALLAS_INTRA)}>")
+    name, sep, opt = impl.partition(":")
+    allowed = {"pallas_gpu": PALLAS_INTRA, "chunk": SCORES, "chunk_mosaic": SCORES}.get(name, ())
+    if name not in IMPLS or (sep and opt not in allowed):
+        raise ValueError(f"Unknown impl {impl!r}; expected one of {IMPLS}, pallas_gpu:<{'|'.join(PALLAS_INTRA)}> "
+                         f"or chunk[_mosaic]:<{'|'.join(SCORES)}>")
 
 
 def _ratio(a, b):
@@ -405,7 +417,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", help="comma-separated BxTxHxD (D = K = V)")
     p.add_argument("--impls", default=",".join(IMPLS),
-                   help=f"ours, from {IMPLS}; pallas_gpu:<intra> picks its intra stage from {PALLAS_INTRA}")
+                   help=f"ours, from {IMPLS}; pallas_gpu:<intra> picks its intra stage from {PALLAS_INTRA}, "
+                        f"chunk[_mosaic]:<scores> the score formulation from {SCORES}")
     p.add_argument("--peers", default=",".join(PEERS), help=f"from {PEERS}, or 'none'")
     p.add_argument("--out", help="JSON path (default benchmarks/results/kda-<time>.json)")
     p.add_argument("--quick", action="store_true", help="tiny shape, 1 warm-up and 3 timed calls")

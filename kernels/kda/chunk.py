@@ -23,7 +23,6 @@ cumsum, the triangular inverse and the carried states are float32 (float64 for f
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -249,10 +248,16 @@ def use_bounded_path(lower_bound, dtype) -> bool:
     return lower_bound is not None and float(lower_bound) >= SAFE_LOWER_BOUND and jnp.dtype(dtype) != jnp.float16
 
 
+# The score formulation when a caller does not pick one. "dense" is the one the H200 benchmarks
+# measured; "tiled" reads fewer bytes on CPU's cost model and awaits a GPU timing
+# (`python -m kernels.kda.pallas_gpu_bench --stages`, `benchmarks/kda.py --impls chunk_mosaic:tiled`).
+DEFAULT_SCORES = "dense"
+
+
 def default_scores() -> str:
-    """The score formulation when a caller does not pick one: the KDA_CHUNK_SCORES environment
-    variable ("tiled" or "dense", read per call, so one process can time both), else "tiled"."""
-    return os.environ.get("KDA_CHUNK_SCORES", "tiled")
+    if DEFAULT_SCORES not in SCORES:
+        raise ValueError(f"chunk.DEFAULT_SCORES={DEFAULT_SCORES!r}; expected one of {SCORES}")
+    return DEFAULT_SCORES
 
 
 def kda_impl(

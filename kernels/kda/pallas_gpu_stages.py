@@ -21,7 +21,6 @@ fed with the real outputs of the stages before it, and timed (mean ms of `iters`
 from __future__ import annotations
 
 import json
-import os
 import time
 import traceback
 
@@ -29,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.kda import chunk, kda, mosaic_intra, mosaic_intra_bf16, mosaic_state, pallas_gpu, pallas_gpu_prep
-from kernels.kda.chunk_intra import to_chunks
+from kernels.kda.chunk_intra import SCORES, to_chunks
 
 LOWER_BOUND = -5.0
 
@@ -189,9 +188,9 @@ def _whole(rec, args):
         return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4))
 
     cases = (("pallas_gpu", "mosaic_bf16"), ("pallas_gpu", "chunk"), ("pallas_gpu", "xla"), ("chunk", None),
-             ("chunk_mosaic", None), ("chunk", "dense"), ("chunk_mosaic", "dense"), ("pallas_gpu", "mosaic"))
+             ("chunk_mosaic", None), ("chunk", "tiled"), ("chunk_mosaic", "tiled"), ("pallas_gpu", "mosaic"))
     for impl, intra in cases:
-        label = impl if intra is None else f"{impl} scores={intra}" if intra == "dense" else f"{impl} intra={intra}"
+        label = impl if intra is None else f"{impl} scores={intra}" if intra in SCORES else f"{impl} intra={intra}"
         optional = intra == "mosaic"  # the older intra kernel compiles for ~25 s: only when asked for
         rec(f"whole {label} fwd", fwd(impl, intra), *args, optional=optional)
         # The backward does not depend on the intra stage: the XLA-stage variants skip it (compiles cost seconds).
@@ -199,24 +198,21 @@ def _whole(rec, args):
 
 
 def _kda(impl, kw):
-    if kw.get("intra") == "dense":  # chunk's score formulation, read from the environment while tracing
-        return lambda *a: _with_env("KDA_CHUNK_SCORES", "dense", lambda: kda(*a, lower_bound=LOWER_BOUND, impl=impl))
+    if kw.get("intra") in SCORES:  # chunk's score formulation, read while tracing
+        return lambda *a: _with_scores(kw["intra"], lambda: kda(*a, lower_bound=LOWER_BOUND, impl=impl))
     if impl == "pallas_gpu":
         return lambda *a: pallas_gpu.kda_impl(*a, scale=a[0].shape[-1] ** -0.5, initial_state=None, segment_ids=None,
                                               lower_bound=LOWER_BOUND, **kw)
     return lambda *a: kda(*a, lower_bound=LOWER_BOUND, impl=impl)
 
 
-def _with_env(key, value, f):
-    old = os.environ.get(key)
-    os.environ[key] = value
+def _with_scores(value, f):
+    """f() with chunk's default score formulation set to `value` (read while tracing)."""
+    old, chunk.DEFAULT_SCORES = chunk.DEFAULT_SCORES, value
     try:
         return f()
     finally:
-        if old is None:
-            del os.environ[key]
-        else:
-            os.environ[key] = old
+        chunk.DEFAULT_SCORES = old
 
 
 def run_stages(shape, *, warmup=2, iters=5, only=None, out=None):
