@@ -63,7 +63,7 @@ class _Numerics:
         return jnp.einsum(spec, x.astype(self.sdt), y.astype(self.sdt), precision=self.fine)
 
 
-def _prep(nm, q, k, v, g, beta, counts, scale, bounded, delta, scores="tiled"):
+def _prep(nm, q, k, v, g, beta, counts, scale, bounded, delta, scores="dense"):
     # float16 cannot hold the anchored factors of the bounded path (up to e^75): score in float32.
     f16 = nm.cd == jnp.dtype(jnp.float16)
     mm = functools.partial(nm.mm, dtype=jnp.float32) if f16 else nm.mm
@@ -122,7 +122,7 @@ def _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass, sc
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
-def chunk_core(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass="xla", scores="tiled"):
+def chunk_core(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass="xla", scores="dense"):
     """Chunked arrays in, (o [N, B, H, C, V] float32, final state [B, H, K, V]) out.
 
     q, k [N, B, H, C, K] and v [N, B, H, C, V] in one dtype; g [N, B, H, C, K] and beta [N, B, H, C]
@@ -132,7 +132,7 @@ def chunk_core(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass="
     return o, S
 
 
-def _core_fwd(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass="xla", scores="tiled"):
+def _core_fwd(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass="xla", scores="dense"):
     o, S, states = _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass, scores)
     return (o, S), (q, k, v, g, beta, counts, states)
 
@@ -201,7 +201,7 @@ chunk_core.defvjp(_core_fwd, _core_bwd)
 
 @functools.partial(jax.jit, static_argnames=("scale", "bounded", "delta", "state_pass", "scores"))
 def run_chunked(q, k, v, g, beta, *, scale, initial_state, segment_ids, bounded, delta, state_pass="xla",
-                scores="tiled"):
+                scores="dense"):
     """Pad T to a multiple of 64 (g = 0, beta = 0, q = k = v = 0 leave the state unchanged), chunk,
     run `chunk_core`, un-chunk. Canonical-form inputs; returns (o [B, T, H, V] in v's dtype, S).
     `scores` ("tiled" or "dense") picks the intra-chunk score formulation (`chunk_intra.prep`)."""

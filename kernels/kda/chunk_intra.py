@@ -129,7 +129,7 @@ def _block_diag(d):
 SCORES = ("tiled", "dense")
 
 
-def prep(q, k, v, g, beta, counts, *, scale: float, bounded: bool, delta: bool, mm, scores="tiled", cd=None,
+def prep(q, k, v, g, beta, counts, *, scale: float, bounded: bool, delta: bool, mm, scores="dense", cd=None,
          prec=None):
     """Everything that depends on the inputs only (not on the carried state), all chunks at once.
 
