@@ -1,0 +1,38 @@
+"""`hi_lr` extends the MQAR gpu grids' lr axis with Zoology's top lr 1e-2 without touching the
+plain grid's trials, so it can run in a finished `:gpu_small` workdir and add only the new lr."""
+
+from __future__ import annotations
+
+import pytest
+
+import sweep as sw
+from configs.sweeps import mqar
+
+
+def _trials(variant: str):
+    return sw.make_trials(mqar.get_config(variant), "/nonexistent")
+
+
+@pytest.mark.parametrize("variant,count", [("gpu_small", 6 * 2 * 3), ("gpu", 6 * 2 * 2 * 3),
+                                           ("cpu", 6 * 3)])
+def test_hi_lr_adds_1e2_and_keeps_the_plain_trials(variant, count):
+    plain, wide = _trials(variant), _trials(f"{variant},hi_lr")
+    assert len(wide) == count
+    assert sorted({t.point["lr"] for t in wide}) == [1e-3, 3e-3, 1e-2]
+    by_name = {t.name: t for t in wide}
+    for t in plain:  # same name and trial config: a finished trial is skipped, not retrained
+        assert t.name in by_name and by_name[t.name].config == t.config
+    new = [t for t in wide if t.name not in {p.name for p in plain}]
+    assert len(new) == count // 3 and all(t.point["lr"] == 1e-2 for t in new)
+
+
+def test_hi_lr_trial_is_the_plain_trial_at_lr_1e2():
+    """The lr is the only difference: it is an override of the trial, not part of its config."""
+    t = next(t for t in _trials("gpu_small,hi_lr") if t.point["lr"] == 1e-2)
+    assert ("optim.lr", "{lr}") in [tuple(o) for o in mqar.get_config("gpu_small,hi_lr").overrides]
+    config = mqar.get_config(t.config.split(":", 1)[1])
+    assert config.total_steps == 4000 and config.optim.warmup_steps == 200
+
+
+def test_full_grid_already_has_1e2():
+    assert mqar.get_config("hi_lr").axes.lr == mqar.get_config(None).axes.lr
