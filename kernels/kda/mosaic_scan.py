@@ -38,6 +38,16 @@ C = 64  # chunk length
 BV = 64  # V columns per program
 
 
+
+def _store_last(x, smem, dst):
+    """Write the carried [K, BV] float32 tile after the chunk loop: wait until the last chunk's
+    stores have read `smem`, then `smem` -> `dst` in HBM."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    smem[...] = x
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(smem, dst)
+    plgpu.wait_smem_to_gmem(0)
+
 def _smem(shape, dtype):
     return plgpu.SMEM(shape, dtype, transforms=smem_transforms(shape[-1], dtype))
 
@@ -124,12 +134,7 @@ def _fwd_body(*refs, NT, K, dt, delta):
 
         return S * lax.broadcast_in_dim(d, S.shape, [0]) + _mm(kv, (K, BV))
 
-    S = lax.fori_loop(0, NT, step, S)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    h_s[...] = S
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(h_s, ht_ref.at[bh, :, vs])
-    plgpu.wait_smem_to_gmem(0)
+    _store_last(lax.fori_loop(0, NT, step, S), h_s, ht_ref.at[bh, :, vs])
 
 
 def state_scan(w, u, kg, decay, h0, *, interpret=False):
@@ -218,12 +223,7 @@ def _bwd_body(*refs, NT, K, dt, delta):
 
         return dS * lax.broadcast_in_dim(d, dS.shape, [0]) + _mm(back, (K, BV))
 
-    dS = lax.fori_loop(0, NT, step, dS)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    ds_f[...] = dS
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(ds_f, dh0_ref.at[bh, :, vs])
-    plgpu.wait_smem_to_gmem(0)
+    _store_last(lax.fori_loop(0, NT, step, dS), ds_f, dh0_ref.at[bh, :, vs])
 
 
 def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False):
