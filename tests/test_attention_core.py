@@ -153,3 +153,19 @@ def test_rows_past_max_segments_take_the_exact_path(monkeypatch, caplog):
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=1e-2, atol=1e-2)
     assert np.abs(np.asarray(out, np.float32)).sum() > 0
     assert any("3 documents" in r.getMessage() for r in caplog.records)
+
+
+def test_switch_residuals_hold_no_score_matrix(monkeypatch):
+    """Under autodiff every branch of the run-time switch returns the residuals of all branches;
+    the XLA fallback is rematerialised so that no [T, T] logits or probabilities ride along (they
+    would be written as zeros on every cuDNN step)."""
+    from kimi_jax.attention import core
+
+    monkeypatch.setattr(core, "resolve_impl", lambda *a, **k: "cudnn")
+    monkeypatch.setattr(core, "cudnn_attention", lambda q, k, v, seg, scale, m: (q[..., : v.shape[-1]] * 2 + v).astype(v.dtype))
+    q, k, v = _qkv(B=2, T=32, H=4, G=4, dqk=8, dv=8, dtype=jnp.bfloat16)
+    seg = jnp.ones((2, 32), jnp.int32)
+    loss = lambda q, k, v: jnp.sum(core.attention(q, k, v, seg, scale=0.25, impl="cudnn").astype(jnp.float32))
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
+    outs = [o.aval.shape for e in jaxpr.eqns if e.primitive.name == "cond" for o in e.outvars]
+    assert outs and not [s for s in outs if tuple(s[-2:]) == (32, 32)], outs

@@ -196,10 +196,15 @@ def attention(q, k, v, segment_ids=None, *, scale: float, impl: str = "auto",
         return cudnn_attention(q, k, v, None, scale, max_segments)
     runs = jnp.max(count_runs(segment_ids))
 
+    # Under autodiff every branch of a switch returns the residuals of all branches (zeros where
+    # not taken): the XLA path's [B, H, T, T] logits and probabilities would be written as zeros on
+    # every cuDNN step. Rematerialised, its residuals are its inputs only.
+    exact_remat = jax.checkpoint(exact, policy=jax.checkpoint_policies.nothing_saveable)
+
     def fallback(q, k, v, segment_ids):
         if _has_cpu():  # the host callback needs a CPU device (absent under JAX_PLATFORMS=cuda)
             jax.debug.callback(_log_fallback, runs, max_segments)
-        return exact(q, k, v, segment_ids)
+        return exact_remat(q, k, v, segment_ids)
 
     def packed(q, k, v, segment_ids):
         return cudnn_attention(q, k, v, segment_ids, scale, max_segments).astype(v.dtype)
