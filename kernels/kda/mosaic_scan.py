@@ -30,7 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels.kda import chunk
 from kernels.kda.hopper import SUPPORTED_DIMS, per_shard, unsupported_reason
 from kernels.kda.hopper import device_kind as _device_kind
-from kernels.kda.mosaic_state import smem_transforms
+from kernels.kda.mosaic_state import load_carried, smem_transforms
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +96,7 @@ def _fwd_body(*refs, NT, K, dt, delta):
     vs = pl.ds(lax.axis_index("v") * BV, BV)
     issue, wait = _loader(ins, bars, bh, vs)
 
-    issue(0, 0)
-    plgpu.copy_gmem_to_smem(h0_ref.at[bh, :, vs], h_s, h_bar.at[0])
-    plgpu.barrier_wait(h_bar.at[0])
-    S = plgpu.load(h_s, layout=plgpu.Layout.WGMMA)
+    S = load_carried(0, issue, h0_ref.at[bh, :, vs], h_s, h_bar.at[0])
 
     def step(n, S):
         slot = lax.rem(n, 2)
@@ -137,6 +134,11 @@ def _fwd_body(*refs, NT, K, dt, delta):
     _store_last(lax.fori_loop(0, NT, step, S), h_s, ht_ref.at[bh, :, vs])
 
 
+def _check_dims(name, Cc, K, V):
+    if Cc != C or K not in SUPPORTED_DIMS or V not in SUPPORTED_DIMS:
+        raise ValueError(f"{name} needs C={C} and K, V in {SUPPORTED_DIMS}; got C={Cc}, K={K}, V={V}")
+
+
 def state_scan(w, u, kg, decay, h0, *, interpret=False):
     """Forward pass. w, kg [N, BH, C, K] (w None: linear attention, v' = u); u [N, BH, C, V]
     (one compute dtype); decay [N, BH, K] f32; h0 [BH, K, V] f32.
@@ -144,8 +146,7 @@ def state_scan(w, u, kg, decay, h0, *, interpret=False):
     N, BH, Cc, K = kg.shape
     V = u.shape[-1]
     dt = kg.dtype
-    if Cc != C or K not in SUPPORTED_DIMS or V not in SUPPORTED_DIMS:
-        raise ValueError(f"state_scan needs C={C} and K, V in {SUPPORTED_DIMS}; got C={Cc}, K={K}, V={V}")
+    _check_dims("state_scan", Cc, K, V)
     delta = w is not None
     ins = [_smem((2, C, BV), dt), _smem((2, C, K), dt), plgpu.SMEM((2, K), jnp.float32)]
     if delta:
@@ -182,10 +183,7 @@ def _bwd_body(*refs, NT, K, dt, delta):
     vs = pl.ds(lax.axis_index("v") * BV, BV)
     issue, wait = _loader(ins, bars, bh, vs)
 
-    issue(NT - 1, 0)
-    plgpu.copy_gmem_to_smem(dS_ref.at[bh, :, vs], ds_f, h_bar.at[0])
-    plgpu.barrier_wait(h_bar.at[0])
-    dS = plgpu.load(ds_f, layout=plgpu.Layout.WGMMA)
+    dS = load_carried(NT - 1, issue, dS_ref.at[bh, :, vs], ds_f, h_bar.at[0])
 
     def step(i, dS):
         n = NT - 1 - i
@@ -234,8 +232,7 @@ def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False):
     N, BH, Cc, K = kg.shape
     V = do.shape[-1]
     dt = kg.dtype
-    if Cc != C or K not in SUPPORTED_DIMS or V not in SUPPORTED_DIMS:
-        raise ValueError(f"grad_scan needs C={C} and K, V in {SUPPORTED_DIMS}; got C={Cc}, K={K}, V={V}")
+    _check_dims("grad_scan", Cc, K, V)
     delta = w is not None
     f32 = jnp.float32
     scratch = [

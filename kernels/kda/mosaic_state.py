@@ -25,6 +25,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 C = 64  # chunk length (rows of every wgmma's M side except the state update)
 
 
+def load_carried(first, issue, src, smem, bar):
+    """Start a double-buffered chunk loop: issue chunk `first`'s loads into slot 0, then bring the
+    carried [K, BV] float32 tile `src` (HBM) into registers through `smem`."""
+    issue(first, 0)
+    plgpu.copy_gmem_to_smem(src, smem, bar)
+    plgpu.barrier_wait(bar)
+    return plgpu.load(smem, layout=plgpu.Layout.WGMMA)
+
+
 def smem_transforms(minor: int, dtype) -> tuple:
     """Tiling + swizzle for a 2D SMEM tile used as a wgmma operand or TMA target."""
     bits = jnp.dtype(dtype).itemsize * 8
@@ -56,10 +65,7 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *r
             src = src if cols is None else src.at[:, cols]
             plgpu.copy_gmem_to_smem(src, dst.at[slot], bars.at[2 * i + slot])
 
-    issue(0, 0)
-    plgpu.copy_gmem_to_smem(h0_ref.at[bh, :, vs], h_s, h_bar.at[0])
-    plgpu.barrier_wait(h_bar.at[0])
-    S = plgpu.load(h_s, layout=plgpu.Layout.WGMMA)
+    S = load_carried(0, issue, h0_ref.at[bh, :, vs], h_s, h_bar.at[0])
 
     def step(n, S):
         slot = lax.rem(n, 2)
