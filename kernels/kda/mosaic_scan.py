@@ -30,7 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels.kda import chunk
 from kernels.kda.hopper import SUPPORTED_DIMS, per_shard, unsupported_reason
 from kernels.kda.hopper import device_kind as _device_kind
-from kernels.kda.mosaic_state import load_carried, smem_transforms
+from kernels.kda.mosaic_state import launch_bh_v, load_carried, smem_transforms
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +54,6 @@ def _smem(shape, dtype):
 
 def _mm(fn, shape):
     return pl.run_scoped(fn, plgpu.ACC(shape, jnp.float32))
-
-
-def _launch(body, out_type, scratch, args, BH, V, interpret):
-    return plgpu.kernel(
-        body,
-        out_type=out_type,
-        scratch_types=scratch,
-        grid=(BH, V // BV),
-        grid_names=("bh", "v"),
-        compiler_params=plgpu.CompilerParams(approx_math=False),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(*args)
 
 
 def _loader(ins, bars, bh, vs):
@@ -165,7 +153,7 @@ def state_scan(w, u, kg, decay, h0, *, interpret=False):
     )
     args = ((w,) if delta else ()) + (u, kg, decay, h0)
     body = functools.partial(_fwd_body, NT=N, K=K, dt=dt, delta=delta)
-    return _launch(body, out_type, scratch, args, BH, V, interpret)
+    return launch_bh_v(body, out_type, scratch, args, BH=BH, V=V, BV=BV, interpret=interpret)
 
 
 def _bwd_body(*refs, NT, K, dt, delta):
@@ -255,7 +243,7 @@ def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False):
     )
     args = ((w,) if delta else ()) + (kg, qg, do, dvn_intra, decay, dS_final)
     body = functools.partial(_bwd_body, NT=N, K=K, dt=dt, delta=delta)
-    return _launch(body, out_type, scratch, args, BH, V, interpret)
+    return launch_bh_v(body, out_type, scratch, args, BH=BH, V=V, BV=BV, interpret=interpret)
 
 
 def _flat(x):

@@ -25,6 +25,19 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 C = 64  # chunk length (rows of every wgmma's M side except the state update)
 
 
+def launch_bh_v(body, out_type, scratch, args, *, BH, V, BV, interpret):
+    """One program per (batch*head, V-block of BV) walking every chunk of its sequence."""
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(BH, V // BV),
+        grid_names=("bh", "v"),
+        compiler_params=plgpu.CompilerParams(approx_math=False),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(*args)
+
+
 def load_carried(first, issue, src, smem, bar):
     """Start a double-buffered chunk loop: issue chunk `first`'s loads into slot 0, then bring the
     carried [K, BV] float32 tile `src` (HBM) into registers through `smem`."""
@@ -159,12 +172,4 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
         out_type += (jax.ShapeDtypeStruct((NT, BH, K, V), dt),)
     body = functools.partial(_body, NT=NT, K=K, BV=BV, dt=dt, with_states=with_states, heads=heads,
                              chunk_major=chunk_major, a_transposed=a_transposed)
-    return plgpu.kernel(
-        body,
-        out_type=out_type,
-        scratch_types=scratch,
-        grid=(BH, V // BV),
-        grid_names=("bh", "v"),
-        compiler_params=plgpu.CompilerParams(approx_math=False),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(qg, wn, kg, u, a, d, h0)
+    return launch_bh_v(body, out_type, scratch, (qg, wn, kg, u, a, d, h0), BH=BH, V=V, BV=BV, interpret=interpret)
