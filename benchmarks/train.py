@@ -156,8 +156,31 @@ def compile_row(row: dict, ctx: dict):
     return step
 
 
-def run_row(row: dict, ctx: dict, step, steps: int, warmup: int) -> dict:
-    """Initialise the state and time `steps` train steps after `warmup` steps."""
+def profile_row(row: dict, step, state, batch, done: int, steps: int, folder: str) -> dict:
+    """Trace `steps` more train steps into `folder`/<row> and sum the kernels by model part
+    (benchmarks/profile_summary.py); the optimized HLO is written beside the trace."""
+    from benchmarks import profile_summary
+
+    tag = f"{row['devices']}dev-{row['remat']}-b{row['batch']}".replace("/", "_")
+    folder = os.path.join(folder, tag)
+    os.makedirs(folder, exist_ok=True)
+    hlo = step.as_text()
+    with open(os.path.join(folder, "step.hlo.txt"), "w") as f:
+        f.write(hlo)
+    jax.profiler.start_trace(folder)
+    for i in range(steps):
+        state, metrics = step(state, batch, jnp.asarray(done + i + 1, jnp.int32))
+        float(metrics["loss"])
+    jax.profiler.stop_trace()
+    summary = profile_summary.summarize(folder, hlo, steps)
+    log(f"{label(row)}: profile of {steps} step(s) in {folder}\n{profile_summary.markdown(summary)}")
+    return summary
+
+
+def run_row(row: dict, ctx: dict, step, steps: int, warmup: int, profile_steps: int = 0,
+            profile_dir: str = "") -> dict:
+    """Initialise the state and time `steps` train steps after `warmup` steps (then, with
+    `profile_steps`, trace that many more and record where their device time goes)."""
     config, mesh, n = ctx["config"], ctx["mesh"], row["devices"]
     batch_size, seq_len = row["batch"], row["seq_len"]
     with jax.set_mesh(mesh):
@@ -175,6 +198,8 @@ def run_row(row: dict, ctx: dict, step, steps: int, warmup: int) -> dict:
             times.append(time.perf_counter() - t0)
             log(f"step {i + 1}/{warmup + steps}{' (warm-up)' if i < warmup else ''}: {1000 * times[-1]:.1f} ms, "
                 f"loss {loss:.4f}")
+        if profile_steps:
+            row["profile"] = profile_row(row, step, state, batch, warmup + steps, profile_steps, profile_dir)
         del state
     timed = times[warmup:]
     elapsed = statistics.median(timed)
@@ -267,6 +292,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--compile_cache", default="", help="persistent compilation cache folder")
     parser.add_argument("--compile_only", action="store_true", help="lower + compile with abstract inputs only")
     parser.add_argument("--peak_flops", type=float, default=0.0, help="per device; 0 = device table")
+    parser.add_argument("--profile_steps", type=int, default=0,
+                        help="after timing, trace this many steps per row and sum device time by model part")
+    parser.add_argument("--profile_dir", default="", help="trace folder (default: beside the JSON)")
     parser.add_argument("--quick", action="store_true", help="configs/tiny.py, tiny shapes (CPU smoke test)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train_<time>.json)")
     args = parser.parse_args(argv)
@@ -356,7 +384,8 @@ def main(argv=None) -> dict:
                 steps[i] = None
                 continue
             try:
-                run_row(row, ctx, steps[i], args.steps, args.warmup)
+                run_row(row, ctx, steps[i], args.steps, args.warmup, args.profile_steps,
+                        args.profile_dir or os.path.splitext(out)[0] + "-profile")
             except Exception as e:  # noqa: BLE001
                 fail(row, e, "run")
             steps[i] = None

@@ -11,6 +11,7 @@ attention residuals) -> final norm -> untied head. Built from a `ModelConfig`.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -55,14 +56,21 @@ class Block(nnx.Module):
 
     def __call__(self, stream, *, segment_ids=None, cache=None):
         """Advance `stream` by this layer; returns (new mixer cache or None, MoE stats or None)."""
-        x = self.mixer_norm(stream.before_mixer(self.mixer_read, self.layer))
-        if cache is None:
-            y, cache = self.mixer(x, segment_ids=segment_ids), None
-        else:
-            y, cache = self.mixer.decode(x, cache)
+        # Named scopes tag every op (forward and backward) for benchmarks/profile_summary.py.
+        with jax.named_scope("attn_res"):
+            x = stream.before_mixer(self.mixer_read, self.layer)
+        with jax.named_scope(f"mixer_{self.mixer_name}"):
+            x = self.mixer_norm(x)
+            if cache is None:
+                y, cache = self.mixer(x, segment_ids=segment_ids), None
+            else:
+                y, cache = self.mixer.decode(x, cache)
         stream.add(y)
-        x = self.ffn_norm(stream.before_ffn(self.ffn_read))
-        y, stats = self.ffn(x) if isinstance(self.ffn, MoE) else (self.ffn(x), None)
+        with jax.named_scope("attn_res"):
+            x = stream.before_ffn(self.ffn_read)
+        moe = isinstance(self.ffn, MoE)
+        with jax.named_scope("ffn_moe" if moe else "ffn_mlp"):
+            y, stats = self.ffn(self.ffn_norm(x)) if moe else (self.ffn(self.ffn_norm(x)), None)
         stream.add(y)
         return cache, stats
 
@@ -115,13 +123,16 @@ class Model(nnx.Module):
                              f"dtype {tokens.dtype}")
 
     def _stream(self, tokens):
-        h = constrain(self.embed(tokens), ("act_batch", "act_len", "act_embed"))
+        with jax.named_scope("embed"):
+            h = constrain(self.embed(tokens), ("act_batch", "act_len", "act_embed"))
         return make_stream(self.config.residual, h, self.config.attn_res_block_size)
 
     def _logits(self, stream):
-        h = self.norm(stream.final(self.final_read))
-        logits = self.head(h).astype(jnp.float32)
-        return constrain(logits, ("act_batch", "act_len", "act_vocab"))
+        with jax.named_scope("attn_res"):
+            h = stream.final(self.final_read)
+        with jax.named_scope("head"):
+            logits = self.head(self.norm(h)).astype(jnp.float32)
+            return constrain(logits, ("act_batch", "act_len", "act_vocab"))
 
 
 def collect_aux(stats) -> dict:

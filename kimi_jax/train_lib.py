@@ -129,9 +129,10 @@ def make_loss_fn(config, graphdef):
     def loss_fn(params, rest, batch, num_tokens):
         model = nnx.merge(graphdef, _cast(params, dtype), rest)
         logits, aux = model(batch["inputs"], segment_ids=batch["segment_ids"], return_aux=True, **kw)
-        mask = batch["loss_mask"].astype(jnp.float32)
-        nll, z2, correct = token_losses(logits, batch["targets"])
-        sums = {"nll": jnp.sum(nll * mask), "z": jnp.sum(z2 * mask), "correct": jnp.sum(correct * mask)}
+        with jax.named_scope("loss"):
+            mask = batch["loss_mask"].astype(jnp.float32)
+            nll, z2, correct = token_losses(logits, batch["targets"])
+            sums = {"nll": jnp.sum(nll * mask), "z": jnp.sum(z2 * mask), "correct": jnp.sum(correct * mask)}
         loss = (sums["nll"] + z_coef * sums["z"]) / num_tokens + aux["aux_loss"] / accum
         new_rest = nnx.state(model, nnx.Not(nnx.Param)).to_pure_dict()
         return loss, (sums, aux, new_rest)
@@ -190,10 +191,11 @@ def make_train_step(config, graphdef, tx, schedule):
         if nan_step >= 0:  # fault injection for tests of the non-finite handling
             num_tokens = num_tokens / jnp.where(step == nan_step, jnp.nan, 1.0)
         grads, loss, sums, aux, rest = _grads(loss_fn, state, batch, num_tokens, accum)
-        grad_norm = optax.global_norm(grads)
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        updates = jax.tree.map(lambda u: (lr * u).astype(u.dtype), updates)
-        params = optax.apply_updates(state["params"], updates)
+        with jax.named_scope("optimizer"):
+            grad_norm = optax.global_norm(grads)
+            updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+            updates = jax.tree.map(lambda u: (lr * u).astype(u.dtype), updates)
+            params = optax.apply_updates(state["params"], updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if skip:
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731

@@ -1,0 +1,168 @@
+"""Where a jitted step's device time goes: sums the kernels of a `jax.profiler` trace by model part
+(the `jax.named_scope`s the model and train step open: `mixer_kda`, `mixer_mla`, `ffn_mlp`,
+`ffn_moe`, `attn_res`, `embed`, `head`, `loss`, `optimizer`), by kind of kernel (matmul,
+collective, copy, custom call, other fusions) and by HLO op.
+
+    python benchmarks/profile_summary.py TRACE_DIR --hlo step.hlo.txt --steps 2 [--out F.json]
+    python benchmarks/train.py --rows 1:dots16:4 --profile_steps 2     # traces and summarises
+
+Kernel events carry their HLO op's name (`hlo_op`); the optimized HLO text (`compiled.as_text()`)
+maps that name to the op's `op_name` metadata, whose path holds the named scopes (a fusion without
+metadata takes the most common scope of the ops it fuses). Times are summed kernel durations per
+step: kernels on concurrent streams add up, so the total can exceed the step's wall time, and the
+gap between the two is host-side or launch-bound time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+
+# Named scopes opened by kimi_jax (model.py, train_lib.py), outermost first.
+PARTS = ("optimizer", "loss", "head", "embed", "attn_res", "mixer_", "ffn_")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_COMP = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?.*\{\s*$")
+_CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-, %]+)\}?")
+_OPNAME = re.compile(r'op_name="([^"]*)"')
+
+
+def part_of(op_name: str) -> str:
+    """The model part of an op's `op_name` path: the first known named scope, else "other"."""
+    for token in re.findall(r"[A-Za-z_][\w]*", op_name or ""):
+        for p in PARTS:
+            if token == p or (p.endswith("_") and token.startswith(p)):
+                return token
+    return "other"
+
+
+def kernel_kind(kernel: str, hlo_op: str) -> str:
+    """matmul / collective / copy / custom call / fusion, from the kernel and HLO op names."""
+    k, h = kernel.lower(), hlo_op.lower()
+    if any(s in k for s in ("nccl", "all_reduce", "allreduce", "all_gather", "reduce_scatter")) or \
+            any(s in h for s in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective")):
+        return "collective"
+    if any(s in k for s in ("gemm", "gemv", "xmma", "cutlass", "nvjet", "cublas", "wgmma")) or \
+            h.startswith(("dot", "cublas", "gemm")):
+        return "matmul"
+    if "memcpy" in k or "memset" in k or h.startswith(("copy", "dynamic-update-slice")):
+        return "copy"
+    if h.startswith("custom-call") or "mosaic" in k or "cudnn" in k or "flash" in k:
+        return "custom call"
+    return "fusion/other"
+
+
+def op_scopes(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> op_name metadata, for every instruction of the module; fusions
+    and calls without metadata take the most common op_name of their called computations."""
+    own, calls, comp_ops = {}, {}, collections.defaultdict(list)
+    comp = None
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if m and not line.rstrip().endswith("{"):
+            name, rest = m.groups()
+            meta = _OPNAME.search(rest)
+            own[name] = meta.group(1) if meta else ""
+            called = [c.strip(" %") for g in _CALLS.findall(rest) for c in g.split(",") if c.strip(" %")]
+            calls[name] = called
+            if comp is not None:
+                comp_ops[comp].append(name)
+            continue
+        c = _COMP.match(line)
+        if c and "=" not in line.split("{")[0]:
+            comp = c.group(1)
+
+    def resolve(name, depth=0):
+        if own.get(name) or depth > 8:
+            return own.get(name, "")
+        names = [resolve(op, depth + 1) for c in calls.get(name, ()) for op in comp_ops.get(c, ())]
+        names = [n for n in names if n]
+        return collections.Counter(names).most_common(1)[0][0] if names else ""
+    return {name: resolve(name) for name in own}
+
+
+def device_events(trace_dir: str) -> list[tuple[str, str, float]]:
+    """(kernel name, hlo_op, duration ns) of every device kernel in the newest trace under
+    `trace_dir` (GPU/TPU planes; on CPU, the XLA threads' ops)."""
+    from jax.profiler import ProfileData
+
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+    if not files:
+        raise FileNotFoundError(f"no *.xplane.pb under {trace_dir!r}: was jax.profiler.start_trace given this folder?")
+    data = ProfileData.from_file(files[-1])
+    events, host = [], []
+    for plane in data.planes:
+        device = plane.name.startswith("/device:")
+        for line in plane.lines:
+            if not device and not line.name.startswith("tf_XLA"):  # CPU: client and worker threads
+                continue
+            if device and line.name in ("XLA Modules", "XLA Ops", "Steps", "XLA TraceMe"):
+                continue
+            for e in line.events:
+                stats = dict(e.stats)
+                if "hlo_op" not in stats and not device:
+                    continue
+                (events if device else host).append((e.name, str(stats.get("hlo_op", "")), float(e.duration_ns)))
+    return events or host
+
+
+def summarize(trace_dir: str, hlo_text: str = "", steps: int = 1, top: int = 25) -> dict:
+    """Per-step milliseconds by model part, by kernel kind and by HLO op (the `top` largest)."""
+    scopes = op_scopes(hlo_text) if hlo_text else {}
+    by_part, by_kind, by_op = collections.Counter(), collections.Counter(), collections.Counter()
+    part_kind = collections.Counter()
+    op_part, count = {}, collections.Counter()
+    for kernel, hlo_op, ns in device_events(trace_dir):
+        ms = ns / 1e6 / steps
+        part = part_of(scopes.get(hlo_op, ""))
+        kind = kernel_kind(kernel, hlo_op)
+        by_part[part] += ms
+        by_kind[kind] += ms
+        part_kind[f"{part} / {kind}"] += ms
+        key = hlo_op or kernel
+        by_op[key] += ms
+        count[key] += 1
+        op_part[key] = part
+    total = sum(by_part.values())
+    ops = [{"op": op, "part": op_part[op], "ms": ms, "launches_per_step": count[op] / steps}
+           for op, ms in by_op.most_common(top)]
+    rnd = lambda c: {k: round(v, 3) for k, v in c.most_common()}  # noqa: E731
+    return {"steps": steps, "kernel_ms_per_step": round(total, 3), "by_part": rnd(by_part),
+            "by_kind": rnd(by_kind), "by_part_and_kind": rnd(part_kind),
+            "kernels_per_step": sum(count.values()) / steps, "top_ops": ops}
+
+
+def markdown(summary: dict) -> str:
+    total = summary["kernel_ms_per_step"] or 1.0
+    lines = [f"kernel time per step: {summary['kernel_ms_per_step']:.1f} ms in "
+             f"{summary['kernels_per_step']:.0f} kernels", "", "| part | ms/step | share |", "|---|---|---|"]
+    lines += [f"| {k} | {v:.2f} | {v / total:.1%} |" for k, v in summary["by_part"].items()]
+    lines += ["", "| kind | ms/step | share |", "|---|---|---|"]
+    lines += [f"| {k} | {v:.2f} | {v / total:.1%} |" for k, v in summary["by_kind"].items()]
+    lines += ["", "| HLO op | part | ms/step | launches/step |", "|---|---|---|---|"]
+    lines += [f"| {o['op']} | {o['part']} | {o['ms']:.2f} | {o['launches_per_step']:.0f} |" for o in summary["top_ops"]]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("trace_dir")
+    p.add_argument("--hlo", help="optimized HLO text of the traced program (compiled.as_text())")
+    p.add_argument("--steps", type=int, default=1, help="steps in the trace (times are divided by it)")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--out", help="JSON path")
+    args = p.parse_args(argv)
+    hlo = open(args.hlo).read() if args.hlo else ""
+    summary = summarize(args.trace_dir, hlo, args.steps, args.top)
+    print(markdown(summary))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=1)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

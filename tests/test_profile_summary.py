@@ -1,0 +1,84 @@
+"""benchmarks/profile_summary.py: kernel time of a traced step attributed to the model's named
+scopes, by kind and by HLO op; and benchmarks/train.py --profile_steps records it per row."""
+
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import profile_summary as ps
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_part_of_takes_the_outermost_known_scope():
+    assert ps.part_of("jit(step)/transpose(jvp(mixer_kda))/ffn_mlp/dot_general") == "mixer_kda"
+    assert ps.part_of("jit(step)/optimizer/mul") == "optimizer"
+    assert ps.part_of("jit(step)/headless/mul") == "other"  # a prefix of a name is not the scope
+    assert ps.part_of("") == "other"
+
+
+def test_kernel_kinds():
+    assert ps.kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32", "custom-call.3") == "matmul"
+    assert ps.kernel_kind("ncclDevKernel_AllReduce_Sum_f32", "all-reduce.1") == "collective"
+    assert ps.kernel_kind("loop_add_fusion", "loop_add_fusion.2") == "fusion/other"
+    assert ps.kernel_kind("mosaic_gpu_kernel", "custom-call.9") == "custom call"
+
+
+def test_fusion_without_metadata_takes_its_ops_scope():
+    hlo = "\n".join([
+        "%fused_computation (p: f32[4]) -> f32[4] {",
+        '  %p = f32[4]{0} parameter(0)',
+        '  ROOT %sine.1 = f32[4]{0} sine(%p), metadata={op_name="jit(f)/mixer_mla/sin"}',
+        "}",
+        "ENTRY %main (a: f32[4]) -> f32[4] {",
+        '  %a = f32[4]{0} parameter(0)',
+        '  ROOT %fusion.7 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation',
+        "}"])
+    scopes = ps.op_scopes(hlo)
+    assert scopes["fusion.7"] == "jit(f)/mixer_mla/sin" and scopes["sine.1"] == "jit(f)/mixer_mla/sin"
+
+
+def test_trace_is_attributed_to_named_scopes(tmp_path):
+    def f(a, b):
+        with jax.named_scope("ffn_mlp"):  # 4 large matmuls
+            x = a
+            for _ in range(4):
+                x = jnp.tanh(x @ b)
+        with jax.named_scope("mixer_kda"):  # one small elementwise op
+            y = jnp.sin(x[:8]) * 3.0
+        return y.sum()
+
+    step = jax.jit(jax.grad(f))
+    a = jnp.ones((384, 384), jnp.float32) / 384
+    hlo = step.lower(a, a).compile().as_text()
+    step(a, a).block_until_ready()
+    jax.profiler.start_trace(str(tmp_path))
+    for _ in range(2):
+        step(a, a).block_until_ready()
+    jax.profiler.stop_trace()
+    s = ps.summarize(str(tmp_path), hlo, steps=2)
+    assert s["kernel_ms_per_step"] > 0 and s["kernels_per_step"] >= 2
+    assert abs(sum(s["by_part"].values()) - s["kernel_ms_per_step"]) < 0.01
+    assert s["by_part"]["ffn_mlp"] > s["by_part"].get("mixer_kda", 0.0)
+    assert {o["part"] for o in s["top_ops"]} >= {"ffn_mlp"}
+    assert "| ffn_mlp |" in ps.markdown(s)
+
+
+def test_missing_trace_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="xplane"):
+        ps.summarize(str(tmp_path))
+
+
+def test_train_bench_profiles_model_parts(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_train_p", os.path.join(ROOT, "benchmarks", "train.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--quick", "--devices", "1", "--steps", "1", "--profile_steps", "1",
+                         "--out", str(tmp_path / "t.json")])
+    prof = result["rows"][0]["profile"]
+    parts = set(prof["by_part"])
+    assert {"optimizer", "head", "ffn_mlp"} <= parts and any(p.startswith("mixer_") for p in parts)
+    assert (tmp_path / "t-profile" / "1dev-none-b2" / "step.hlo.txt").exists()
