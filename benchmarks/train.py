@@ -12,7 +12,9 @@ Rows: device count x remat policy (kimi_jax/remat.py) x sequences per device, or
 phase is timed apart and printed as it ends: step lowering and compile (`.lower(...).compile()`
 on abstract inputs; each row compiles in a thread while the next is traced, and nothing runs
 before all are compiled, so compiles do not disturb timings), the state's initialisation, the
-warm-up steps, then each timed step (the median is reported). The state is initialised op by
+warm-up steps, then each timed step (the median is reported; as in train.py's loop, a step's loss
+is read after the next step is dispatched, so host dispatch overlaps the device; --sync blocks on
+every step). The state is initialised op by
 op, not jitted: a jitted init of the 1.3B model compiles as long as the step itself (60 s on
 CPU); op by op takes seconds since the 24 layers repeat a few shapes. The JSON is rewritten
 after every phase of every row (with the XLA environment: XLA_PYTHON_CLIENT_MEM_FRACTION
@@ -178,7 +180,7 @@ def profile_row(row: dict, step, state, batch, done: int, steps: int, folder: st
 
 
 def run_row(row: dict, ctx: dict, step, steps: int, warmup: int, profile_steps: int = 0,
-            profile_dir: str = "") -> dict:
+            profile_dir: str = "", sync: bool = False) -> dict:
     """Initialise the state and time `steps` train steps after `warmup` steps (then, with
     `profile_steps`, trace that many more and record where their device time goes)."""
     config, mesh, n = ctx["config"], ctx["mesh"], row["devices"]
@@ -190,14 +192,32 @@ def run_row(row: dict, ctx: dict, step, steps: int, warmup: int, profile_steps: 
         log(f"{label(row)}: state initialised op by op in {row['init_s']:.1f} s")
         batch = synthetic_batch(np.random.default_rng(0), batch_size, seq_len, config.model.vocab_size)
         batch = train_lib.global_batch(batch, mesh)
-        times = []
-        for i in range(warmup + steps):
-            t0 = time.perf_counter()
-            state, metrics = step(state, batch, jnp.asarray(i + 1, jnp.int32))
+        # Like train.py, a step's metrics are read after the next step is dispatched (sync=False),
+        # so the host's dispatch of step i+1 overlaps step i on the device; a step's time is the
+        # interval between two reads. sync=True blocks on every step before the next.
+        times, pending, t_last = [], None, time.perf_counter()
+
+        def finish(i, metrics):
+            nonlocal t_last
             loss = float(metrics["loss"])
-            times.append(time.perf_counter() - t0)
+            now = time.perf_counter()
+            times.append(now - t_last)
+            t_last = now
             log(f"step {i + 1}/{warmup + steps}{' (warm-up)' if i < warmup else ''}: {1000 * times[-1]:.1f} ms, "
                 f"loss {loss:.4f}")
+            return loss
+
+        for i in range(warmup + steps):
+            state, metrics = step(state, batch, jnp.asarray(i + 1, jnp.int32))
+            if sync:
+                loss = finish(i, metrics)
+                continue
+            if pending is not None:
+                loss = finish(*pending)
+            pending = (i, metrics)
+        if pending is not None:
+            loss = finish(*pending)
+        row["timing"] = "synchronous" if sync else "one step behind (train.py's loop)"
         if profile_steps:
             row["profile"] = profile_row(row, step, state, batch, warmup + steps, profile_steps, profile_dir)
         del state
@@ -295,6 +315,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--profile_steps", type=int, default=0,
                         help="after timing, trace this many steps per row and sum device time by model part")
     parser.add_argument("--profile_dir", default="", help="trace folder (default: beside the JSON)")
+    parser.add_argument("--sync", action="store_true",
+                        help="block on every step's loss before dispatching the next (default: read it "
+                             "one step behind, as train.py does, so dispatch overlaps the device)")
     parser.add_argument("--quick", action="store_true", help="configs/tiny.py, tiny shapes (CPU smoke test)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train_<time>.json)")
     args = parser.parse_args(argv)
@@ -385,7 +408,7 @@ def main(argv=None) -> dict:
                 continue
             try:
                 run_row(row, ctx, steps[i], args.steps, args.warmup, args.profile_steps,
-                        args.profile_dir or os.path.splitext(out)[0] + "-profile")
+                        args.profile_dir or os.path.splitext(out)[0] + "-profile", args.sync)
             except Exception as e:  # noqa: BLE001
                 fail(row, e, "run")
             steps[i] = None

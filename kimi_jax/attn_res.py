@@ -17,11 +17,75 @@ Reads mix across depth only, never across time, so decoding one token needs no e
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from kimi_jax.layers import param, rms_normalize
+
+
+def read_reference(sources, w, eps: float):
+    """The read by autodiff-able stacking: sources [S] x [..., D], w [D] -> [..., D] float32."""
+    v = jnp.stack([s.astype(jnp.float32) for s in sources])  # [S, ..., D]
+    logits = jnp.einsum("s...d,d->s...", rms_normalize(v, eps), w)
+    p = jax.nn.softmax(logits, axis=0)
+    return jnp.einsum("s...,s...d->...d", p, v)
+
+
+def _scores(sources, w, eps):
+    """Per source (never stacked): r_s = rsqrt(mean(v_s^2) + eps), logit_s = r_s <v_s, w>."""
+    r, logits = [], []
+    for s in sources:
+        v = s.astype(jnp.float32)
+        r_s = jax.lax.rsqrt(jnp.mean(v * v, axis=-1) + eps)
+        r.append(r_s)
+        logits.append(r_s * jnp.einsum("...d,d->...", v, w))
+    logits = jnp.stack(logits)  # [S, ...]: one scalar per token and source
+    return jnp.stack(r), logits, jax.nn.softmax(logits, axis=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def read(sources: tuple, w, eps: float):
+    """`read_reference` without the float32 [S, ..., D] stack: each source is read in its own
+    dtype by two fusions (scores, weighted sum); the backward reads each source twice more
+    (dp_s, then dv_s) instead of differentiating through stacked float32 copies, which cost ~1 ms
+    per read on an H200 at 4 x 4096 x 2048 (48 reads per step of the 1.3B model)."""
+    return _read_fwd(sources, w, eps)[0]
+
+
+def _weighted(sources, p):
+    out = p[0][..., None] * sources[0].astype(jnp.float32)
+    for p_s, s in zip(p[1:], sources[1:]):
+        out = out + p_s[..., None] * s.astype(jnp.float32)
+    return out
+
+
+def _read_fwd(sources, w, eps):
+    sources = tuple(sources)
+    r, logits, p = _scores(sources, w, eps)
+    return _weighted(sources, p), (sources, w, r, logits, p)
+
+
+def _read_bwd(eps, res, g):
+    del eps
+    sources, w, r, logits, p = res
+    dp = jnp.stack([jnp.einsum("...d,...d->...", g, s.astype(jnp.float32)) for s in sources])
+    dl = p * (dp - jnp.sum(p * dp, axis=0))  # softmax backward, [S, ...]
+    D = w.shape[-1]
+    dsources, dw = [], jnp.zeros_like(w)
+    for i, s in enumerate(sources):
+        v = s.astype(jnp.float32)
+        # d logit / d v = r w - logit r^2 v / D  (r = rsqrt(mean(v^2) + eps))
+        c = dl[i] * r[i]
+        dv = p[i][..., None] * g + c[..., None] * w - (c * logits[i] * r[i] / D)[..., None] * v
+        dsources.append(dv.astype(s.dtype))
+        dw = dw + jnp.einsum("...,...d->d", c, v)
+    return tuple(dsources), dw
+
+
+read.defvjp(_read_fwd, _read_bwd)
 
 
 class AttnResRead(nnx.Module):
@@ -36,11 +100,11 @@ class AttnResRead(nnx.Module):
     def __call__(self, sources):
         if not sources:
             raise ValueError("AttnResRead needs at least one source")
-        v = jnp.stack([s.astype(jnp.float32) for s in sources])  # [S, ..., D]
+        dims = {tuple(s.shape) for s in sources}
+        if len(dims) != 1:
+            raise ValueError(f"AttnResRead sources must share one shape; got {sorted(dims)}")
         w = self.norm[...].astype(jnp.float32) * self.query[...].astype(jnp.float32)
-        logits = jnp.einsum("s...d,d->s...", rms_normalize(v, self.eps), w)
-        p = jax.nn.softmax(logits, axis=0)
-        return jnp.einsum("s...,s...d->...d", p, v).astype(self.dtype)
+        return read(tuple(sources), w, self.eps).astype(self.dtype)
 
 
 class PlainStream:

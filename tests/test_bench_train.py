@@ -85,3 +85,13 @@ def test_scale_best_and_deadline_skip_rows_in_the_json(bench, tmp_path):
                 assert rows[key]["tokens_per_sec"] > 0 and "skipped" not in rows[key], key
             else:
                 assert why in rows[key]["skipped"] and "tokens_per_sec" not in rows[key], key
+
+
+def test_one_step_behind_timing_runs_the_same_steps_as_synchronous(bench, tmp_path):
+    rows = {}
+    for sync in (False, True):
+        argv = ["--quick", "--devices", "1", "--steps", "2", "--out", str(tmp_path / f"{sync}.json")]
+        rows[sync] = bench.main(argv + (["--sync"] if sync else []))["rows"][0]
+    assert rows[True]["timing"] == "synchronous" and "one step behind" in rows[False]["timing"]
+    assert rows[True]["loss"] == rows[False]["loss"]  # the last step's loss, same steps in the same order
+    assert all(r["step_ms"] > 0 for r in rows.values())
