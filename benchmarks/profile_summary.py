@@ -84,16 +84,16 @@ def op_scopes(hlo_text: str) -> dict[str, str]:
     return {name: resolve(name) for name in own}
 
 
-def device_events(trace_dir: str) -> list[tuple[str, str, float]]:
-    """(kernel name, hlo_op, duration ns) of every device kernel in the newest trace under
-    `trace_dir` (GPU/TPU planes; on CPU, the XLA threads' ops)."""
+def device_events(trace_dir: str) -> list[list[tuple[str, str, float]]]:
+    """Device kernels of the newest trace under `trace_dir`, one list per stream in launch order,
+    of (kernel name, hlo_op, duration ns) (GPU/TPU planes; on CPU, the XLA threads' ops)."""
     from jax.profiler import ProfileData
 
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
     if not files:
         raise FileNotFoundError(f"no *.xplane.pb under {trace_dir!r}: was jax.profiler.start_trace given this folder?")
     data = ProfileData.from_file(files[-1])
-    events, host = [], []
+    streams, host = [], []
     for plane in data.planes:
         device = plane.name.startswith("/device:")
         for line in plane.lines:
@@ -101,31 +101,57 @@ def device_events(trace_dir: str) -> list[tuple[str, str, float]]:
                 continue
             if device and line.name in ("XLA Modules", "XLA Ops", "Steps", "XLA TraceMe"):
                 continue
-            for e in line.events:
+            events = []
+            for e in sorted(line.events, key=lambda e: e.start_ns):
                 stats = dict(e.stats)
                 if "hlo_op" not in stats and not device:
                     continue
-                (events if device else host).append((e.name, str(stats.get("hlo_op", "")), float(e.duration_ns)))
-    return events or host
+                events.append((e.name, str(stats.get("hlo_op", "")), float(e.duration_ns)))
+            if events:
+                (streams if device else host).append(events)
+    return streams or host
+
+
+def kernel_scopes(stream: list[tuple[str, str, float]], scopes: dict[str, str]) -> list[str]:
+    """op_name of each kernel of one stream. A kernel maps to its `hlo_op`, or (inside a command
+    buffer / CUDA graph, where `hlo_op` names the whole graph) to the fusion its name comes from
+    ("loop_add_fusion_3" is "loop_add_fusion.3"). Library kernels (cuBLAS, cuDNN, Mosaic) inside
+    a graph take the scope of the kernel launched before them on the stream (else after them):
+    neighbours in launch order belong to the same layer part."""
+    own = []
+    for kernel, hlo_op, _ in stream:
+        name = scopes.get(hlo_op) or scopes.get(kernel) or scopes.get(re.sub(r"_(\d+)$", r".\1", kernel))
+        own.append(name or "")
+    out, last = list(own), ""
+    for i, name in enumerate(own):
+        last = name or last
+        out[i] = last
+    nxt = ""
+    for i in range(len(own) - 1, -1, -1):
+        nxt = own[i] or nxt
+        out[i] = out[i] or nxt
+    return out
 
 
 def summarize(trace_dir: str, hlo_text: str = "", steps: int = 1, top: int = 25) -> dict:
-    """Per-step milliseconds by model part, by kernel kind and by HLO op (the `top` largest)."""
+    """Per-step milliseconds by model part, by kernel kind and by kernel / HLO op (the `top`
+    largest)."""
     scopes = op_scopes(hlo_text) if hlo_text else {}
     by_part, by_kind, by_op = collections.Counter(), collections.Counter(), collections.Counter()
     part_kind = collections.Counter()
     op_part, count = {}, collections.Counter()
-    for kernel, hlo_op, ns in device_events(trace_dir):
-        ms = ns / 1e6 / steps
-        part = part_of(scopes.get(hlo_op, ""))
-        kind = kernel_kind(kernel, hlo_op)
-        by_part[part] += ms
-        by_kind[kind] += ms
-        part_kind[f"{part} / {kind}"] += ms
-        key = hlo_op or kernel
-        by_op[key] += ms
-        count[key] += 1
-        op_part[key] = part
+    for stream in device_events(trace_dir):
+        for (kernel, hlo_op, ns), op_name in zip(stream, kernel_scopes(stream, scopes)):
+            ms = ns / 1e6 / steps
+            part = part_of(op_name)
+            kind = kernel_kind(kernel, hlo_op)
+            by_part[part] += ms
+            by_kind[kind] += ms
+            part_kind[f"{part} / {kind}"] += ms
+            key = f"{kernel[:80]} [{part}]" if hlo_op.startswith("command_buffer") or not hlo_op else hlo_op
+            by_op[key] += ms
+            count[key] += 1
+            op_part[key] = part
     total = sum(by_part.values())
     ops = [{"op": op, "part": op_part[op], "ms": ms, "launches_per_step": count[op] / steps}
            for op, ms in by_op.most_common(top)]
@@ -142,7 +168,7 @@ def markdown(summary: dict) -> str:
     lines += [f"| {k} | {v:.2f} | {v / total:.1%} |" for k, v in summary["by_part"].items()]
     lines += ["", "| kind | ms/step | share |", "|---|---|---|"]
     lines += [f"| {k} | {v:.2f} | {v / total:.1%} |" for k, v in summary["by_kind"].items()]
-    lines += ["", "| HLO op | part | ms/step | launches/step |", "|---|---|---|---|"]
+    lines += ["", "| kernel or HLO op | part | ms/step | launches/step |", "|---|---|---|---|"]
     lines += [f"| {o['op']} | {o['part']} | {o['ms']:.2f} | {o['launches_per_step']:.0f} |" for o in summary["top_ops"]]
     return "\n".join(lines)
 

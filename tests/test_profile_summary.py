@@ -82,3 +82,13 @@ def test_train_bench_profiles_model_parts(tmp_path):
     parts = set(prof["by_part"])
     assert {"optimizer", "head", "ffn_mlp"} <= parts and any(p.startswith("mixer_") for p in parts)
     assert (tmp_path / "t-profile" / "1dev-none-b2" / "step.hlo.txt").exists()
+
+
+def test_graph_kernels_map_by_fusion_name_and_library_kernels_by_neighbour():
+    scopes = {"loop_add_fusion.3": "jit(s)/ffn_mlp/add", "input_reduce_fusion": "jit(s)/mixer_kda/reduce_sum"}
+    stream = [("nvjet_sm90_gemm", "command_buffer_1", 1.0),          # before any mapped kernel: takes the next
+              ("input_reduce_fusion", "command_buffer_1", 1.0),
+              ("sm90_xmma_gemm", "command_buffer_1", 1.0),           # after the KDA fusion
+              ("loop_add_fusion_3", "command_buffer_1", 1.0)]        # "_3" is HLO's ".3"
+    parts = [ps.part_of(n) for n in ps.kernel_scopes(stream, scopes)]
+    assert parts == ["mixer_kda", "mixer_kda", "mixer_kda", "ffn_mlp"]
