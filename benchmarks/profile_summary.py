@@ -23,7 +23,9 @@ import os
 import re
 
 # Named scopes opened by kimi_jax (model.py, train_lib.py), outermost first.
-PARTS = ("optimizer", "loss", "head", "embed", "attn_res", "mixer_", "ffn_")
+# "kda_bwd": the chunked KDA backward (kernels/kda/chunk.py), a custom_vjp rule traced without
+# its caller's scopes.
+PARTS = ("optimizer", "loss", "head", "embed", "attn_res", "mixer_", "ffn_", "kda_bwd")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _COMP = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?.*\{\s*$")
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-, %]+)\}?")

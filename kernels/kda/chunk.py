@@ -138,6 +138,12 @@ def _core_fwd(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass="x
 
 
 def _core_bwd(scale, bounded, delta, state_pass, scores, res, cts):
+    # A custom_vjp backward is traced without its caller's named scopes: name it for profiles.
+    with jax.named_scope("kda_bwd"):
+        return _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts)
+
+
+def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
     q, k, v, g, beta, counts, states = res
     do, dS_final = cts
     nm = _Numerics(q.dtype)
