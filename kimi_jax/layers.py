@@ -170,23 +170,9 @@ class ShortConv(nnx.Module):
         """x [B, T, *channels] -> SiLU(conv(x)) of the same shape."""
         if tuple(x.shape[2:]) != self.channels:
             raise ValueError(f"ShortConv expects x [B, T, {self.channels}]; got x.shape={x.shape}")
-        B, T = x.shape[:2]
-        W = self.kernel_size
-        x = x.astype(self.dtype)
-        w = self.weight[...].astype(self.dtype).astype(jnp.float32)  # taps accumulate in float32
-        xp = jnp.pad(x, [(0, 0), (W - 1, 0)] + [(0, 0)] * len(self.channels))
-        if segment_ids is not None:
-            if segment_ids.shape != (B, T):
-                raise ValueError(f"segment_ids must be [B, T] = {(B, T)}; got {segment_ids.shape}")
-            sp = jnp.pad(segment_ids, [(0, 0), (W - 1, 0)], constant_values=-1)
-        y = jnp.zeros(x.shape, jnp.float32)
-        for i in range(W):  # tap i reads the token W-1-i steps back
-            tap = xp[:, i : i + T]
-            if segment_ids is not None:
-                same = (sp[:, i : i + T] == segment_ids).reshape((B, T) + (1,) * len(self.channels))
-                tap = jnp.where(same, tap, 0)
-            y = y + tap.astype(jnp.float32) * w[i]
-        return jax.nn.silu(y).astype(self.dtype)
+        if segment_ids is not None and segment_ids.shape != x.shape[:2]:
+            raise ValueError(f"segment_ids must be [B, T] = {x.shape[:2]}; got {segment_ids.shape}")
+        return causal_conv_silu(x.astype(self.dtype), self.weight[...].astype(self.dtype), segment_ids)
 
     def init_cache(self, batch_size: int, dtype):
         return jnp.zeros((batch_size, self.kernel_size - 1) + self.channels, dtype)
@@ -199,6 +185,81 @@ class ShortConv(nnx.Module):
         w = self.weight[...].astype(self.dtype)
         y = jnp.einsum("bw...,w...->b...", window, w, preferred_element_type=jnp.float32)
         return jax.nn.silu(y).astype(self.dtype), window[:, 1:].astype(cache.dtype)
+
+
+def _shift(x, s: int):
+    """x [B, T, ...] delayed by s >= 0 steps along T (zeros enter), or advanced by -s if s < 0:
+    one pad op with a negative edge, which XLA fuses into its consumer (no padded copy)."""
+    if s == 0:
+        return x
+    cfg = [(0, 0, 0), (s, -s, 0)] + [(0, 0, 0)] * (x.ndim - 2)
+    return jax.lax.pad(x, jnp.zeros((), x.dtype), cfg)
+
+
+def _tap_masks(segment_ids, W: int, ndim: int):
+    """Per tap i (reading s = W-1-i steps back), [B, T, 1...] bool: the source token is in the
+    same packed segment (None without segment_ids: the zero fill of `_shift` suffices)."""
+    if segment_ids is None:
+        return [None] * W
+    B, T = segment_ids.shape
+    out = []
+    for i in range(W):
+        s = W - 1 - i
+        same = _shift(segment_ids, s) == segment_ids  # t < s: x reads zero there anyway
+        out.append(None if s == 0 else same.reshape((B, T) + (1,) * (ndim - 2)))
+    return out
+
+
+def _conv_pre(x, w, masks):
+    """Pre-activation sum_i w[i] * x[t - (W-1-i)] (masked) in float32."""
+    W = w.shape[0]
+    wf = w.astype(jnp.float32)
+    a = None
+    for i in range(W):
+        tap = _shift(x, W - 1 - i).astype(jnp.float32)
+        if masks[i] is not None:
+            tap = jnp.where(masks[i], tap, 0.0)
+        a = tap * wf[i] if a is None else a + tap * wf[i]
+    return a
+
+
+@jax.custom_vjp
+def causal_conv_silu(x, w, segment_ids=None):
+    """SiLU of the causal depthwise conv: x [B, T, *C], w [W, *C] -> [B, T, *C] in x's dtype.
+
+    Taps accumulate in float32; taps reaching before the start or into an earlier segment
+    read zero. The custom VJP recomputes the pre-activation from x and returns dx and all W
+    tap gradients from one pass over (dy, x), instead of autodiff's per-tap padded copies and
+    per-tap reductions; dx accumulates its W taps in float32 before the one cast.
+    """
+    a = _conv_pre(x, w, _tap_masks(segment_ids, w.shape[0], x.ndim))
+    return jax.nn.silu(a).astype(x.dtype)
+
+
+def _ccs_fwd(x, w, segment_ids=None):
+    return causal_conv_silu(x, w, segment_ids), (x, w, segment_ids)
+
+
+def _ccs_bwd(res, dy):
+    x, w, segment_ids = res
+    W = w.shape[0]
+    masks = _tap_masks(segment_ids, W, x.ndim)
+    a = _conv_pre(x, w, masks)
+    sig = jax.nn.sigmoid(a)
+    da = dy.astype(jnp.float32) * (sig * (1.0 + a * (1.0 - sig)))  # d silu(a) / da
+    wf = w.astype(jnp.float32)
+    dx, prods = None, []
+    for i in range(W):
+        s = W - 1 - i
+        dai = da if masks[i] is None else jnp.where(masks[i], da, 0.0)
+        prods.append(dai * _shift(x, s).astype(jnp.float32))
+        c = _shift(dai, -s) * wf[i]  # dx[t] += w[i] * da[t + s] (masked at t + s)
+        dx = c if dx is None else dx + c
+    dw = jnp.sum(jnp.stack(prods), axis=(1, 2))  # one reduction over B, T for all W taps
+    return dx.astype(x.dtype), dw.astype(w.dtype), None
+
+
+causal_conv_silu.defvjp(_ccs_fwd, _ccs_bwd)
 
 
 def segment_positions(segment_ids, T: int, batch_size: int):
