@@ -158,6 +158,17 @@ def train_and_evaluate(config, workdir: str) -> dict:
             out["mfu"] = flops_token * tokens_per_step / per_step / (peak * jax.device_count())
         return out
 
+    def summarize_profile(batch, step: int, steps) -> None:
+        """Device time of the traced steps by model part (kimi_jax.profile_summary): the step's
+        optimized HLO comes from the compilation cache (lower + compile of the same arguments)."""
+        from kimi_jax import profile_summary
+
+        with jax.set_mesh(mesh):
+            hlo = train_step.lower(state, batch, jnp.asarray(step, jnp.int32), peak_lr).compile().as_text()
+        folder = f"{workdir}/profile"
+        summary = profile_summary.write_profile(folder, hlo, steps[-1] - steps[0] + 1)
+        _log(f"profile of steps {steps[0]}-{steps[-1]} in {folder} (summary.json):\n{profile_summary.markdown(summary)}")
+
     step = start_step
     try:
         while step < config.total_steps:
@@ -170,6 +181,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
             if profile and step == profile[-1]:
                 jax.block_until_ready(state)
                 jax.profiler.stop_trace()
+                if jax.process_index() == 0:
+                    summarize_profile(batch, step, profile)
             if pending is not None:
                 check(*pending)
             pending = (step, metrics)

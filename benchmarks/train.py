@@ -160,21 +160,18 @@ def compile_row(row: dict, ctx: dict):
 
 def profile_row(row: dict, step, state, batch, done: int, steps: int, folder: str) -> dict:
     """Trace `steps` more train steps into `folder`/<row> and sum the kernels by model part
-    (benchmarks/profile_summary.py); the optimized HLO is written beside the trace."""
-    from benchmarks import profile_summary
+    (kimi_jax/profile_summary.py); the optimized HLO is written beside the trace."""
+    from kimi_jax import profile_summary
 
     tag = f"{row['devices']}dev-{row['remat']}-b{row['batch']}".replace("/", "_")
     folder = os.path.join(folder, tag)
     os.makedirs(folder, exist_ok=True)
-    hlo = step.as_text()
-    with open(os.path.join(folder, "step.hlo.txt"), "w") as f:
-        f.write(hlo)
     jax.profiler.start_trace(folder)
     for i in range(steps):
         state, metrics = step(state, batch, jnp.asarray(done + i + 1, jnp.int32))
         float(metrics["loss"])
     jax.profiler.stop_trace()
-    summary = profile_summary.summarize(folder, hlo, steps)
+    summary = profile_summary.write_profile(folder, step.as_text(), steps)
     log(f"{label(row)}: profile of {steps} step(s) in {folder}\n{profile_summary.markdown(summary)}")
     return summary
 

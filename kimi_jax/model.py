@@ -56,7 +56,7 @@ class Block(nnx.Module):
 
     def __call__(self, stream, *, segment_ids=None, cache=None):
         """Advance `stream` by this layer; returns (new mixer cache or None, MoE stats or None)."""
-        # Named scopes tag every op (forward and backward) for benchmarks/profile_summary.py.
+        # Named scopes tag every op (forward and backward) for kimi_jax/profile_summary.py.
         with jax.named_scope("attn_res"):
             x = stream.before_mixer(self.mixer_read, self.layer)
         with jax.named_scope(f"mixer_{self.mixer_name}"):

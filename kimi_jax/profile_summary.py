@@ -3,8 +3,9 @@
 `ffn_moe`, `attn_res`, `embed`, `head`, `loss`, `optimizer`), by kind of kernel (matmul,
 collective, copy, custom call, other fusions) and by HLO op.
 
-    python benchmarks/profile_summary.py TRACE_DIR --hlo step.hlo.txt --steps 2 [--out F.json]
+    python -m kimi_jax.profile_summary TRACE_DIR --hlo step.hlo.txt.gz --steps 2 [--out F.json]
     python benchmarks/train.py --rows 1:dots16:4 --profile_steps 2     # traces and summarises
+    python train.py ... --config.profile_steps='(10, 12)'              # WORKDIR/profile/summary.json
 
 Kernel events carry their HLO op's name (`hlo_op`); the optimized HLO text (`compiled.as_text()`)
 maps that name to the op's `op_name` metadata, whose path holds the named scopes (a fusion without
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import gzip
 import json
 import os
 import re
@@ -163,6 +165,25 @@ def summarize(trace_dir: str, hlo_text: str = "", steps: int = 1, top: int = 25)
             "kernels_per_step": sum(count.values()) / steps, "top_ops": ops}
 
 
+def read_hlo(path: str) -> str:
+    """HLO text from `path` (gzip if it ends in .gz)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return f.read()
+
+
+def write_profile(folder: str, hlo_text: str, steps: int) -> dict:
+    """Summarise the trace in `folder` (written by jax.profiler for `steps` steps of the program
+    whose optimized HLO is `hlo_text`): writes `step.hlo.txt.gz` (to summarise again later) and
+    `summary.json` there, returns the summary."""
+    with gzip.open(os.path.join(folder, "step.hlo.txt.gz"), "wt") as f:
+        f.write(hlo_text)
+    summary = summarize(folder, hlo_text, steps)
+    with open(os.path.join(folder, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+
 def markdown(summary: dict) -> str:
     total = summary["kernel_ms_per_step"] or 1.0
     lines = [f"kernel time per step: {summary['kernel_ms_per_step']:.1f} ms in "
@@ -183,7 +204,7 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", help="JSON path")
     args = p.parse_args(argv)
-    hlo = open(args.hlo).read() if args.hlo else ""
+    hlo = read_hlo(args.hlo) if args.hlo else ""
     summary = summarize(args.trace_dir, hlo, args.steps, args.top)
     print(markdown(summary))
     if args.out:
