@@ -23,6 +23,7 @@ import gzip
 import json
 import os
 import re
+import warnings
 
 # Named scopes opened by kimi_jax (model.py, train_lib.py), outermost first.
 # "kda_bwd": the chunked KDA backward (kernels/kda/chunk.py), a custom_vjp rule traced without
@@ -107,7 +108,9 @@ def device_events(trace_dir: str) -> list[list[tuple[str, str, float]]]:
                 continue
             events = []
             for e in sorted(line.events, key=lambda e: e.start_ns):
-                stats = dict(e.stats)
+                with warnings.catch_warnings():  # the stats' builtin type warns on iteration
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    stats = dict(e.stats)
                 if "hlo_op" not in stats and not device:
                     continue
                 events.append((e.name, str(stats.get("hlo_op", "")), float(e.duration_ns)))
