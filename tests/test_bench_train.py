@@ -8,6 +8,8 @@ import os
 
 import pytest
 
+from kimi_jax import profile_summary
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -87,11 +89,18 @@ def test_scale_best_and_deadline_skip_rows_in_the_json(bench, tmp_path):
                 assert why in rows[key]["skipped"] and "tokens_per_sec" not in rows[key], key
 
 
-def test_one_step_behind_timing_runs_the_same_steps_as_synchronous(bench, tmp_path):
+def test_one_step_behind_timing_runs_the_same_steps_as_synchronous_and_profiles(bench, tmp_path):
     rows = {}
     for sync in (False, True):
         argv = ["--quick", "--devices", "1", "--steps", "2", "--out", str(tmp_path / f"{sync}.json")]
-        rows[sync] = bench.main(argv + (["--sync"] if sync else []))["rows"][0]
+        rows[sync] = bench.main(argv + (["--sync"] if sync else ["--profile_steps", "1"]))["rows"][0]
     assert rows[True]["timing"] == "synchronous" and "one step behind" in rows[False]["timing"]
     assert rows[True]["loss"] == rows[False]["loss"]  # the last step's loss, same steps in the same order
     assert all(r["step_ms"] > 0 for r in rows.values())
+    # --profile_steps: the traced step's device time by model part, also written beside the trace
+    prof = rows[False]["profile"]
+    assert {"optimizer", "head", "ffn_mlp"} <= set(prof["by_part"])
+    assert any(p.startswith("mixer_") for p in prof["by_part"])
+    folder = tmp_path / "False-profile" / "1dev-none-b2"
+    assert json.loads((folder / "summary.json").read_text()) == prof
+    assert profile_summary.op_scopes(profile_summary.read_hlo(str(folder / "step.hlo.txt.gz")))

@@ -1,17 +1,12 @@
 """kimi_jax/profile_summary.py: kernel time of a traced step attributed to the model's named
-scopes, by kind and by HLO op; and benchmarks/train.py --profile_steps records it per row."""
-
-import importlib.util
-import json
-import os
+scopes, by kind and by HLO op. benchmarks/train.py --profile_steps: tests/test_bench_train.py;
+train.py --config.profile_steps: tests/test_train.py."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from kimi_jax import profile_summary as ps
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_part_of_takes_the_outermost_known_scope():
@@ -73,20 +68,6 @@ def test_missing_trace_is_a_clear_error(tmp_path):
         ps.summarize(str(tmp_path))
 
 
-def test_train_bench_profiles_model_parts(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_train_p", os.path.join(ROOT, "benchmarks", "train.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    result = bench.main(["--quick", "--devices", "1", "--steps", "1", "--profile_steps", "1",
-                         "--out", str(tmp_path / "t.json")])
-    prof = result["rows"][0]["profile"]
-    parts = set(prof["by_part"])
-    assert {"optimizer", "head", "ffn_mlp"} <= parts and any(p.startswith("mixer_") for p in parts)
-    folder = tmp_path / "t-profile" / "1dev-none-b2"
-    assert json.loads((folder / "summary.json").read_text()) == prof
-    assert ps.op_scopes(ps.read_hlo(str(folder / "step.hlo.txt.gz")))  # readable again, with op names
-
-
 def test_graph_kernels_map_by_fusion_name_and_library_kernels_by_neighbour():
     scopes = {"loop_add_fusion.3": "jit(s)/ffn_mlp/add", "input_reduce_fusion": "jit(s)/mixer_kda/reduce_sum"}
     stream = [("nvjet_sm90_gemm", "command_buffer_1", 1.0),          # before any mapped kernel: takes the next
@@ -96,20 +77,3 @@ def test_graph_kernels_map_by_fusion_name_and_library_kernels_by_neighbour():
     parts = [ps.part_of(n) for n in ps.kernel_scopes(stream, scopes)]
     assert parts == ["mixer_kda", "mixer_kda", "mixer_kda", "ffn_mlp"]
 
-
-def test_train_py_profile_steps_write_a_summary(tmp_path):
-    """--config.profile_steps traces those steps and writes WORKDIR/profile/summary.json."""
-    import train
-    from configs import tiny
-
-    config = tiny.get_config()
-    config.data.task_kwargs = dict(seq_len=16, num_kv_pairs=2, vocab_size=32)
-    config.data.batch_size = 8
-    config.total_steps, config.log_every_steps = 3, 3
-    config.eval_every_steps = config.checkpoint_every_steps = 3
-    config.evals.train_tasks = ""
-    config.profile_steps = (2, 3)
-    train.train_and_evaluate(config, str(tmp_path))
-    summary = json.loads((tmp_path / "profile" / "summary.json").read_text())
-    assert summary["steps"] == 2 and summary["kernel_ms_per_step"] > 0
-    assert "optimizer" in summary["by_part"] and any(p.startswith("mixer_") for p in summary["by_part"])

@@ -217,7 +217,7 @@ def test_mfu_benchmark_quick_runs_on_cpu(tmp_path):
 
 
 def test_tiny_config_learns_mqar(tmp_path):
-    """configs/tiny.py on a small MQAR setting (L=16, 2 pairs, 16 values): well above chance."""
+    """configs/tiny.py on a small MQAR setting (L=16, 2 pairs, 16 values): well above chance; and\n    a profile of two of its steps."""
     from configs import tiny
 
     config = tiny.get_config()
@@ -227,7 +227,12 @@ def test_tiny_config_learns_mqar(tmp_path):
     config.total_steps, config.log_every_steps = 60, 20
     config.eval_every_steps = config.checkpoint_every_steps = 60
     config.evals.train_tasks = ""  # held-out accuracy from the eval split only
+    config.profile_steps = (58, 59)
     metrics = train.train_and_evaluate(config, str(tmp_path))
     chance = 1 / 16  # values are uniform over half of the 32-token vocabulary
     assert metrics["eval_accuracy"] > 4 * chance, metrics
     assert metrics["loss"] < np.log(16), metrics  # below guessing among the 16 values
+    # profile_steps: those steps' device time by model part in WORKDIR/profile/summary.json
+    summary = json.loads((tmp_path / "profile" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["kernel_ms_per_step"] > 0
+    assert "optimizer" in summary["by_part"] and any(p.startswith("mixer_") for p in summary["by_part"])
