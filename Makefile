@@ -25,7 +25,7 @@ train: $(STAMP)
 	$(PY) eval.py --config configs/tiny.py --workdir $(TRAIN_DIR)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests -n 2 --dist loadfile
+	$(PY) -m pytest -q tests -n 2 --dist loadfile --durations=10
 
 test-gpu: $(STAMP)
 	JAX_PLATFORMS=cuda $(PY) -m pytest -q tests -m gpu

@@ -29,6 +29,8 @@ def get_config(arg=None):
     config.optim.lr, config.optim.warmup_steps = 3e-4, 2000
     config.optim.compute_dtype = "bfloat16"
     # Per-layer activation checkpointing (kimi_jax/remat.py): without it the step at 4 x 4096
-    # tokens keeps ~315 GiB of activations; "dots" keeps the matmul outputs (~1.3 GiB a layer).
-    config.remat = "dots"
+    # tokens needs 92 GiB of temporaries next to the state and does not fit an H200; "dots16"
+    # (matmul outputs and the mixers' bf16 activations, 51 GiB) was the fastest that fits
+    # (benchmarks/results/train-h200x2-20261130T0133.json; "dots" was 8% slower, T2245).
+    config.remat = "dots16"
     return config
