@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels.kda.mosaic_state import _smem
+from kernels.kda.mosaic_state import _smem, launch_bh_v
 
 BV = 64
 
@@ -71,14 +71,7 @@ def decode_step(state, vecs, v, *, interpret=False):
         plgpu.Barrier(num_barriers=3),
     ]
     out_type = (jax.ShapeDtypeStruct((BH, V), f32), jax.ShapeDtypeStruct((BH, K, V), f32))
-    return plgpu.kernel(
-        _body,
-        out_type=out_type,
-        scratch_types=scratch,
-        grid=(BH, V // BV),
-        grid_names=("bh", "v"),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(state, vecs, v)
+    return launch_bh_v(_body, out_type, scratch, (state, vecs, v), BH=BH, V=V, BV=BV, interpret=interpret)
 
 
 def _pipelined_body(s_ref, vec_ref, v_ref, o_ref, sn_ref, s_smem, vec_smem, v_smem, o_smem, bars, *, J, P, NV, slots,

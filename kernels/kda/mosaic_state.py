@@ -26,7 +26,7 @@ C = 64  # chunk length (rows of every wgmma's M side except the state update)
 
 
 def launch_bh_v(body, out_type, scratch, args, *, BH, V, BV, interpret):
-    """One program per (batch*head, V-block of BV) walking every chunk of its sequence."""
+    """One program per (batch*head, V-block of BV): the chunk-walking kernels and the decode step."""
     return plgpu.kernel(
         body,
         out_type=out_type,
