@@ -306,6 +306,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--reserve_s", type=float, default=60.0)
     parser.add_argument("--compile_workers", type=int, default=4, help="rows compiled in parallel")
     parser.add_argument("--kda_impl", default="", help="override config.model.mixers.kda.impl (kernels.kda.IMPLS)")
+    parser.add_argument("--kda_diag_mode", default="",
+                        help="kernels.kda.chunk_intra.DIAG_MODE for the run (f32 or split; read while tracing)")
     parser.add_argument("--compile_cache", default="", help="persistent compilation cache folder")
     parser.add_argument("--compile_only", action="store_true", help="lower + compile with abstract inputs only")
     parser.add_argument("--peak_flops", type=float, default=0.0, help="per device; 0 = device table")
@@ -329,6 +331,11 @@ def main(argv=None) -> dict:
     config.peak_flops = args.peak_flops or config.peak_flops
     if args.kda_impl:
         config.model.mixers.kda.impl = args.kda_impl
+    if args.kda_diag_mode:
+        from kernels.kda import chunk_intra
+
+        chunk_intra.DIAG_MODE = args.kda_diag_mode
+        chunk_intra.diag_split(jnp.bfloat16, jnp.float32)  # an unknown mode fails here, before compiling
     remats = args.remat.split(",") if args.remat else [train_lib.remat_policy(config)]
     batches = [int(v) for v in args.batch_size.split(",") if v]
     counts = [int(n) for n in args.devices.split(",") if n]
@@ -353,6 +360,7 @@ def main(argv=None) -> dict:
 
     def save():
         result = {"config": args.config, "kda_impl": config.model.mixers.get("kda", {}).get("impl", "auto"),
+                  "kda_diag_mode": args.kda_diag_mode or "default",
                   "jax": jax.__version__, "time": stamp,
                   "env": {k: os.environ[k] for k in ENV_KEYS if k in os.environ}, "flops_counting": FLOPS_NOTE,
                   "rows": rows, "scaling_efficiency": scaling(rows), "markdown": markdown(rows)}

@@ -30,7 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels.kda.chunk_intra import TILE
+from kernels.kda.chunk_intra import TILE, diag_product
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -62,31 +62,13 @@ def _pair_decay(Gt):
     return jnp.exp(jnp.where(tri[:, :, None], Gt[..., :, None, :] - Gt[..., None, :, :], -jnp.inf))
 
 
-# Bounded diagonal tiles for bf16/f16 inputs: "f32" (HIGHEST-precision float32 products) or
-# "split" (hi/lo compute-dtype split, 3 products with float32 accumulation: on CPU the same o and
-# gradient errors against the token-serial reference as "f32" to 3 digits; plain bf16 operands
-# give dg errors of 0.03, above the 0.02 tolerance).
-DIAG_MODE = "f32"
-
-
-def _mm_diag(spec, x, y, cd):
-    """A diagonal-tile product in the state dtype (see DIAG_MODE)."""
-    sdt = x.dtype
-    if DIAG_MODE == "f32" or jnp.dtype(cd) == sdt:
-        return jnp.einsum(spec, x, y, precision=_HI)
-    mm = functools.partial(jnp.einsum, preferred_element_type=sdt)
-    xh, yh = x.astype(cd), y.astype(cd)
-    xl, yl = (x - xh.astype(sdt)).astype(cd), (y - yh.astype(sdt)).astype(cd)
-    return mm(spec, xh, yh) + mm(spec, xh, yl) + mm(spec, xl, yh)
-
-
 def _diag(at, kt, Gt, bounded, cd):
     """Diagonal tiles in the state dtype: at [..., X, nt, T, K]; kt, Gt [..., nt, T, K] ->
     [..., X, nt, T, T] (entries r < c are finite and meaningless)."""
     if bounded:
         Ga = Gt[..., :1, :]
         a_hat = at * jnp.exp(Gt - Ga)[..., None, :, :, :]
-        return _mm_diag("...xird,...icd->...xirc", a_hat, kt * jnp.exp(Ga - Gt), cd)
+        return diag_product("...xird,...icd->...xirc", a_hat, kt * jnp.exp(Ga - Gt), cd)
     return jnp.sum(at[..., :, None, :] * (kt[..., None, :, :] * _pair_decay(Gt))[..., None, :, :, :, :], axis=-1)
 
 
@@ -98,9 +80,9 @@ def _diag_bwd(at, kt, Gt, dD, bounded, cd):
         Ga = Gt[..., :1, :]
         a_hat = at * jnp.exp(Gt - Ga)[..., None, :, :, :]
         kt_hat = kt * jnp.exp(Ga - Gt)
-        d_ahat = _mm_diag("...xirc,...icd->...xird", dD, kt_hat, cd)
+        d_ahat = diag_product("...xirc,...icd->...xird", dD, kt_hat, cd)
         # r >= c: a_hat_r <= exp(G_c - G_a), so dkt_hat * exp(G_a - G_c) stays bounded.
-        dkt_hat = _mm_diag("...xirc,...xird->...icd", dD, a_hat, cd)
+        dkt_hat = diag_product("...xirc,...xird->...icd", dD, a_hat, cd)
         p = jnp.sum(a_hat * d_ahat, axis=-4) - kt_hat * dkt_hat  # [..., nt, T, K]
         dG = p - jnp.sum(p, axis=-2, keepdims=True) * (jnp.arange(Gt.shape[-2]) == 0)[:, None]
         return d_ahat, dkt_hat * jnp.exp(Ga - Gt), dG

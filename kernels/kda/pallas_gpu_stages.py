@@ -13,7 +13,8 @@ fed with the real outputs of the stages before it, and timed (mean ms of `iters`
                 operands, the Mosaic GPU state kernel alone, the Mosaic GPU intra kernels alone
                 (`mosaic_intra`, `mosaic_intra_bf16`) and their XLA inputs (cumsum, pad).
   whole         kda(...) forward and forward+backward for both impls (pallas_gpu with each
-                intra stage). A failing stage is recorded with its error; the others still run.
+                intra stage; chunk_mosaic with each score formulation and "diag=split", the
+                bounded diagonal tiles by split bf16 products, `chunk_intra.DIAG_MODE`). A failing stage is recorded with its error; the others still run.
 
     python -m kernels.kda.pallas_gpu_bench --stages --out kda_stages.json
 """
@@ -27,7 +28,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from kernels.kda import chunk, kda, mosaic_intra, mosaic_intra_bf16, mosaic_state, pallas_gpu, pallas_gpu_prep
+from kernels.kda import chunk, chunk_intra, kda, mosaic_intra, mosaic_intra_bf16, mosaic_state, pallas_gpu, pallas_gpu_prep
 from kernels.kda.chunk_intra import SCORES, to_chunks
 
 LOWER_BOUND = -5.0
@@ -188,9 +189,11 @@ def _whole(rec, args):
         return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4))
 
     cases = (("pallas_gpu", "mosaic_bf16"), ("pallas_gpu", "chunk"), ("pallas_gpu", "xla"), ("chunk", None),
-             ("chunk_mosaic", None), ("chunk", "tiled"), ("chunk_mosaic", "tiled"), ("pallas_gpu", "mosaic"))
+             ("chunk_mosaic", None), ("chunk", "tiled"), ("chunk_mosaic", "tiled"), ("chunk_mosaic", "diag=split"),
+             ("pallas_gpu", "mosaic"))
     for impl, intra in cases:
-        label = impl if intra is None else f"{impl} scores={intra}" if intra in SCORES else f"{impl} intra={intra}"
+        label = (impl if intra is None else f"{impl} scores={intra}" if intra in SCORES
+                 else f"{impl} {intra}" if intra.startswith("diag=") else f"{impl} intra={intra}")
         optional = intra == "mosaic"  # the older intra kernel compiles for ~25 s: only when asked for
         rec(f"whole {label} fwd", fwd(impl, intra), *args, optional=optional)
         # The backward does not depend on the intra stage: the XLA-stage variants skip it (compiles cost seconds).
@@ -200,6 +203,9 @@ def _whole(rec, args):
 def _kda(impl, kw):
     if kw.get("intra") in SCORES:  # chunk's score formulation, read while tracing
         return lambda *a: _with_scores(kw["intra"], lambda: kda(*a, lower_bound=LOWER_BOUND, impl=impl))
+    if str(kw.get("intra")).startswith("diag="):  # the bounded diagonal tiles' products, read while tracing
+        mode = kw["intra"].partition("=")[2]
+        return lambda *a: _with_diag(mode, lambda: kda(*a, lower_bound=LOWER_BOUND, impl=impl))
     if impl == "pallas_gpu":
         return lambda *a: pallas_gpu.kda_impl(*a, scale=a[0].shape[-1] ** -0.5, initial_state=None, segment_ids=None,
                                               lower_bound=LOWER_BOUND, **kw)
@@ -213,6 +219,15 @@ def _with_scores(value, f):
         return f()
     finally:
         chunk.DEFAULT_SCORES = old
+
+
+def _with_diag(mode, f):
+    """f() with chunk_intra.DIAG_MODE set to `mode` (read while tracing)."""
+    old, chunk_intra.DIAG_MODE = chunk_intra.DIAG_MODE, mode
+    try:
+        return f()
+    finally:
+        chunk_intra.DIAG_MODE = old
 
 
 def run_stages(shape, *, warmup=2, iters=5, only=None, out=None):

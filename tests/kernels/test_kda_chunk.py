@@ -211,3 +211,32 @@ def test_tiled_scores_match_dense(rng, lb, g_fill, seg):
     for name, a, b in zip(("o", "S", "dq", "dk", "dv", "dg", "dbeta"), run("dense"), run("tiled")):
         assert np.all(np.isfinite(np.asarray(b))), name
         assert_close(name, a, b, 1e-5)
+
+
+@pytest.mark.parametrize("scores", ["dense", "tiled"])
+def test_split_diagonal_tiles_keep_float32_accuracy(rng, monkeypatch, scores):
+    """chunk_intra.DIAG_MODE="split" (bounded diagonal tiles by three bf16 products, forward and
+    backward): every output and gradient as close to the reference as the float32 tiles (plain
+    bf16 operands would roughly 8x dg's error)."""
+    from kernels.kda import chunk, chunk_intra
+
+    monkeypatch.setattr(chunk, "DEFAULT_SCORES", scores)
+    inputs = make_inputs(rng, 1, 256, 2, 64, 64, "channel", lower=-5.0, seg="random")
+    errs = {}
+    for mode in ("f32", "split"):
+        monkeypatch.setattr(chunk_intra, "DIAG_MODE", mode)
+        jax.clear_caches()  # the mode is read while tracing
+        ref, out = compare(np.random.default_rng(1), inputs, BF16_TOL, lower_bound=-5.0, dtype=jnp.bfloat16)
+        errs[mode] = [float(np.sqrt(np.mean((np.asarray(r, np.float64) - np.asarray(x, np.float64)) ** 2)) /
+                            np.sqrt(np.mean(np.asarray(r, np.float64) ** 2)))
+                      for r, x in zip((ref[0], ref[1], *ref[2]), (out[0], out[1], *out[2])) if r is not None]
+    for f32_err, split_err in zip(errs["f32"], errs["split"]):
+        assert split_err <= 1.1 * f32_err + 2e-4, errs
+
+
+def test_unknown_diag_mode_is_an_error(monkeypatch):
+    from kernels.kda import chunk_intra
+
+    monkeypatch.setattr(chunk_intra, "DIAG_MODE", "bf16")
+    with pytest.raises(ValueError, match="DIAG_MODE"):
+        chunk_intra.diag_split(jnp.bfloat16, jnp.float32)
