@@ -202,32 +202,27 @@ def _whole(rec, args):
 
 def _kda(impl, kw):
     if kw.get("intra") in SCORES:  # chunk's score formulation, read while tracing
-        return lambda *a: _with_scores(kw["intra"], lambda: kda(*a, lower_bound=LOWER_BOUND, impl=impl))
+        return lambda *a: _with_setting(chunk, "DEFAULT_SCORES", kw["intra"],
+                                        lambda: kda(*a, lower_bound=LOWER_BOUND, impl=impl))
     if str(kw.get("intra")).startswith("diag="):  # the bounded diagonal tiles' products, read while tracing
         mode = kw["intra"].partition("=")[2]
-        return lambda *a: _with_diag(mode, lambda: kda(*a, lower_bound=LOWER_BOUND, impl=impl))
+        return lambda *a: _with_setting(chunk_intra, "DIAG_MODE", mode,
+                                        lambda: kda(*a, lower_bound=LOWER_BOUND, impl=impl))
     if impl == "pallas_gpu":
         return lambda *a: pallas_gpu.kda_impl(*a, scale=a[0].shape[-1] ** -0.5, initial_state=None, segment_ids=None,
                                               lower_bound=LOWER_BOUND, **kw)
     return lambda *a: kda(*a, lower_bound=LOWER_BOUND, impl=impl)
 
 
-def _with_scores(value, f):
-    """f() with chunk's default score formulation set to `value` (read while tracing)."""
-    old, chunk.DEFAULT_SCORES = chunk.DEFAULT_SCORES, value
+def _with_setting(module, name, value, f):
+    """f() with `module.name` (chunk.DEFAULT_SCORES, chunk_intra.DIAG_MODE) set to `value`: read
+    while the kda call traces."""
+    old = getattr(module, name)
+    setattr(module, name, value)
     try:
         return f()
     finally:
-        chunk.DEFAULT_SCORES = old
-
-
-def _with_diag(mode, f):
-    """f() with chunk_intra.DIAG_MODE set to `mode` (read while tracing)."""
-    old, chunk_intra.DIAG_MODE = chunk_intra.DIAG_MODE, mode
-    try:
-        return f()
-    finally:
-        chunk_intra.DIAG_MODE = old
+        setattr(module, name, old)
 
 
 def run_stages(shape, *, warmup=2, iters=5, only=None, out=None):
