@@ -53,6 +53,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from kernels.kda import chunk_intra  # noqa: E402
 from kimi_jax import flops, logging_utils, optim, sharding, train_lib  # noqa: E402
 from kimi_jax.remat import POLICIES  # noqa: E402
 
@@ -306,8 +307,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--reserve_s", type=float, default=60.0)
     parser.add_argument("--compile_workers", type=int, default=4, help="rows compiled in parallel")
     parser.add_argument("--kda_impl", default="", help="override config.model.mixers.kda.impl (kernels.kda.IMPLS)")
-    parser.add_argument("--kda_diag_mode", default="",
-                        help="kernels.kda.chunk_intra.DIAG_MODE for the run (f32 or split; read while tracing)")
+    parser.add_argument("--kda_diag_mode", default="", choices=("",) + chunk_intra.DIAG_MODES,
+                        help="kernels.kda.chunk_intra.DIAG_MODE for the run (read while tracing)")
     parser.add_argument("--compile_cache", default="", help="persistent compilation cache folder")
     parser.add_argument("--compile_only", action="store_true", help="lower + compile with abstract inputs only")
     parser.add_argument("--peak_flops", type=float, default=0.0, help="per device; 0 = device table")
@@ -332,10 +333,7 @@ def main(argv=None) -> dict:
     if args.kda_impl:
         config.model.mixers.kda.impl = args.kda_impl
     if args.kda_diag_mode:
-        from kernels.kda import chunk_intra
-
         chunk_intra.DIAG_MODE = args.kda_diag_mode
-        chunk_intra.diag_split(jnp.bfloat16, jnp.float32)  # an unknown mode fails here, before compiling
     remats = args.remat.split(",") if args.remat else [train_lib.remat_policy(config)]
     batches = [int(v) for v in args.batch_size.split(",") if v]
     counts = [int(n) for n in args.devices.split(",") if n]

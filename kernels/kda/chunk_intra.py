@@ -137,7 +137,7 @@ def _diag_split_bwd(cd, res, ct):
 _diag_split.defvjp(_diag_split_fwd, _diag_split_bwd)
 
 
-def _pair_decay(Gt):
+def pair_decay(Gt):
     """[..., T, K] -> [..., T, T, K]: exp(G_r - G_c) for r >= c, else 0 (no positive exponent)."""
     T = Gt.shape[-2]
     diff = Gt[..., :, None, :] - Gt[..., None, :, :]
@@ -149,7 +149,7 @@ def _diag_tiles(at, kt, Gt):
     """Diagonal tiles pair by pair, exact for any g <= 0: at, kt, Gt [..., nt, TILE, K] ->
     [..., nt, TILE, TILE]. The VJP recomputes the pair decays inside each reduction, so the
     [..., TILE, TILE, K] factors are never stored (autodiff would keep them as residuals)."""
-    return jnp.sum(at[..., :, None, :] * kt[..., None, :, :] * _pair_decay(Gt), axis=-1)
+    return jnp.sum(at[..., :, None, :] * kt[..., None, :, :] * pair_decay(Gt), axis=-1)
 
 
 def _diag_tiles_fwd(at, kt, Gt):
@@ -158,7 +158,7 @@ def _diag_tiles_fwd(at, kt, Gt):
 
 def _diag_tiles_bwd(res, ct):
     at, kt, Gt = res
-    p = ct[..., None] * _pair_decay(Gt)  # [..., r, c, K]
+    p = ct[..., None] * pair_decay(Gt)  # [..., r, c, K]
     x = p * at[..., :, None, :] * kt[..., None, :, :]
     d_at = jnp.sum(p * kt[..., None, :, :], axis=-2)
     d_kt = jnp.sum(p * at[..., :, None, :], axis=-3)

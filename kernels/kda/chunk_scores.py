@@ -30,9 +30,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels.kda.chunk_intra import TILE, diag_product
+from kernels.kda.chunk_intra import TILE, pair_decay, diag_product
 
-_HI = jax.lax.Precision.HIGHEST
 
 
 def _rows(q, k, scale, delta):
@@ -55,13 +54,6 @@ def _factors(rows, k, G, cd):
     return Gt, Ga, rd, at, a_hat, cols
 
 
-def _pair_decay(Gt):
-    """[..., nt, T, K] -> [..., nt, T, T, K]: exp(G_r - G_c) for r >= c, else 0."""
-    T = Gt.shape[-2]
-    tri = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
-    return jnp.exp(jnp.where(tri[:, :, None], Gt[..., :, None, :] - Gt[..., None, :, :], -jnp.inf))
-
-
 def _diag(at, kt, Gt, bounded, cd):
     """Diagonal tiles in the state dtype: at [..., X, nt, T, K]; kt, Gt [..., nt, T, K] ->
     [..., X, nt, T, T] (entries r < c are finite and meaningless)."""
@@ -69,7 +61,7 @@ def _diag(at, kt, Gt, bounded, cd):
         Ga = Gt[..., :1, :]
         a_hat = at * jnp.exp(Gt - Ga)[..., None, :, :, :]
         return diag_product("...xird,...icd->...xirc", a_hat, kt * jnp.exp(Ga - Gt), cd)
-    return jnp.sum(at[..., :, None, :] * (kt[..., None, :, :] * _pair_decay(Gt))[..., None, :, :, :, :], axis=-1)
+    return jnp.sum(at[..., :, None, :] * (kt[..., None, :, :] * pair_decay(Gt))[..., None, :, :, :, :], axis=-1)
 
 
 def _diag_bwd(at, kt, Gt, dD, bounded, cd):
@@ -86,7 +78,7 @@ def _diag_bwd(at, kt, Gt, dD, bounded, cd):
         p = jnp.sum(a_hat * d_ahat, axis=-4) - kt_hat * dkt_hat  # [..., nt, T, K]
         dG = p - jnp.sum(p, axis=-2, keepdims=True) * (jnp.arange(Gt.shape[-2]) == 0)[:, None]
         return d_ahat, dkt_hat * jnp.exp(Ga - Gt), dG
-    p = dD[..., None] * _pair_decay(Gt)[..., None, :, :, :, :]  # [..., X, nt, r, c, K]
+    p = dD[..., None] * pair_decay(Gt)[..., None, :, :, :, :]  # [..., X, nt, r, c, K]
     d_at = jnp.sum(p * kt[..., None, :, None, :, :], axis=-2)
     d_kt = jnp.sum(p * at[..., :, :, :, None, :], axis=(-5, -3))
     # float32 pair products: the identity form (no anchor) is as accurate and forms no third product.
