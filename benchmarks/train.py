@@ -5,10 +5,13 @@ parameters (configs/k3_1b3_dense.py).
     python benchmarks/train.py                         # on the GPU machine: 1 and 2 GPUs
     python benchmarks/train.py --devices 1 --batch_size 4,8 --remat dots,dots16
     python benchmarks/train.py --rows 1:dots:8,2:dots:8,1:dots16:4,2:dots16:4 --scale_best
+    python benchmarks/train.py --rows 1:dots16:4,1:dots16:4:diag=split,1:dots16:4:diag=split/scores=tiled
     python benchmarks/train.py --compile_only          # abstract lower + compile, memory analysis
     python benchmarks/train.py --quick                 # tiny config on CPU, a smoke test
 
-Rows: device count x remat policy (kimi_jax/remat.py) x sequences per device, or --rows. Every
+Rows: device count x remat policy (kimi_jax/remat.py) x sequences per device, or --rows
+(`devices:remat:batch[:kda settings]`, the settings `key=value` joined by "/": the KDA kernel
+module settings of KDA_SETTINGS, read while the row is traced). Every
 phase is timed apart and printed as it ends: step lowering and compile (`.lower(...).compile()`
 on abstract inputs; each row compiles in a thread while the next is traced, and nothing runs
 before all are compiled, so compiles do not disturb timings), the state's initialisation, the
@@ -67,6 +70,48 @@ FLOPS_NOTE = ("model FLOPs, forward + backward (3 x forward, 2 per multiply-add)
               "[T, T] scores is added (tests/test_flops_xla.py)")
 
 
+def _kda_settings():
+    from kernels.kda import chunk
+
+    # row key -> (module, attribute, allowed values): module settings read while tracing
+    return {"diag": (chunk_intra, "DIAG_MODE", chunk_intra.DIAG_MODES),
+            "scores": (chunk, "DEFAULT_SCORES", chunk_intra.SCORES)}
+
+
+def parse_kda_settings(text: str) -> dict:
+    """"diag=split/scores=tiled" -> {"diag": "split", "scores": "tiled"}; unknown keys or values raise."""
+    table, out = _kda_settings(), {}
+    for item in filter(None, text.split("/")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in table:
+            raise ValueError(f"KDA row setting {item!r}: expected key=value with key in {sorted(table)}")
+        if value not in table[key][2]:
+            raise ValueError(f"KDA row setting {key}={value!r}: expected one of {table[key][2]}")
+        out[key] = value
+    return out
+
+
+def traced_with(settings: dict, f):
+    """f() with the KDA module settings of `settings` in place (restored afterwards)."""
+    table = _kda_settings()
+    old = {k: getattr(table[k][0], table[k][1]) for k in settings}
+    try:
+        for k, v in settings.items():
+            setattr(table[k][0], table[k][1], v)
+        return f()
+    finally:
+        for k, v in old.items():
+            setattr(table[k][0], table[k][1], v)
+
+
+def parse_row(item: str) -> tuple[int, str, int, dict]:
+    """"devices:remat:batch[:settings]" -> (devices, remat, batch per device, KDA settings)."""
+    parts = item.split(":")
+    if len(parts) not in (3, 4):
+        raise ValueError(f"row {item!r}: expected devices:remat:batch_per_device[:kda settings]")
+    return int(parts[0]), parts[1], int(parts[2]), parse_kda_settings(parts[3] if len(parts) == 4 else "")
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -117,8 +162,9 @@ def flop_counts(config, seq_len: int) -> tuple[float, dict]:
     return flops.train_flops_per_token(cfg, seq_len), flops.forward_flops_breakdown(cfg, seq_len)
 
 
-def prepare_row(config, n: int, batch_per_device: int, seq_len: int) -> tuple[dict, dict]:
-    """Lower the train step on the first `n` devices (data parallel) with abstract inputs.
+def prepare_row(config, n: int, batch_per_device: int, seq_len: int, kda: dict | None = None) -> tuple[dict, dict]:
+    """Lower the train step on the first `n` devices (data parallel) with abstract inputs, the
+    KDA module settings `kda` (see `parse_kda_settings`) in place while tracing.
     Returns the row (what the JSON records) and the context `compile_row` / `run_row` need."""
     devices = jax.devices()[:n]
     mesh = sharding.make_mesh({"data": n}, devices=devices)
@@ -131,21 +177,28 @@ def prepare_row(config, n: int, batch_per_device: int, seq_len: int) -> tuple[di
     batch_size = batch_per_device * n
     row = {"devices": n, "device_kind": devices[0].device_kind, "params": num_params, "batch": batch_size,
            "seq_len": seq_len, "remat": train_lib.remat_policy(config)}
+    if kda:
+        row["kda"] = dict(kda)
     step_fn = jax.jit(train_lib.make_train_step(config, graphdef, tx, schedule), donate_argnums=(0,),
                       out_shardings=(shardings, replicated))
     with jax.set_mesh(mesh):
         t0 = time.perf_counter()
         abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                       jax.eval_shape(train_lib.make_init(config, tx)), shardings)
-        lowered = step_fn.lower(abstract_state, abstract_batch(batch_size, seq_len, batch_spec),
-                                jax.ShapeDtypeStruct((), jnp.int32))
+        lowered = traced_with(kda or {}, lambda: step_fn.lower(
+            abstract_state, abstract_batch(batch_size, seq_len, batch_spec), jax.ShapeDtypeStruct((), jnp.int32)))
     row["step_lower_s"] = time.perf_counter() - t0
     log(f"{label(row)}: step lowered in {row['step_lower_s']:.1f} s")
     return row, {"config": config, "mesh": mesh, "tx": tx, "shardings": shardings, "lowered": lowered}
 
 
+def setting(row: dict) -> str:
+    """The row's remat policy and KDA settings, e.g. "dots16" or "dots16 diag=split"."""
+    return " ".join([row["remat"]] + [f"{k}={v}" for k, v in sorted(row.get("kda", {}).items())])
+
+
 def label(row: dict) -> str:
-    return f"{row['devices']} device(s), batch {row['batch']} x {row['seq_len']}, remat {row['remat']}"
+    return f"{row['devices']} device(s), batch {row['batch']} x {row['seq_len']}, remat {setting(row)}"
 
 
 def compile_row(row: dict, ctx: dict):
@@ -164,7 +217,7 @@ def profile_row(row: dict, step, state, batch, done: int, steps: int, folder: st
     (kimi_jax/profile_summary.py); the optimized HLO is written beside the trace."""
     from kimi_jax import profile_summary
 
-    tag = f"{row['devices']}dev-{row['remat']}-b{row['batch']}".replace("/", "_")
+    tag = f"{row['devices']}dev-{setting(row)}-b{row['batch']}".replace("/", "_").replace(" ", "-").replace("=", "")
     folder = os.path.join(folder, tag)
     os.makedirs(folder, exist_ok=True)
     jax.profiler.start_trace(folder)
@@ -247,41 +300,42 @@ def markdown(rows: list[dict]) -> str:
         if "skipped" in r:
             continue
         if "error" in r:
-            lines.append(f"| {r['devices']} | | | {r['batch']} x {r['seq_len']} | {r['remat']} | {r['error'][:60]} "
+            lines.append(f"| {r['devices']} | | | {r['batch']} x {r['seq_len']} | {setting(r)} | {r['error'][:60]} "
                          "| | | | | |")
             continue
         if "step_ms" not in r:  # compile only, or not run yet
             compile_s = f"{r['step_compile_s']:.1f}" if "step_compile_s" in r else ""
             lines.append(f"| {r['devices']} | {r['device_kind']} | {r['params'] / 1e6:,.1f}M | {r['batch']} x "
-                         f"{r['seq_len']} | {r['remat']} | | | | | | {compile_s} |")
+                         f"{r['seq_len']} | {setting(r)} | | | | | | {compile_s} |")
             continue
         lines.append(f"| {r['devices']} | {r['device_kind']} | {r['params'] / 1e6:,.1f}M | {r['batch']} x {r['seq_len']} "
-                     f"| {r['remat']} | {r['step_ms']:.1f} | {r['tokens_per_sec']:,.0f} "
+                     f"| {setting(r)} | {r['step_ms']:.1f} | {r['tokens_per_sec']:,.0f} "
                      f"| {r['tokens_per_sec_per_device']:,.0f} | {pct(r['mfu'])} | {pct(r['mfu_vendor'])} "
                      f"| {r['step_compile_s']:.1f} |")
     return "\n".join(lines)
 
 
 def is_best_setting(row: dict, rows: list[dict]) -> bool:
-    """Whether `row` has the remat policy and per-device batch of the fastest one-device row."""
+    """Whether `row` has the remat policy, KDA settings and per-device batch of the fastest
+    one-device row."""
     ones = [r for r in rows if r["devices"] == 1 and "tokens_per_sec" in r]
     if not ones:
         return True
     best = max(ones, key=lambda r: r["tokens_per_sec"])
-    return (row["remat"], row["batch"] // row["devices"]) == (best["remat"], best["batch"])
+    return (setting(row), row["batch"] // row["devices"]) == (setting(best), best["batch"])
 
 
 def scaling(rows: list[dict]) -> dict:
     """tokens/s of each multi-device row over n x the one-device row with the same per-device
-    batch and remat policy, keyed "<devices>x<batch per device>/<remat>"."""
-    ones = {(r["batch"], r["remat"]): r for r in rows if r["devices"] == 1 and "tokens_per_sec" in r}
+    batch, remat policy and KDA settings, keyed "<devices>x<batch per device>/<setting>"."""
+    ones = {(r["batch"], setting(r)): r for r in rows if r["devices"] == 1 and "tokens_per_sec" in r}
     out = {}
     for r in rows:
         if r["devices"] < 2 or "tokens_per_sec" not in r:
             continue
-        base = ones.get((r["batch"] // r["devices"], r["remat"]))
+        base = ones.get((r["batch"] // r["devices"], setting(r)))
         if base:
-            key = f"{r['devices']}x{r['batch'] // r['devices']}/{r['remat']}"
+            key = f"{r['devices']}x{r['batch'] // r['devices']}/{setting(r)}"
             out[key] = r["tokens_per_sec"] / (r["devices"] * base["tokens_per_sec"])
     return out
 
@@ -298,7 +352,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--remat", default=None,
                         help=f"comma-separated policies of {sorted(POLICIES)} (rows); default: the config's")
     parser.add_argument("--rows", default="",
-                        help="explicit rows devices:remat:batch_per_device, comma-separated (overrides the grid)")
+                        help="explicit rows devices:remat:batch_per_device[:kda settings], comma-separated "
+                             "(overrides the grid; settings e.g. diag=split/scores=tiled)")
     parser.add_argument("--scale_best", action="store_true",
                         help="of the multi-device rows run only those of the fastest one-device setting")
     parser.add_argument("--deadline_s", type=float, default=0.0,
@@ -345,9 +400,9 @@ def main(argv=None) -> dict:
     out = args.out or os.path.join(RESULTS, f"train_{'quick_' if args.quick else ''}{stamp}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     log(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}; writing {out}")
-    specs = [(n, r, b) for n in available for r in remats for b in batches]
+    specs = [(n, r, b, {}) for n in available for r in remats for b in batches]
     if args.rows:  # explicit rows instead of the grid
-        specs = [(int(n), r, int(b)) for n, r, b in (item.split(":") for item in args.rows.split(","))]
+        specs = [parse_row(item) for item in args.rows.split(",")]
         specs = [spec for spec in specs if spec[0] <= jax.device_count()]
     rows, contexts = [], []
 
@@ -370,14 +425,14 @@ def main(argv=None) -> dict:
     # GIL is released). Nothing runs on the devices until every row is compiled.
     pool = concurrent.futures.ThreadPoolExecutor(max(1, args.compile_workers))
     futures = []
-    for n, r, b in specs:
+    for n, r, b, kda in specs:
         cfg = copy.deepcopy(config)
         cfg.remat = r
         try:
-            row, ctx = prepare_row(cfg, n, b, args.seq_len)
+            row, ctx = prepare_row(cfg, n, b, args.seq_len, kda)
             futures.append(pool.submit(compile_row, row, ctx))
         except Exception as e:  # noqa: BLE001 - record the failure, go on with the next row
-            row, ctx = {"devices": n, "batch": b * n, "seq_len": args.seq_len, "remat": r}, None
+            row, ctx = {"devices": n, "batch": b * n, "seq_len": args.seq_len, "remat": r, "kda": kda}, None
             fail(row, e, "lowering")
             futures.append(None)
         rows.append(row)
