@@ -27,6 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernels.kda import chunk_intra
 from kernels.kda.chunk_intra import (
     CHUNK,
     SAFE_LOWER_BOUND,
@@ -205,12 +206,23 @@ def _grad_scan(nm, dS, w, kg, decay, dS_out, dvn_intra):
 chunk_core.defvjp(_core_fwd, _core_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "bounded", "delta", "state_pass", "scores"))
 def run_chunked(q, k, v, g, beta, *, scale, initial_state, segment_ids, bounded, delta, state_pass="xla",
                 scores="dense"):
     """Pad T to a multiple of 64 (g = 0, beta = 0, q = k = v = 0 leave the state unchanged), chunk,
     run `chunk_core`, un-chunk. Canonical-form inputs; returns (o [B, T, H, V] in v's dtype, S).
     `scores` ("tiled" or "dense") picks the intra-chunk score formulation (`chunk_intra.prep`)."""
+    chunk_intra.diag_split(q.dtype, jnp.float32)  # rejects an unknown DIAG_MODE here, not in a trace
+    # Module settings read while tracing are part of the jit cache key: a program traced under
+    # one DIAG_MODE is never reused under another.
+    return _run_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids,
+                        bounded=bounded, delta=delta, state_pass=state_pass, scores=scores,
+                        traced_settings=(chunk_intra.DIAG_MODE,))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "bounded", "delta", "state_pass", "scores", "traced_settings"))
+def _run_chunked(q, k, v, g, beta, *, scale, initial_state, segment_ids, bounded, delta, state_pass, scores,
+                 traced_settings):
+    del traced_settings  # only a cache key (see run_chunked)
     if state_pass not in STATE_PASSES:
         raise ValueError(f"state_pass={state_pass!r}; expected one of {STATE_PASSES}")
     if scores not in SCORES:

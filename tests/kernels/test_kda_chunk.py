@@ -225,7 +225,6 @@ def test_split_diagonal_tiles_keep_float32_accuracy(rng, monkeypatch, scores):
     errs = {}
     for mode in ("f32", "split"):
         monkeypatch.setattr(chunk_intra, "DIAG_MODE", mode)
-        jax.clear_caches()  # the mode is read while tracing
         ref, out = compare(np.random.default_rng(1), inputs, BF16_TOL, lower_bound=-5.0, dtype=jnp.bfloat16)
         errs[mode] = [float(np.sqrt(np.mean((np.asarray(r, np.float64) - np.asarray(x, np.float64)) ** 2)) /
                             np.sqrt(np.mean(np.asarray(r, np.float64) ** 2)))
@@ -240,3 +239,29 @@ def test_unknown_diag_mode_is_an_error(monkeypatch):
     monkeypatch.setattr(chunk_intra, "DIAG_MODE", "bf16")
     with pytest.raises(ValueError, match="DIAG_MODE"):
         chunk_intra.diag_split(jnp.bfloat16, jnp.float32)
+
+
+def test_diag_mode_is_part_of_the_jit_cache_key(monkeypatch):
+    """A program traced under one DIAG_MODE is not reused under another (no cache clearing): the
+    split mode's trace has bf16 products where the f32 mode's has HIGHEST-precision ones."""
+    from kernels.kda import chunk, chunk_intra
+
+    q = jnp.ones((1, 64, 1, 64), jnp.bfloat16)
+    g = jnp.full((1, 64, 1, 64), -0.5, jnp.float32)
+    beta = jnp.full((1, 64, 1), 0.5, jnp.float32)
+
+    def trace():
+        f = lambda q, g: chunk.run_chunked(q, q, q, g, beta, scale=0.125, initial_state=None, segment_ids=None,
+                                           bounded=True, delta=True)[0]
+        return str(jax.make_jaxpr(jax.grad(lambda q, g: f(q, g).astype(jnp.float32).sum(), (0, 1)))(q, g))
+
+    texts = {}
+    for mode in ("f32", "split", "f32"):
+        monkeypatch.setattr(chunk_intra, "DIAG_MODE", mode)
+        texts.setdefault(mode, []).append(trace())
+    assert texts["f32"][0] == texts["f32"][1]
+    assert texts["split"][0] != texts["f32"][0]
+    assert texts["split"][0].count("HIGHEST") < texts["f32"][0].count("HIGHEST")
+    monkeypatch.setattr(chunk_intra, "DIAG_MODE", "bf16")
+    with pytest.raises(ValueError, match="DIAG_MODE"):
+        trace()
