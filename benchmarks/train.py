@@ -5,13 +5,15 @@ parameters (configs/k3_1b3_dense.py).
     python benchmarks/train.py                         # on the GPU machine: 1 and 2 GPUs
     python benchmarks/train.py --devices 1 --batch_size 4,8 --remat dots,dots16
     python benchmarks/train.py --rows 1:dots:8,2:dots:8,1:dots16:4,2:dots16:4 --scale_best
-    python benchmarks/train.py --rows 1:dots16:4,1:dots16:4:diag=split,1:dots16:4:diag=split/scores=tiled
+    python benchmarks/train.py --rows 1:dots16:4,1:dots16:4:diag=split,2:dots16:4,2:dots16:4:mesh=fsdp
     python benchmarks/train.py --compile_only          # abstract lower + compile, memory analysis
     python benchmarks/train.py --quick                 # tiny config on CPU, a smoke test
 
 Rows: device count x remat policy (kimi_jax/remat.py) x sequences per device, or --rows
-(`devices:remat:batch[:kda settings]`, the settings `key=value` joined by "/": the KDA kernel
-module settings of KDA_SETTINGS, read while the row is traced). Every
+(`devices:remat:batch[:settings]`, the settings `key=value` joined by "/": `mesh=data|fsdp`, the
+mesh axis the devices form (data parallel, or FSDP: parameters and optimizer state sharded,
+gathered per use), and the KDA kernel module settings `diag` and `scores`, read while the row is
+traced). Every
 phase is timed apart and printed as it ends: step lowering and compile (`.lower(...).compile()`
 on abstract inputs; each row compiles in a thread while the next is traced, and nothing runs
 before all are compiled, so compiles do not disturb timings), the state's initialisation, the
@@ -78,22 +80,27 @@ def _kda_settings():
             "scores": (chunk, "DEFAULT_SCORES", chunk_intra.SCORES)}
 
 
-def parse_kda_settings(text: str) -> dict:
-    """"diag=split/scores=tiled" -> {"diag": "split", "scores": "tiled"}; unknown keys or values raise."""
-    table, out = _kda_settings(), {}
+MESH_AXES = ("data", "fsdp")  # the axis a row's devices form
+
+
+def parse_settings(text: str) -> dict:
+    """"mesh=fsdp/diag=split" -> {"mesh": "fsdp", "diag": "split"}; unknown keys or values raise."""
+    allowed = {k: v[2] for k, v in _kda_settings().items()} | {"mesh": MESH_AXES}
+    out = {}
     for item in filter(None, text.split("/")):
         key, eq, value = item.partition("=")
-        if not eq or key not in table:
-            raise ValueError(f"KDA row setting {item!r}: expected key=value with key in {sorted(table)}")
-        if value not in table[key][2]:
-            raise ValueError(f"KDA row setting {key}={value!r}: expected one of {table[key][2]}")
+        if not eq or key not in allowed:
+            raise ValueError(f"row setting {item!r}: expected key=value with key in {sorted(allowed)}")
+        if value not in allowed[key]:
+            raise ValueError(f"row setting {key}={value!r}: expected one of {allowed[key]}")
         out[key] = value
     return out
 
 
 def traced_with(settings: dict, f):
-    """f() with the KDA module settings of `settings` in place (restored afterwards)."""
+    """f() with the KDA module settings among `settings` in place (restored afterwards)."""
     table = _kda_settings()
+    settings = {k: v for k, v in settings.items() if k in table}
     old = {k: getattr(table[k][0], table[k][1]) for k in settings}
     try:
         for k, v in settings.items():
@@ -105,11 +112,11 @@ def traced_with(settings: dict, f):
 
 
 def parse_row(item: str) -> tuple[int, str, int, dict]:
-    """"devices:remat:batch[:settings]" -> (devices, remat, batch per device, KDA settings)."""
+    """"devices:remat:batch[:settings]" -> (devices, remat, batch per device, settings)."""
     parts = item.split(":")
     if len(parts) not in (3, 4):
-        raise ValueError(f"row {item!r}: expected devices:remat:batch_per_device[:kda settings]")
-    return int(parts[0]), parts[1], int(parts[2]), parse_kda_settings(parts[3] if len(parts) == 4 else "")
+        raise ValueError(f"row {item!r}: expected devices:remat:batch_per_device[:settings]")
+    return int(parts[0]), parts[1], int(parts[2]), parse_settings(parts[3] if len(parts) == 4 else "")
 
 
 def log(msg: str) -> None:
@@ -162,12 +169,15 @@ def flop_counts(config, seq_len: int) -> tuple[float, dict]:
     return flops.train_flops_per_token(cfg, seq_len), flops.forward_flops_breakdown(cfg, seq_len)
 
 
-def prepare_row(config, n: int, batch_per_device: int, seq_len: int, kda: dict | None = None) -> tuple[dict, dict]:
-    """Lower the train step on the first `n` devices (data parallel) with abstract inputs, the
-    KDA module settings `kda` (see `parse_kda_settings`) in place while tracing.
+def prepare_row(config, n: int, batch_per_device: int, seq_len: int, settings: dict | None = None
+                ) -> tuple[dict, dict]:
+    """Lower the train step on the first `n` devices (a data-parallel mesh, or the axis named by
+    settings["mesh"]) with abstract inputs, the KDA module settings among `settings` (see
+    `parse_settings`) in place while tracing.
     Returns the row (what the JSON records) and the context `compile_row` / `run_row` need."""
     devices = jax.devices()[:n]
-    mesh = sharding.make_mesh({"data": n}, devices=devices)
+    settings = settings or {}
+    mesh = sharding.make_mesh({settings.get("mesh", "data"): n}, devices=devices)
     graphdef, params, rest = train_lib.abstract_model(config)
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     tx, schedule = optim.make_optimizer(config.optim, config.total_steps, train_lib.param_names(params))
@@ -177,24 +187,24 @@ def prepare_row(config, n: int, batch_per_device: int, seq_len: int, kda: dict |
     batch_size = batch_per_device * n
     row = {"devices": n, "device_kind": devices[0].device_kind, "params": num_params, "batch": batch_size,
            "seq_len": seq_len, "remat": train_lib.remat_policy(config)}
-    if kda:
-        row["kda"] = dict(kda)
+    if settings:
+        row["settings"] = dict(settings)
     step_fn = jax.jit(train_lib.make_train_step(config, graphdef, tx, schedule), donate_argnums=(0,),
                       out_shardings=(shardings, replicated))
     with jax.set_mesh(mesh):
         t0 = time.perf_counter()
         abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                       jax.eval_shape(train_lib.make_init(config, tx)), shardings)
-        lowered = traced_with(kda or {}, lambda: step_fn.lower(
+        lowered = traced_with(settings, lambda: step_fn.lower(
             abstract_state, abstract_batch(batch_size, seq_len, batch_spec), jax.ShapeDtypeStruct((), jnp.int32)))
     row["step_lower_s"] = time.perf_counter() - t0
     log(f"{label(row)}: step lowered in {row['step_lower_s']:.1f} s")
     return row, {"config": config, "mesh": mesh, "tx": tx, "shardings": shardings, "lowered": lowered}
 
 
-def setting(row: dict) -> str:
-    """The row's remat policy and KDA settings, e.g. "dots16" or "dots16 diag=split"."""
-    return " ".join([row["remat"]] + [f"{k}={v}" for k, v in sorted(row.get("kda", {}).items())])
+def setting(row: dict, skip=()) -> str:
+    """The row's remat policy and settings (less the keys in `skip`), e.g. "dots16 diag=split"."""
+    return " ".join([row["remat"]] + [f"{k}={v}" for k, v in sorted(row.get("settings", {}).items()) if k not in skip])
 
 
 def label(row: dict) -> str:
@@ -322,18 +332,18 @@ def is_best_setting(row: dict, rows: list[dict]) -> bool:
     if not ones:
         return True
     best = max(ones, key=lambda r: r["tokens_per_sec"])
-    return (setting(row), row["batch"] // row["devices"]) == (setting(best), best["batch"])
+    return (setting(row, ("mesh",)), row["batch"] // row["devices"]) == (setting(best, ("mesh",)), best["batch"])
 
 
 def scaling(rows: list[dict]) -> dict:
     """tokens/s of each multi-device row over n x the one-device row with the same per-device
-    batch, remat policy and KDA settings, keyed "<devices>x<batch per device>/<setting>"."""
-    ones = {(r["batch"], setting(r)): r for r in rows if r["devices"] == 1 and "tokens_per_sec" in r}
+    batch, remat policy and KDA settings (any mesh axis), keyed "<devices>x<batch per device>/<setting>"."""
+    ones = {(r["batch"], setting(r, ("mesh",))): r for r in rows if r["devices"] == 1 and "tokens_per_sec" in r}
     out = {}
     for r in rows:
         if r["devices"] < 2 or "tokens_per_sec" not in r:
             continue
-        base = ones.get((r["batch"] // r["devices"], setting(r)))
+        base = ones.get((r["batch"] // r["devices"], setting(r, ("mesh",))))
         if base:
             key = f"{r['devices']}x{r['batch'] // r['devices']}/{setting(r)}"
             out[key] = r["tokens_per_sec"] / (r["devices"] * base["tokens_per_sec"])
@@ -352,8 +362,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--remat", default=None,
                         help=f"comma-separated policies of {sorted(POLICIES)} (rows); default: the config's")
     parser.add_argument("--rows", default="",
-                        help="explicit rows devices:remat:batch_per_device[:kda settings], comma-separated "
-                             "(overrides the grid; settings e.g. diag=split/scores=tiled)")
+                        help="explicit rows devices:remat:batch_per_device[:settings], comma-separated "
+                             "(overrides the grid; settings e.g. mesh=fsdp/diag=split/scores=tiled)")
     parser.add_argument("--scale_best", action="store_true",
                         help="of the multi-device rows run only those of the fastest one-device setting")
     parser.add_argument("--deadline_s", type=float, default=0.0,
@@ -425,14 +435,14 @@ def main(argv=None) -> dict:
     # GIL is released). Nothing runs on the devices until every row is compiled.
     pool = concurrent.futures.ThreadPoolExecutor(max(1, args.compile_workers))
     futures = []
-    for n, r, b, kda in specs:
+    for n, r, b, settings in specs:
         cfg = copy.deepcopy(config)
         cfg.remat = r
         try:
-            row, ctx = prepare_row(cfg, n, b, args.seq_len, kda)
+            row, ctx = prepare_row(cfg, n, b, args.seq_len, settings)
             futures.append(pool.submit(compile_row, row, ctx))
         except Exception as e:  # noqa: BLE001 - record the failure, go on with the next row
-            row, ctx = {"devices": n, "batch": b * n, "seq_len": args.seq_len, "remat": r, "kda": kda}, None
+            row, ctx = {"devices": n, "batch": b * n, "seq_len": args.seq_len, "remat": r, "settings": settings}, None
             fail(row, e, "lowering")
             futures.append(None)
         rows.append(row)

@@ -116,19 +116,20 @@ def test_rows_carry_kda_settings_into_tracing_and_keys(bench):
     from kernels.kda import chunk, chunk_intra
 
     assert bench.parse_row("1:dots16:4") == (1, "dots16", 4, {})
-    assert bench.parse_row("2:dots16:4:diag=split/scores=tiled") == (2, "dots16", 4,
-                                                                     {"diag": "split", "scores": "tiled"})
-    for bad in ("1:dots16", "1:dots16:4:diag", "1:dots16:4:diag=bf16", "1:dots16:4:tile=16"):
+    assert bench.parse_row("2:dots16:4:diag=split/scores=tiled/mesh=fsdp") == (
+        2, "dots16", 4, {"diag": "split", "scores": "tiled", "mesh": "fsdp"})
+    for bad in ("1:dots16", "1:dots16:4:diag", "1:dots16:4:diag=bf16", "1:dots16:4:tile=16", "2:dots16:4:mesh=tp"):
         with pytest.raises(ValueError):
             bench.parse_row(bad)
     before = (chunk_intra.DIAG_MODE, chunk.DEFAULT_SCORES)
-    seen = bench.traced_with({"diag": "split", "scores": "tiled"},
+    seen = bench.traced_with({"diag": "split", "scores": "tiled", "mesh": "fsdp"},
                              lambda: (chunk_intra.DIAG_MODE, chunk.DEFAULT_SCORES))
     assert seen == ("split", "tiled")
     assert (chunk_intra.DIAG_MODE, chunk.DEFAULT_SCORES) == before  # restored
     rows = [dict(devices=1, batch=4, remat="dots16", tokens_per_sec=100.0),
-            dict(devices=1, batch=4, remat="dots16", kda={"diag": "split"}, tokens_per_sec=120.0),
-            dict(devices=2, batch=8, remat="dots16", kda={"diag": "split"}, tokens_per_sec=216.0)]
-    assert bench.scaling(rows) == {"2x4/dots16 diag=split": 0.9}
+            dict(devices=1, batch=4, remat="dots16", settings={"diag": "split"}, tokens_per_sec=120.0),
+            dict(devices=2, batch=8, remat="dots16", settings={"diag": "split"}, tokens_per_sec=216.0),
+            dict(devices=2, batch=8, remat="dots16", settings={"mesh": "fsdp"}, tokens_per_sec=190.0)]
+    assert bench.scaling(rows) == {"2x4/dots16 diag=split": 0.9, "2x4/dots16 mesh=fsdp": 0.95}
     assert bench.is_best_setting(rows[2], rows)
     assert not bench.is_best_setting(dict(devices=2, batch=8, remat="dots16"), rows)
