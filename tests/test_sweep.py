@@ -146,7 +146,8 @@ def test_tiny_sweep_end_to_end(tmp_path):
 
 
 @pytest.mark.parametrize("name,variant,count", [("mqar", None, 6 * 3 * 4 * 4), ("mqar", "gpu", 6 * 2 * 2 * 2),
-                                                ("mqar", "gpu_small", 6 * 2 * 2), ("mqar", "cpu", 6 * 2),
+                                                ("mqar", "gpu_small", 6 * 2 * 2), ("mqar", "gpu_hard", 6 * 2 * 2),
+                                                ("mqar", "cpu", 6 * 2),
                                                 ("kimi", None, 3 * 4 * 4 * 4)])
 def test_every_trial_of_the_sweep_configs_builds(name, variant, count):
     """Every trial's config: its task and its model (e.g. the 3:1 hybrid needs 4 layers)."""

@@ -10,6 +10,8 @@
         --trials_per_device 6 --deadline_s 540        # the 24 trials at d_model 64
     python sweep.py --config configs/sweeps/mqar.py:gpu_small,hi_lr --workdir /tmp/mqar --devices 0,1 \
         --trials_per_device 6 --deadline_s 540        # + lr 1e-2: 12 more trials in the same workdir
+    python sweep.py --config configs/sweeps/mqar.py:gpu_hard --workdir /tmp/mqar_hard --devices 0,1 \
+        --trials_per_device 12 --deadline_s 540       # (L, K) = (512, 64) at d_model 64, 128 (24 trials)
 
 Grid: softmax attention, linear attention, DeltaNet, Gated DeltaNet, KDA and the 3:1 KDA:MLA
 hybrid (the models of configs/ablations: same width, depth and MLP, differing only in the mixer)
@@ -31,7 +33,8 @@ program: the second trial loads it from the sweep's compilation cache. Every mix
 256 (L=64) / 128 (L=256): 1.02M / 512k training examples, 16% / 8% of Zoology's 64 epochs of
 100k (half its batch, 32% of its 12.5k steps; a first attempt at 1000 steps left every mixer
 near chance); two learning rates instead of four; no in-training eval; eval.py on 1000 held-out
-examples (Zoology: 3000). `:gpu_small` is the same at d_model 64 only (24 trials).
+examples (Zoology: 3000). `:gpu_small` is the same at d_model 64 only (24 trials); `:gpu_hard`
+the same budget at Zoology's hardest setting (512, 64), batch 64, d_model {64, 128} (24 trials).
 
 `hi_lr` adds Zoology's top lr 1e-2 to the lr axis of `:gpu` / `:gpu_small` / `:cpu` (36 trials
 for `:gpu_small`). Its trials keep the names and configs of the plain grid, so run in a finished
@@ -105,6 +108,10 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
         sweep.axes.d_model = [64] if arg.gpu_small else [64, 128]
         sweep.axes.setting = [dict(seq_len=64, num_kv_pairs=4), dict(seq_len=256, num_kv_pairs=16)]
         sweep.axes.lr = [1e-3, 3e-3]
+    if arg.gpu_hard:  # Zoology's hardest setting at the two small widths (24 trials)
+        sweep.axes.d_model = [64, 128]
+        sweep.axes.setting = [dict(seq_len=512, num_kv_pairs=64)]
+        sweep.axes.lr = [1e-3, 3e-3]
     if arg.hi_lr:  # Zoology's top lr on top of the variant's (see the docstring)
         sweep.axes.lr = sorted(set(sweep.axes.lr) | {1e-2})
     if arg.tiny:  # 2 trials in seconds on CPU: softmax, width 16, 2 learning rates
@@ -127,9 +134,10 @@ def get_config(arg=None):
     arg_str = arg or ""
     arg = common.parse_arg(arg_str, **{**TRIAL_ARGS, "steps": 12500, "batch_size": 0},
                            mixer="kda", d_model=64, num_layers=2, seq_len=64, num_kv_pairs=4,
-                           vocab_size=8192, cpu=False, gpu=False, gpu_small=False, hi_lr=False)
+                           vocab_size=8192, cpu=False, gpu=False, gpu_small=False, gpu_hard=False,
+                           hi_lr=False)
     given = {item.partition("=")[0] for item in arg_str.split(",")}
-    arg.gpu = arg.gpu or arg.gpu_small  # gpu_small: the gpu trials, fewer of them
+    arg.gpu = arg.gpu or arg.gpu_small or arg.gpu_hard  # the gpu trials' budget, other grids
     for name, values in VARIANTS.items():
         if arg[name]:
             arg.update({k: v for k, v in values.items() if k not in given})
