@@ -28,7 +28,9 @@ SAFE_LOWER_BOUND = -5.0
 # (HIGHEST-precision float32 products; on an H200 XLA runs them on CUDA cores, ~0.7 ms per KDA
 # layer of the 1.3B train step) or "split" (hi/lo split of both operands in the compute dtype,
 # three tensor-core products with float32 accumulation, forward and backward). Plain bf16
-# operands would give dg errors of 0.02-0.03 against the reference (tolerance 0.02).
+# operands would give dg errors of 0.02-0.03 against the reference (tolerance 0.02). "split" was
+# slower on an H200 (train step 467 vs 457 ms, benchmarks/results/train-diag-h200-20261130T0350.json):
+# the three 16x16 products and the splitting cost more bytes than the CUDA-core matmul.
 DIAG_MODES = ("f32", "split")
 DIAG_MODE = "f32"
 
