@@ -325,6 +325,15 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def run_order(rows: list[dict]) -> list[int]:
+    """Indices of `rows` in run order: one-device rows first; among rows of one device count the
+    largest temporaries first. Memory a row frees stays in JAX's allocator pool, split where that
+    row's buffers were, so a larger row run after a smaller one can fail to find one contiguous
+    block that a fresh process would have had."""
+    temp = lambda r: (r.get("memory") or {}).get("temp_gib", 0.0)  # noqa: E731
+    return sorted(range(len(rows)), key=lambda i: (rows[i]["devices"], -temp(rows[i])))
+
+
 def is_best_setting(row: dict, rows: list[dict]) -> bool:
     """Whether `row` has the remat policy, KDA settings and per-device batch of the fastest
     one-device row."""
@@ -459,7 +468,7 @@ def main(argv=None) -> dict:
     pool.shutdown()
     result = save()
     if not args.compile_only:
-        order = sorted(range(len(rows)), key=lambda i: rows[i]["devices"])  # one-device rows first
+        order = run_order(rows)
         for i in order:
             row, ctx = rows[i], contexts[i]
             if steps[i] is None:

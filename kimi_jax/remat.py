@@ -10,9 +10,10 @@ float32 norm inputs). `jax.checkpoint` around each block keeps only what the pol
                 the MLP; attention logits, the KDA recurrence and elementwise work are recomputed
     "dots_all"  every matmul output, attention logits included
     "dots16"    "dots" plus every bf16 result of a matmul or of a float32 -> bf16 rounding of at
-                most 16384 elements per token: the mixers' bf16 activations and the KDA chunk
-                state snapshots are kept, so the backward redoes float32 elementwise work, data
-                movement and MLA's [T, T] attention, not the KDA state scan
+                most 16384 elements per token, and the KDA chunk state snapshots (checkpoint
+                name `kernels.kda.chunk.STATES_NAME`): the mixers' bf16 activations are kept, so
+                the backward redoes float32 elementwise work, data movement and MLA's [T, T]
+                attention, not the KDA state scan
 
 A spec may give mixers their own policy after the default: "dots16/mla=dots_all" keeps MLA's
 attention logits and KDA's bf16 activations.
@@ -31,7 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kernels.kda.chunk import STATES_NAME
+
 SMALL_PER_TOKEN = 16384  # elements per token below which "dots16" keeps a 16-bit value
+# Checkpoint names "dots16" keeps: the KDA chunk states (a Pallas kernel's output, which the
+# dtype rule cannot see), so the backward does not rerun the forward state pass.
+SAVED_NAMES = (STATES_NAME,)
 _DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 
@@ -39,12 +45,15 @@ _DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 class Dots16:
     """Saveable: matmul outputs without batch dimensions, and the 16-bit results of matmuls and
     of float32 -> 16-bit roundings, of at most `limit` elements (the policy sees an operation's
-    inputs; the output dtype comes from `new_dtype` / `preferred_element_type`)."""
+    inputs; the output dtype comes from `new_dtype` / `preferred_element_type`), and the values
+    named by `checkpoint_name` with a name in SAVED_NAMES."""
 
     limit: int
 
     def __call__(self, prim, *avals, **params):
         if _DOTS(prim, *avals, **params):
+            return True
+        if prim.name == "name" and params.get("name") in SAVED_NAMES:
             return True
         if prim.name not in ("dot_general", "convert_element_type") or not avals:
             return False  # data movement (slices, pads, transposes) is cheap to redo

@@ -133,3 +133,10 @@ def test_rows_carry_kda_settings_into_tracing_and_keys(bench):
     assert bench.scaling(rows) == {"2x4/dots16 diag=split": 0.9, "2x4/dots16 mesh=fsdp": 0.95}
     assert bench.is_best_setting(rows[2], rows)
     assert not bench.is_best_setting(dict(devices=2, batch=8, remat="dots16"), rows)
+
+
+def test_rows_run_one_device_first_then_largest_temporaries_first(bench):
+    rows = [dict(devices=2, memory={"temp_gib": 60.0}), dict(devices=1, memory={"temp_gib": 50.8}),
+            dict(devices=1, error="lowering failed"), dict(devices=1, memory={"temp_gib": 88.0}),
+            dict(devices=2, memory={"temp_gib": 56.9})]
+    assert bench.run_order(rows) == [3, 1, 2, 0, 4]

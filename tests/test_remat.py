@@ -75,3 +75,47 @@ def test_spec_gives_each_mixer_its_policy():
     for bad in ("dots/mla", "dots/mla=sometimes", "/mla=dots", "dots/=full"):
         with pytest.raises(ValueError):
             parse_spec(bad)
+
+
+# The Mosaic GPU impls run under the interpreter on CPU, whose callbacks remat cannot take.
+@pytest.mark.parametrize("impl", ["chunk", pytest.param("chunk_mosaic", marks=pytest.mark.gpu),
+                                  pytest.param("pallas_gpu", marks=pytest.mark.gpu)])
+def test_dots16_keeps_the_kda_chunk_states(impl):
+    """Under "dots16" the KDA chunk states (a kernel's or a scan's output, named
+    kernels.kda.chunk.STATES_NAME) are saved residuals, so the backward does not rerun the
+    forward state pass: one state pass fewer in the gradient's program than when the name is
+    not kept, and the same gradients."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from kernels.kda import kda
+    from kimi_jax import remat
+
+    B, T, H, K = 1, 128, 2, 64
+    r = np.random.default_rng(0)
+    x = jnp.asarray(r.normal(size=(B, T, H, K)), jnp.bfloat16)
+    g = jnp.asarray(-np.abs(r.normal(size=(B, T, H, K))), jnp.float32)
+    beta = jnp.asarray(r.uniform(size=(B, T, H)), jnp.float32)
+    w = jnp.asarray(r.normal(size=(K, K)) * 0.1, jnp.bfloat16)
+
+    def f(x, g):
+        y = jnp.einsum("bthk,kd->bthd", x, w)
+        y = y / jnp.linalg.norm(y.astype(jnp.float32), axis=-1, keepdims=True).astype(y.dtype)
+        o, _ = kda(y, y, y, g, beta, lower_bound=-5.0, impl=impl)
+        return jnp.sum(o.astype(jnp.float32) ** 2)
+
+    keep = remat.Dots16(remat.SMALL_PER_TOKEN * B * T)
+
+    def drop(prim, *avals, **params):  # dots16 without its names
+        return prim.name != "name" and keep(prim, *avals, **params)
+
+    saved = [d for _, d in saved_residuals(jax.checkpoint(f, policy=keep), x, g)]
+    assert any("_run_chunked" in d or "kda" in d for d in saved), saved
+
+    def passes(policy):  # forward state passes: lax.scan (chunk) or Mosaic GPU kernels (pallas_gpu)
+        text = str(jax.make_jaxpr(jax.grad(jax.checkpoint(f, policy=policy), (0, 1)))(x, g))
+        return text.count("scan[") + text.count("pallas_call[")
+
+    assert passes(keep) == passes(drop) - 1
+    grads = [jax.jit(jax.grad(jax.checkpoint(f, policy=p), (0, 1)))(x, g) for p in (keep, drop)]
+    for a, b in zip(*grads):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-6)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from kernels.kda import chunk_intra
@@ -81,6 +82,10 @@ def _wy(nm, P):
 
 
 STATE_PASSES = ("xla", "mosaic", "mosaic_interpret")
+# The checkpoint name of the per-chunk incoming states, the forward's residual for the backward:
+# a remat policy that saves it (kimi_jax.remat's "dots16") spares the backward a rerun of the
+# forward state pass.
+STATES_NAME = "kda_chunk_states"
 
 
 def _mosaic_scan(state_pass):
@@ -135,6 +140,7 @@ def chunk_core(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass="
 
 def _core_fwd(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass="xla", scores="dense"):
     o, S, states = _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass, scores)
+    states = checkpoint_name(states, STATES_NAME)
     return (o, S), (q, k, v, g, beta, counts, states)
 
 

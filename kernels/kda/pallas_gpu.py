@@ -41,6 +41,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from kernels.kda import hopper, mosaic_decode, mosaic_intra, mosaic_intra_bf16, mosaic_state
 from kernels.kda.hopper import SUPPORTED_DIMS, device_kind as _device_kind, per_shard
@@ -221,6 +222,10 @@ def _kda_fwd(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret):
     keep = _chunk_module() is not None
     o, S, *states = _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret,
                                     with_states=keep)
+    if keep:  # saved, not recomputed, by a remat policy that keeps this name (kimi_jax.remat's dots16)
+        from kernels.kda.chunk import STATES_NAME
+
+        states = [checkpoint_name(states[0], STATES_NAME)]
     return (o, S), (q, k, v, g, beta, h0, seg, states[0] if keep else None)
 
 
