@@ -12,8 +12,8 @@ parameters (configs/k3_1b3_dense.py).
 Rows: device count x remat policy (kimi_jax/remat.py) x sequences per device, or --rows
 (`devices:remat:batch[:settings]`, the settings `key=value` joined by "/": `mesh=data|fsdp`, the
 mesh axis the devices form (data parallel, or FSDP: parameters and optimizer state sharded,
-gathered per use), and the KDA kernel module settings `diag` and `scores`, read while the row is
-traced). Every
+gathered per use), and the KDA kernel module settings `diag`, `rows` and `scores`, read while the
+row is traced). Every
 phase is timed apart and printed as it ends: step lowering and compile (`.lower(...).compile()`
 on abstract inputs; each row compiles in a thread while the next is traced, and nothing runs
 before all are compiled, so compiles do not disturb timings), the state's initialisation, the
@@ -77,6 +77,7 @@ def _kda_settings():
 
     # row key -> (module, attribute, allowed values): module settings read while tracing
     return {"diag": (chunk_intra, "DIAG_MODE", chunk_intra.DIAG_MODES),
+            "rows": (chunk_intra, "ROW_MODE", chunk_intra.ROW_MODES),
             "scores": (chunk, "DEFAULT_SCORES", chunk_intra.SCORES)}
 
 

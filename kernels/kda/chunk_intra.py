@@ -33,6 +33,12 @@ SAFE_LOWER_BOUND = -5.0
 # the three 16x16 products and the splitting cost more bytes than the CUDA-core matmul.
 DIAG_MODES = ("f32", "split")
 DIAG_MODE = "f32"
+# How the dense formulation scores its rows (q and, for the delta rule, k) against the shared
+# column side: "stacked" (both row tiles in one product of 2 x 16 rows, so the backward forms one
+# gradient of the column side instead of two that are then added) or "separate" (one product per
+# row). Both give the same values; "stacked" moves fewer bytes and runs fewer, larger matmuls.
+ROW_MODES = ("stacked", "separate")
+ROW_MODE = "stacked"
 
 
 def to_chunks(x, C: int = CHUNK):
@@ -84,18 +90,25 @@ def decayed_scores(rows, k, G, *, bounded: bool, mm, cd=None):
     kt = k.reshape(*lead, nt, TILE, K)
     if bounded:  # exp(G_a - G_c) <= exp(-(TILE - 1) * lower_bound) for c in the anchor's tile
         kt_hat = kt * jnp.exp(Ga - Gt)
+    if ROW_MODE not in ROW_MODES:
+        raise ValueError(f"chunk_intra.ROW_MODE={ROW_MODE!r}; expected one of {ROW_MODES}")
+    # Row tiles [..., nt, R * TILE, K]: the R rows' tiles side by side ("stacked"), or one at a time.
+    groups = [rows] if ROW_MODE == "stacked" else [[a] for a in rows]
     out = []
-    for a in rows:
-        at = a.reshape(*lead, nt, TILE, K)
-        a_hat = at * row_decay
-        s = mm("...ird,...icd->...irc", a_hat, k_hat).reshape(*lead, C, C)
+    for group in groups:
+        at = jnp.concatenate([a.reshape(*lead, nt, TILE, K) for a in group], axis=-2)
+        a_hat = at * jnp.concatenate([row_decay] * len(group), axis=-2)
+        s = mm("...ird,...icd->...irc", a_hat, k_hat)  # [..., nt, R * TILE, C]
         if bounded and cd is not None and diag_split(cd, a_hat.dtype):
             d = _diag_split(a_hat, kt_hat, jnp.dtype(cd))
         elif bounded:
             d = jnp.einsum("...ird,...icd->...irc", a_hat, kt_hat, precision=jax.lax.Precision.HIGHEST)
         else:
-            d = _diag_tiles(at, kt, Gt)
-        out.append(s + _block_diag(d))
+            d = jnp.concatenate([_diag_tiles(at[..., x * TILE:(x + 1) * TILE, :], kt, Gt)
+                                 for x in range(len(group))], axis=-2)
+        for x in range(len(group)):
+            tile = slice(x * TILE, (x + 1) * TILE)
+            out.append(s[..., tile, :].reshape(*lead, C, C) + _block_diag(d[..., tile, :]))
     return out
 
 

@@ -265,3 +265,30 @@ def test_diag_mode_is_part_of_the_jit_cache_key(monkeypatch):
     monkeypatch.setattr(chunk_intra, "DIAG_MODE", "bf16")
     with pytest.raises(ValueError, match="DIAG_MODE"):
         trace()
+
+
+@pytest.mark.parametrize("lower", [-5.0, None])
+def test_stacked_rows_equal_separate_rows(rng, monkeypatch, lower):
+    """chunk_intra.ROW_MODE "stacked" (q and k row tiles in one product) gives the values and
+    gradients of "separate" (float32: the same sums), on the bounded and the exact path."""
+    from kernels.kda import chunk_intra
+
+    inputs = make_inputs(rng, 1, 128, 2, 32, 32, "channel", lower=-5.0, seg="random")
+    q, k, v, g, beta, h0, seg = inputs
+
+    def run():
+        def f(q, k, v, g, beta):
+            o, S = kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, segment_ids=seg,
+                       lower_bound=lower, impl="chunk")
+            return jnp.sum(o * jnp.cos(o)) + jnp.sum(S * S)
+        return jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
+
+    got = {}
+    for mode in ("stacked", "separate"):
+        monkeypatch.setattr(chunk_intra, "ROW_MODE", mode)
+        got[mode] = jax.tree.leaves(run())
+    for a, b in zip(got["stacked"], got["separate"]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+    monkeypatch.setattr(chunk_intra, "ROW_MODE", "paired")
+    with pytest.raises(ValueError, match="ROW_MODE"):
+        run()
