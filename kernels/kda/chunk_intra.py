@@ -83,9 +83,13 @@ def decayed_scores(rows, k, G, *, bounded: bool, mm, cd=None):
     nt = C // TILE
     Gt = G.reshape(*lead, nt, TILE, K)
     Ga = Gt[..., :1, :]  # [..., nt, 1, K] the anchor of each row tile
-    # Column side for row tile i: k_c exp(G_a(i) - G_c) for c < 16 i (exponent <= 0), else 0.
-    keep = (jnp.arange(C)[None, :] < TILE * jnp.arange(nt)[:, None])[:, :, None]  # [nt, C, 1]
-    k_hat = k[..., None, :, :] * jnp.exp(jnp.where(keep, Ga - G[..., None, :, :], -jnp.inf))
+    # Column side for row tile i >= 1: k_c exp(G_a(i) - G_c) for c < 16 i (exponent <= 0), else 0.
+    # Row tile 0 has no column below its diagonal tile and no row tile has one at c >= C - 16, so
+    # the product covers row tiles 1.. and columns ..C-16 only (the rest of A is zero off the
+    # diagonal tiles): [..., nt - 1, C - 16, K], 56% of the full [..., nt, C, K] at C = 64.
+    Cm = C - TILE
+    keep = (jnp.arange(Cm)[None, :] < TILE * jnp.arange(1, nt)[:, None])[:, :, None]  # [nt - 1, Cm, 1]
+    k_hat = k[..., None, :Cm, :] * jnp.exp(jnp.where(keep, Ga[..., 1:, :, :] - G[..., None, :Cm, :], -jnp.inf))
     row_decay = jnp.exp(Gt - Ga)  # [..., nt, TILE, K], <= 1
     kt = k.reshape(*lead, nt, TILE, K)
     if bounded:  # exp(G_a - G_c) <= exp(-(TILE - 1) * lower_bound) for c in the anchor's tile
@@ -98,7 +102,8 @@ def decayed_scores(rows, k, G, *, bounded: bool, mm, cd=None):
     for group in groups:
         at = jnp.concatenate([a.reshape(*lead, nt, TILE, K) for a in group], axis=-2)
         a_hat = at * jnp.concatenate([row_decay] * len(group), axis=-2)
-        s = mm("...ird,...icd->...irc", a_hat, k_hat)  # [..., nt, R * TILE, C]
+        s = mm("...ird,...icd->...irc", a_hat[..., 1:, :, :], k_hat)  # [..., nt - 1, R * TILE, Cm]
+        s = jnp.pad(s, [(0, 0)] * len(lead) + [(1, 0), (0, 0), (0, TILE)])  # [..., nt, R * TILE, C]
         if bounded and cd is not None and diag_split(cd, a_hat.dtype):
             d = _diag_split(a_hat, kt_hat, jnp.dtype(cd))
         elif bounded:

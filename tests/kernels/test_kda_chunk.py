@@ -292,3 +292,28 @@ def test_stacked_rows_equal_separate_rows(rng, monkeypatch, lower):
     monkeypatch.setattr(chunk_intra, "ROW_MODE", "paired")
     with pytest.raises(ValueError, match="ROW_MODE"):
         run()
+
+
+@pytest.mark.parametrize("bounded", [True, False])
+@pytest.mark.parametrize("row_mode", ["stacked", "separate"])
+@pytest.mark.parametrize("C", [16, 64])
+def test_decayed_scores_match_the_pairwise_sum(monkeypatch, bounded, row_mode, C):
+    """chunk_intra.decayed_scores against A[r, c] = sum_d a_r k_c exp(G_r - G_c), r >= c, in
+    float64: every entry on and below the diagonal, for one tile (C = 16) and a chunk."""
+    from kernels.kda import chunk_intra
+
+    monkeypatch.setattr(chunk_intra, "ROW_MODE", row_mode)
+    r = np.random.default_rng(C)
+    K = 8
+    a = [r.standard_normal((2, C, K)).astype(np.float32) for _ in range(2)]
+    k = r.standard_normal((2, C, K)).astype(np.float32)
+    G = np.cumsum(-5.0 * r.uniform(size=(2, C, K)), axis=-2).astype(np.float32)
+    mm = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
+    got = chunk_intra.decayed_scores([jnp.asarray(x) for x in a], jnp.asarray(k), jnp.asarray(G),
+                                     bounded=bounded, mm=mm)
+    lower = np.tril(np.ones((C, C), bool))
+    Gd = G.astype(np.float64)
+    decay = np.exp(np.where(lower[..., None], Gd[:, :, None, :] - Gd[:, None, :, :], -np.inf))
+    for x, A in zip(a, got):
+        want = np.einsum("brd,bcd,brcd->brc", x.astype(np.float64), k.astype(np.float64), decay)
+        np.testing.assert_allclose(np.where(lower, np.asarray(A), 0), want, rtol=2e-4, atol=2e-4)
