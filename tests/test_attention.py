@@ -281,3 +281,46 @@ def test_every_param_gets_a_gradient(case):
     for path, g in nnx.to_flat_state(grads):
         g = np.asarray(g[...])
         assert np.all(np.isfinite(g)) and np.any(g != 0), path
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_blocked_xla_attention_matches_the_one_shot_form_in_less_memory(packed):
+    """blocked_xla_attention (query blocks, per-block remat) equals xla_attention under
+    causal_mask, values and gradients, with GQA, a narrower value head, packed documents and T
+    not a multiple of the block; its gradient program's temporaries are a fraction of the
+    one-shot form's."""
+    from kimi_jax.attention.common import blocked_xla_attention, causal_mask, xla_attention
+
+    r = np.random.default_rng(int(packed))
+    B, T, H, G, Dk, Dv = 2, 300, 4, 2, 16, 8
+    q = jnp.asarray(r.standard_normal((B, T, H, Dk)), jnp.float32)
+    k = jnp.asarray(r.standard_normal((B, T, G, Dk)), jnp.float32)
+    v = jnp.asarray(r.standard_normal((B, T, G, Dv)), jnp.float32)
+    seg = jnp.asarray(np.cumsum(r.uniform(size=(B, T)) < 0.02, axis=1), jnp.int32) if packed else None
+
+    def one_shot(q, k, v):
+        return xla_attention(q, k, v, causal_mask(seg, T, B), 0.25)
+
+    def blocked(q, k, v):
+        return blocked_xla_attention(q, k, v, seg, 0.25, block=64)
+
+    w = jnp.asarray(r.standard_normal((B, T, H, Dv)), jnp.float32)
+    loss = lambda f: lambda *a: jnp.sum(f(*a) * w)  # noqa: E731
+    for a, b in zip((one_shot(q, k, v), *jax.grad(loss(one_shot), (0, 1, 2))(q, k, v)),
+                    (blocked(q, k, v), *jax.grad(loss(blocked), (0, 1, 2))(q, k, v))):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
+    assert blocked_xla_attention(q, k, v, seg, 0.25, block=512).shape == (B, T, H, Dv)  # one block
+    with pytest.raises(ValueError, match="block"):
+        blocked_xla_attention(q, k, v, seg, 0.25, block=0)
+
+    T = 2048  # memory: the one-shot gradient holds [B, H, T, T] float32 several times over
+    big = [jnp.zeros((1, T, 2, 16), jnp.float32)] * 3
+    seg = jnp.zeros((1, T), jnp.int32) if packed else None
+
+    def temp(f):
+        g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)), (0, 1, 2)))
+        return g.lower(*big).compile().memory_analysis().temp_size_in_bytes
+
+    one = temp(lambda q, k, v: xla_attention(q, k, v, causal_mask(seg, T, 1), 0.25))
+    blk = temp(lambda q, k, v: blocked_xla_attention(q, k, v, seg, 0.25, block=256))
+    assert one >= 2 * 2 * T * T * 4 and blk * 4 < one, (one, blk)

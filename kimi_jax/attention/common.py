@@ -4,6 +4,7 @@ activation constraints and the float32 XLA attention used by softmax attention a
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -89,3 +90,33 @@ def xla_attention(q, k, v, mask, scale: float):
     p = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bgrts,bsgd->btgrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(B, T, H, v.shape[-1]).astype(v.dtype)
+
+
+def blocked_xla_attention(q, k, v, segment_ids, scale: float, block: int = 512):
+    """`xla_attention` under the causal (and same-document) mask, `block` query rows at a time:
+    [B, H, block, T] float32 logits are live at once, recomputed per block in the backward, where
+    the one-shot form holds [B, H, T, T] (4 GiB at B=4, H=16, T=4096, more in its backward) and
+    would not fit at long T. Same arguments and result as `xla_attention(q, k, v, causal_mask(...))`."""
+    B, T, H, Dk = q.shape
+    if block < 1:
+        raise ValueError(f"block must be >= 1; got {block}")
+    if T <= block:
+        return xla_attention(q, k, v, causal_mask(segment_ids, T, B), scale)
+    nb = -(-T // block)
+    pad = nb * block - T  # padded query rows attend to something finite and are cut off below
+    blocks = lambda x: jnp.moveaxis(jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(  # noqa: E731
+        B, nb, block, *x.shape[2:]), 1, 0)
+    seg = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_ids
+
+    @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+    def one(args):
+        i, q_blk, seg_blk = args  # [B, block, H, Dk], [B, block]
+        rows = i * block + jnp.arange(block)
+        mask = (rows[:, None] >= jnp.arange(T)[None, :])[None, None]  # [1, 1, block, T]
+        if segment_ids is not None:
+            mask = mask & (seg_blk[:, None, :, None] == seg[:, None, None, :])
+        return xla_attention(q_blk, k, v, mask, scale)
+
+    out = jax.lax.map(one, (jnp.arange(nb), blocks(q), blocks(seg)))  # [nb, B, block, H, Dv]
+    return jnp.moveaxis(out, 0, 1).reshape(B, nb * block, H, -1)[:, :T]
+

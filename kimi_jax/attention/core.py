@@ -19,9 +19,10 @@ inside it, so no token sees another document. The number of runs per row has a s
 rows that are each one document take cuDNN's plain causal kernel (the ragged layout costs about
 2.5x at T = 4096), packed rows the ragged layout, and a batch with a row of more than
 `max_segments` runs the exact "xla" path, logged once where a CPU device is present for the
-host callback: never a wrong answer, only slower. "xla" masks by id equality,
-which is the same as runs for ids that form one run per document (as the data packer writes
-them). With packing and Dv != Dqk, v is zero-padded to Dqk, since the ragged offsets are token
+host callback: never a wrong answer, only slower (its float32 logits are formed 512 query rows
+at a time, `blocked_xla_attention`, so it fits where the one-shot [B, H, T, T] form would not).
+"xla" masks by id equality, which is the same as runs for ids that form one run per document (as
+the data packer writes them). With packing and Dv != Dqk, v is zero-padded to Dqk, since the ragged offsets are token
 strides shared by q/o and by k/v.
 """
 
@@ -34,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimi_jax.attention.common import causal_mask, xla_attention
+from kimi_jax.attention.common import blocked_xla_attention, causal_mask, xla_attention
 
 IMPLS = ("auto", "xla", "cudnn")
 DEFAULT_MAX_SEGMENTS = 64
@@ -198,8 +199,13 @@ def attention(q, k, v, segment_ids=None, *, scale: float, impl: str = "auto",
 
     # Under autodiff every branch of a switch returns the residuals of all branches (zeros where
     # not taken): the XLA path's [B, H, T, T] logits and probabilities would be written as zeros on
-    # every cuDNN step. Rematerialised, its residuals are its inputs only.
-    exact_remat = jax.checkpoint(exact, policy=jax.checkpoint_policies.nothing_saveable)
+    # every cuDNN step. Rematerialised, its residuals are its inputs only; blocked over queries,
+    # its working memory is [B, H, 512, T] float32 per block instead of several [B, H, T, T]
+    # (4 GiB each at B=4, H=16, T=4096), so a batch that takes it still fits at long T.
+    def exact_blocked(q, k, v, segment_ids):
+        return blocked_xla_attention(q, k, v, segment_ids, scale).astype(v.dtype)
+
+    exact_remat = jax.checkpoint(exact_blocked, policy=jax.checkpoint_policies.nothing_saveable)
 
     def fallback(q, k, v, segment_ids):
         if _has_cpu():  # the host callback needs a CPU device (absent under JAX_PLATFORMS=cuda)
