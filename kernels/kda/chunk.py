@@ -217,14 +217,11 @@ def run_chunked(q, k, v, g, beta, *, scale, initial_state, segment_ids, bounded,
     """Pad T to a multiple of 64 (g = 0, beta = 0, q = k = v = 0 leave the state unchanged), chunk,
     run `chunk_core`, un-chunk. Canonical-form inputs; returns (o [B, T, H, V] in v's dtype, S).
     `scores` ("tiled" or "dense") picks the intra-chunk score formulation (`chunk_intra.prep`)."""
-    chunk_intra.diag_split(q.dtype, jnp.float32)  # rejects an unknown DIAG_MODE here, not in a trace
-    if chunk_intra.ROW_MODE not in chunk_intra.ROW_MODES:
-        raise ValueError(f"chunk_intra.ROW_MODE={chunk_intra.ROW_MODE!r}; expected one of {chunk_intra.ROW_MODES}")
     # Module settings read while tracing are part of the jit cache key: a program traced under
-    # one DIAG_MODE or ROW_MODE is never reused under another.
+    # one DIAG_MODE or ROW_MODE is never reused under another (an unknown value raises here).
     return _run_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids,
                         bounded=bounded, delta=delta, state_pass=state_pass, scores=scores,
-                        traced_settings=(chunk_intra.DIAG_MODE, chunk_intra.ROW_MODE))
+                        traced_settings=chunk_intra.traced_settings())
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "bounded", "delta", "state_pass", "scores", "traced_settings"))

@@ -41,6 +41,15 @@ ROW_MODES = ("stacked", "separate")
 ROW_MODE = "stacked"
 
 
+def traced_settings() -> tuple[str, str]:
+    """(DIAG_MODE, ROW_MODE), the module settings read while tracing (a jit cache key for the
+    callers that jit); an unknown value raises."""
+    for name, value, allowed in (("DIAG_MODE", DIAG_MODE, DIAG_MODES), ("ROW_MODE", ROW_MODE, ROW_MODES)):
+        if value not in allowed:
+            raise ValueError(f"chunk_intra.{name}={value!r}; expected one of {allowed}")
+    return DIAG_MODE, ROW_MODE
+
+
 def to_chunks(x, C: int = CHUNK):
     """[B, T, H, ...] with T % C == 0 -> [N, B, H, C, ...]."""
     B, T, H = x.shape[:3]
@@ -94,8 +103,7 @@ def decayed_scores(rows, k, G, *, bounded: bool, mm, cd=None):
     kt = k.reshape(*lead, nt, TILE, K)
     if bounded:  # exp(G_a - G_c) <= exp(-(TILE - 1) * lower_bound) for c in the anchor's tile
         kt_hat = kt * jnp.exp(Ga - Gt)
-    if ROW_MODE not in ROW_MODES:
-        raise ValueError(f"chunk_intra.ROW_MODE={ROW_MODE!r}; expected one of {ROW_MODES}")
+    traced_settings()
     # Row tiles [..., nt, R * TILE, K]: the R rows' tiles side by side ("stacked"), or one at a time.
     groups = [rows] if ROW_MODE == "stacked" else [[a] for a in rows]
     out = []
@@ -120,9 +128,7 @@ def decayed_scores(rows, k, G, *, bounded: bool, mm, cd=None):
 def diag_split(cd, sdt) -> bool:
     """Whether the bounded diagonal tiles take the split products (`DIAG_MODE`, compute dtype
     `cd` narrower than the state dtype `sdt`)."""
-    if DIAG_MODE not in DIAG_MODES:
-        raise ValueError(f"chunk_intra.DIAG_MODE={DIAG_MODE!r}; expected one of {DIAG_MODES}")
-    return DIAG_MODE == "split" and jnp.dtype(cd).itemsize < jnp.dtype(sdt).itemsize
+    return traced_settings()[0] == "split" and jnp.dtype(cd).itemsize < jnp.dtype(sdt).itemsize
 
 
 def diag_product(spec, x, y, cd):
