@@ -119,4 +119,3 @@ def blocked_xla_attention(q, k, v, segment_ids, scale: float, block: int = 512):
 
     out = jax.lax.map(one, (jnp.arange(nb), blocks(q), blocks(seg)))  # [nb, B, block, H, Dv]
     return jnp.moveaxis(out, 0, 1).reshape(B, nb * block, H, -1)[:, :T]
-

@@ -22,8 +22,8 @@ rows that are each one document take cuDNN's plain causal kernel (the ragged lay
 host callback: never a wrong answer, only slower (its float32 logits are formed 512 query rows
 at a time, `blocked_xla_attention`, so it fits where the one-shot [B, H, T, T] form would not).
 "xla" masks by id equality, which is the same as runs for ids that form one run per document (as
-the data packer writes them). With packing and Dv != Dqk, v is zero-padded to Dqk, since the ragged offsets are token
-strides shared by q/o and by k/v.
+the data packer writes them). With packing and Dv != Dqk, v is zero-padded to Dqk, since the
+ragged offsets are token strides shared by q/o and by k/v.
 """
 
 from __future__ import annotations
