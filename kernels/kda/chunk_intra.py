@@ -37,9 +37,9 @@ DIAG_MODE = "f32"
 # column side: "stacked" (both row tiles in one product of 2 x 16 rows, so the backward forms one
 # gradient of the column side instead of two that are then added) or "separate" (one product per
 # row). Both give the same values. "stacked" runs half as many matmuls, each twice as tall, but
-# concatenates its operands: XLA's CPU cost model counts 1.4% more bytes for it than for
-# "separate" (a train step's grad at 1 x 2048 x 4 x 128), so the default stays "separate" until
-# a GPU timing (benchmarks/train.py row setting rows=stacked) says otherwise.
+# concatenates its operands, and XLA's CPU cost model counts slightly more bytes for it than for
+# "separate", so the default stays "separate" until a GPU timing (benchmarks/train.py row
+# setting rows=stacked) says otherwise.
 ROW_MODES = ("stacked", "separate")
 ROW_MODE = "separate"
 
