@@ -58,7 +58,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kernels.kda import chunk_intra  # noqa: E402
+from kernels.kda import chunk, chunk_intra  # noqa: E402
 from kimi_jax import flops, logging_utils, optim, sharding, train_lib  # noqa: E402
 from kimi_jax.remat import POLICIES  # noqa: E402
 
@@ -72,21 +72,12 @@ FLOPS_NOTE = ("model FLOPs, forward + backward (3 x forward, 2 per multiply-add)
               "[T, T] scores is added (tests/test_flops_xla.py)")
 
 
-def _kda_settings():
-    from kernels.kda import chunk
-
-    # row key -> (module, attribute, allowed values): module settings read while tracing
-    return {"diag": (chunk_intra, "DIAG_MODE", chunk_intra.DIAG_MODES),
-            "rows": (chunk_intra, "ROW_MODE", chunk_intra.ROW_MODES),
-            "scores": (chunk, "DEFAULT_SCORES", chunk_intra.SCORES)}
-
-
 MESH_AXES = ("data", "fsdp")  # the axis a row's devices form
 
 
 def parse_settings(text: str) -> dict:
     """"mesh=fsdp/diag=split" -> {"mesh": "fsdp", "diag": "split"}; unknown keys or values raise."""
-    allowed = {k: v[2] for k, v in _kda_settings().items()} | {"mesh": MESH_AXES}
+    allowed = {k: chunk.setting_values(k) for k in chunk.SETTINGS} | {"mesh": MESH_AXES}
     out = {}
     for item in filter(None, text.split("/")):
         key, eq, value = item.partition("=")
@@ -99,17 +90,9 @@ def parse_settings(text: str) -> dict:
 
 
 def traced_with(settings: dict, f):
-    """f() with the KDA module settings among `settings` in place (restored afterwards)."""
-    table = _kda_settings()
-    settings = {k: v for k, v in settings.items() if k in table}
-    old = {k: getattr(table[k][0], table[k][1]) for k in settings}
-    try:
-        for k, v in settings.items():
-            setattr(table[k][0], table[k][1], v)
+    """f() with the KDA module settings among `settings` in place (`kernels.kda.chunk.settings`)."""
+    with chunk.settings(**{k: v for k, v in settings.items() if k in chunk.SETTINGS}):
         return f()
-    finally:
-        for k, v in old.items():
-            setattr(table[k][0], table[k][1], v)
 
 
 def parse_row(item: str) -> tuple[int, str, int, dict]:

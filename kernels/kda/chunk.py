@@ -22,6 +22,7 @@ cumsum, the triangular inverse and the carried states are float32 (float64 for f
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -275,6 +276,43 @@ def use_bounded_path(lower_bound, dtype) -> bool:
 # measured; "tiled" reads fewer bytes on CPU's cost model and awaits a GPU timing
 # (`python -m kernels.kda.pallas_gpu_bench --stages`, `benchmarks/kda.py --impls chunk_mosaic:tiled`).
 DEFAULT_SCORES = "dense"
+
+
+def _settings_table():
+    """Setting key -> (module, attribute, allowed values): the module settings read while tracing."""
+    import sys
+
+    return {"diag": (chunk_intra, "DIAG_MODE", chunk_intra.DIAG_MODES),
+            "rows": (chunk_intra, "ROW_MODE", chunk_intra.ROW_MODES),
+            "scores": (sys.modules[__name__], "DEFAULT_SCORES", SCORES)}
+
+
+SETTINGS = ("diag", "rows", "scores")
+
+
+def setting_values(key: str) -> tuple:
+    """The values module setting `key` (one of SETTINGS) accepts."""
+    return _settings_table()[key][2]
+
+
+@contextlib.contextmanager
+def settings(**values):
+    """Within the block, trace with these module settings (diag=, rows=, scores=; see SETTINGS),
+    restored afterwards; an unknown key or value raises."""
+    table = _settings_table()
+    for key, value in values.items():
+        if key not in table:
+            raise ValueError(f"unknown KDA setting {key!r}; expected one of {SETTINGS}")
+        if value not in table[key][2]:
+            raise ValueError(f"KDA setting {key}={value!r}; expected one of {table[key][2]}")
+    old = {k: getattr(table[k][0], table[k][1]) for k in values}
+    try:
+        for key, value in values.items():
+            setattr(table[key][0], table[key][1], value)
+        yield
+    finally:
+        for key, value in old.items():
+            setattr(table[key][0], table[key][1], value)
 
 
 def default_scores() -> str:

@@ -222,11 +222,9 @@ def _kda_fwd(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret):
     keep = _chunk_module() is not None
     o, S, *states = _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret,
                                     with_states=keep)
-    if keep:  # saved, not recomputed, by a remat policy that keeps this name (kimi_jax.remat's dots16)
-        from kernels.kda.chunk import STATES_NAME
-
-        states = [checkpoint_name(states[0], STATES_NAME)]
-    return (o, S), (q, k, v, g, beta, h0, seg, states[0] if keep else None)
+    # Named: saved, not recomputed, by a remat policy that keeps the name (kimi_jax.remat's dots16).
+    states = checkpoint_name(states[0], _chunk_module().STATES_NAME) if keep else None
+    return (o, S), (q, k, v, g, beta, h0, seg, states)
 
 
 def _kda_bwd(scale, intra, chunk_bounded, interpret, res, cts):

@@ -28,7 +28,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from kernels.kda import chunk, chunk_intra, kda, mosaic_intra, mosaic_intra_bf16, mosaic_state, pallas_gpu, pallas_gpu_prep
+from kernels.kda import chunk, kda, mosaic_intra, mosaic_intra_bf16, mosaic_state, pallas_gpu, pallas_gpu_prep
 from kernels.kda.chunk_intra import SCORES, to_chunks
 
 LOWER_BOUND = -5.0
@@ -201,28 +201,18 @@ def _whole(rec, args):
 
 
 def _kda(impl, kw):
-    if kw.get("intra") in SCORES:  # chunk's score formulation, read while tracing
-        return lambda *a: _with_setting(chunk, "DEFAULT_SCORES", kw["intra"],
-                                        lambda: kda(*a, lower_bound=LOWER_BOUND, impl=impl))
-    if str(kw.get("intra")).startswith("diag="):  # the bounded diagonal tiles' products, read while tracing
-        mode = kw["intra"].partition("=")[2]
-        return lambda *a: _with_setting(chunk_intra, "DIAG_MODE", mode,
-                                        lambda: kda(*a, lower_bound=LOWER_BOUND, impl=impl))
+    intra = str(kw.get("intra"))
+    if intra in SCORES or intra.startswith("diag="):  # chunk's module settings, read while tracing
+        key, value = ("scores", intra) if intra in SCORES else ("diag", intra.partition("=")[2])
+
+        def traced(*a):
+            with chunk.settings(**{key: value}):
+                return kda(*a, lower_bound=LOWER_BOUND, impl=impl)
+        return traced
     if impl == "pallas_gpu":
         return lambda *a: pallas_gpu.kda_impl(*a, scale=a[0].shape[-1] ** -0.5, initial_state=None, segment_ids=None,
                                               lower_bound=LOWER_BOUND, **kw)
     return lambda *a: kda(*a, lower_bound=LOWER_BOUND, impl=impl)
-
-
-def _with_setting(module, name, value, f):
-    """f() with `module.name` (chunk.DEFAULT_SCORES, chunk_intra.DIAG_MODE) set to `value`: read
-    while the kda call traces."""
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        return f()
-    finally:
-        setattr(module, name, old)
 
 
 def run_stages(shape, *, warmup=2, iters=5, only=None, out=None):

@@ -317,3 +317,17 @@ def test_decayed_scores_match_the_pairwise_sum(monkeypatch, bounded, row_mode, C
     for x, A in zip(a, got):
         want = np.einsum("brd,bcd,brcd->brc", x.astype(np.float64), k.astype(np.float64), decay)
         np.testing.assert_allclose(np.where(lower, np.asarray(A), 0), want, rtol=2e-4, atol=2e-4)
+
+
+def test_settings_context_sets_and_restores_the_traced_module_settings():
+    from kernels.kda import chunk, chunk_intra
+
+    before = (chunk_intra.DIAG_MODE, chunk_intra.ROW_MODE, chunk.DEFAULT_SCORES)
+    with chunk.settings(diag="split", rows="stacked", scores="tiled"):
+        assert (chunk_intra.DIAG_MODE, chunk_intra.ROW_MODE, chunk.DEFAULT_SCORES) == ("split", "stacked", "tiled")
+    assert (chunk_intra.DIAG_MODE, chunk_intra.ROW_MODE, chunk.DEFAULT_SCORES) == before
+    for bad in (dict(diag="bf16"), dict(tile=16)):
+        with pytest.raises(ValueError):
+            with chunk.settings(**bad):
+                pass
+    assert (chunk_intra.DIAG_MODE, chunk_intra.ROW_MODE, chunk.DEFAULT_SCORES) == before
