@@ -25,12 +25,12 @@ def get_config(arg=None):
     model.mixers.kda.update(dict(num_heads=heads, head_dim=128))
     model.mixers.mla.update(dict(num_heads=heads, q_lora_rank=arg.d_model // 2, kv_lora_rank=512))
     config.model = model
-    config.data.batch_size, config.data.seq_len = 16, 2048
+    # 16k tokens per step, the one-H200 throughput point: without activation checkpointing the
+    # step keeps 89 GiB of temporaries next to 14.6 GiB of state (fits 141 GB) and is the fastest
+    # (405-409 ms at 4 x 4096 vs 457 for "dots16", benchmarks/results/train-h200-20261130T0621.json).
+    # Scale batch_size with the GPU count; on 80 GB GPUs add --config.remat=dots16 (62 GiB).
+    config.data.batch_size, config.data.seq_len = 8, 2048
     config.optim.lr, config.optim.warmup_steps = 3e-4, 2000
     config.optim.compute_dtype = "bfloat16"
-    # Per-layer activation checkpointing (kimi_jax/remat.py): without it the step at 4 x 4096
-    # tokens needs 92 GiB of temporaries next to the state and does not fit an H200; "dots16"
-    # (matmul outputs and the mixers' bf16 activations, 51 GiB) was the fastest that fits
-    # (benchmarks/results/train-h200x2-20261130T0133.json; "dots" was 8% slower, T2245).
-    config.remat = "dots16"
+    config.remat = "none"
     return config
