@@ -148,6 +148,7 @@ def test_tiny_sweep_end_to_end(tmp_path):
 @pytest.mark.parametrize("name,variant,count", [("mqar", None, 6 * 3 * 4 * 4), ("mqar", "gpu", 6 * 2 * 2 * 2),
                                                 ("mqar", "gpu_small", 6 * 2 * 2), ("mqar", "gpu_hard", 6 * 2 * 2),
                                                 ("mqar", "cpu", 6 * 2),
+                                                ("mqar", "gpu,hi_lr,mixers=softmax+linear", 2 * 2 * 2 * 3),
                                                 ("kimi", None, 3 * 4 * 4 * 4)])
 def test_every_trial_of_the_sweep_configs_builds(name, variant, count):
     """Every trial's config: its task and its model (e.g. the 3:1 hybrid needs 4 layers)."""
@@ -238,3 +239,14 @@ def test_mqar_gpu_variant_trials():
     t = sw.make_trials(short, "/nonexistent")[0]
     assert mqar.get_config(t.config.split(":", 1)[1]).total_steps == 4
     assert mqar.get_config("cpu,steps=8,trial").total_steps == 8
+
+
+def test_mqar_mixer_subset_keeps_the_grid_names_and_rejects_unknown_mixers():
+    from configs.sweeps import mqar
+
+    full = {t.name for t in sw.make_trials(mqar.get_config("gpu_small"), "/w")}
+    sub = sw.make_trials(mqar.get_config("gpu_small,mixers=kda+softmax"), "/w")
+    assert {t.point["mixer"] for t in sub} == {"kda", "softmax"} and len(sub) == 2 * 2 * 2
+    assert {t.name for t in sub} <= full
+    with pytest.raises(ValueError, match="Unknown mixers"):
+        mqar.get_config("gpu_small,mixers=kda+mamba")

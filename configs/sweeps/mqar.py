@@ -42,6 +42,8 @@ workdir it trains only the 1e-2 trials and the summary takes the max over all th
 4000 steps the score of softmax attention still rises with lr at the top of {1e-3, 3e-3} (at
 (64, 4) only 3e-3 leaves the 1/K plateau, after ~1800 steps; at (256, 16) neither does), so the
 two-lr grid does not bracket its best lr; the mixers with a short conv leave the plateau earlier.
+`mixers=softmax+linear` restricts any variant to those mixers (same trial names, so the trials
+join a workdir of the full grid).
 
 The same file is the trial config: `configs/sweeps/mqar.py:trial,mixer=kda,d_model=64,seq_len=64,
 num_kv_pairs=4` is the full training config of one grid point (sweep.py adds `--config.optim.lr`).
@@ -114,6 +116,12 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
         sweep.axes.lr = [1e-3, 3e-3]
     if arg.hi_lr:  # Zoology's top lr on top of the variant's (see the docstring)
         sweep.axes.lr = sorted(set(sweep.axes.lr) | {1e-2})
+    if arg.mixers:  # a subset of the mixers, "+"-separated; trials keep the full grid's names
+        wanted = arg.mixers.split("+")
+        unknown = sorted(set(wanted) - set(ABLATION_MIXERS))
+        if unknown:
+            raise ValueError(f"Unknown mixers {unknown} in mixers={arg.mixers!r}; expected of {list(ABLATION_MIXERS)}")
+        sweep.axes.mixer = [m for m in ABLATION_MIXERS if m in wanted]
     if arg.tiny:  # 2 trials in seconds on CPU: softmax, width 16, 2 learning rates
         sweep.axes.mixer = ["softmax"]
         sweep.axes.d_model = [16]
@@ -135,7 +143,7 @@ def get_config(arg=None):
     arg = common.parse_arg(arg_str, **{**TRIAL_ARGS, "steps": 12500, "batch_size": 0},
                            mixer="kda", d_model=64, num_layers=2, seq_len=64, num_kv_pairs=4,
                            vocab_size=8192, cpu=False, gpu=False, gpu_small=False, gpu_hard=False,
-                           hi_lr=False)
+                           hi_lr=False, mixers="")
     given = {item.partition("=")[0] for item in arg_str.split(",")}
     arg.gpu = arg.gpu or arg.gpu_small or arg.gpu_hard  # the gpu trials' budget, other grids
     for name, values in VARIANTS.items():
