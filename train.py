@@ -100,7 +100,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
         train_iter.set_state(hosts[jax.process_index()])
         _log(f"resumed from step {start_step} ({checkpoint.checkpoint_dir(workdir)})")
     else:
-        state = jax.jit(train_lib.make_init(config, tx), out_shardings=state_sharding)()
+        t0 = time.time()
+        _log("initialising the train state (jitted straight into its shardings)")
+        state = jax.jit(train_lib.make_init(config, tx), out_shardings=state_sharding)(
+            train_lib.seed_array(config.seed))
+        _log(f"train state initialised in {time.time() - t0:.1f} s")
     last_good = start_step or None
 
     def save(step: int, force: bool = False) -> None:

@@ -236,3 +236,23 @@ def test_tiny_config_learns_mqar(tmp_path):
     summary = json.loads((tmp_path / "profile" / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["kernel_ms_per_step"] > 0
     assert "optimizer" in summary["by_part"] and any(p.startswith("mixer_") for p in summary["by_part"])
+
+
+def test_jitted_init_takes_the_seed_as_an_array():
+    """train.py's init gets config.seed as a uint32 array (not a compile-time constant XLA folds):
+    the same keys as the seed given as an int, another state for another seed."""
+    from configs import tiny
+
+    for seed in (0, 5, 2**32 - 1):
+        np.testing.assert_array_equal(jax.random.key_data(jax.random.key(train_lib.seed_array(seed))),
+                                      jax.random.key_data(jax.random.key(seed)))
+    for bad in (-1, 2**32, 1.5, True):
+        with pytest.raises(ValueError, match="config.seed"):
+            train_lib.seed_array(bad)
+    config = tiny.get_config("d_model=32,vocab_size=64")
+    _, params, _ = train_lib.abstract_model(config)
+    tx, _ = optim.make_optimizer(config.optim, config.total_steps, train_lib.param_names(params))
+    jitted = jax.jit(train_lib.make_init(config, tx))
+    assert len(jitted.lower(train_lib.seed_array(0)).args_info[0]) == 1  # an argument, not a constant
+    same, other = (jitted(train_lib.seed_array(s))["params"] for s in (config.seed, config.seed + 1))
+    assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(other)))
