@@ -39,9 +39,10 @@ the same budget at Zoology's hardest setting (512, 64), batch 64, d_model {64, 1
 `hi_lr` adds Zoology's top lr 1e-2 to the lr axis of `:gpu` / `:gpu_small` / `:cpu` (36 trials
 for `:gpu_small`). Its trials keep the names and configs of the plain grid, so run in a finished
 workdir it trains only the 1e-2 trials and the summary takes the max over all three lrs. Why: at
-4000 steps the score of softmax attention still rises with lr at the top of {1e-3, 3e-3} (at
-(64, 4) only 3e-3 leaves the 1/K plateau, after ~1800 steps; at (256, 16) neither does), so the
-two-lr grid does not bracket its best lr; the mixers with a short conv leave the plateau earlier.
+4000 steps the score of softmax attention rose with lr at the top of {1e-3, 3e-3} (at (64, 4)
+only 3e-3 leaves the 1/K plateau, after ~1800 steps), so the two-lr grid did not bracket its best
+lr. Measured on an H200 (benchmarks/results/mqar-softmax-lr-h200-20261130.json): 1e-2 is past it
+(0.21 / 0.25 at (64, 4), d_model 64 / 128), and no lr lifts attention off the plateau at (256, 16).
 `mixers=softmax+linear` restricts any variant to those mixers (same trial names, so the trials
 join a workdir of the full grid).
 
