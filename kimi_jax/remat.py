@@ -1,8 +1,9 @@
 """Per-layer rematerialisation (activation checkpointing) of the decoder blocks.
 
-Without it a 1.3B K3 hybrid at 4 x 4096 tokens keeps every intermediate of every layer for the
-backward pass (hundreds of GiB: MLA's [B, H, T, T] float32 logits, the KDA chunk tensors, the
-float32 norm inputs). `jax.checkpoint` around each block keeps only what the policy saves:
+Without it every layer's intermediates stay live for the backward pass: the 1.3B K3 hybrid at
+4 x 4096 tokens keeps 89 GiB of temporaries on an H200 (it fits there and is the fastest, 405 ms
+vs 457 for "dots16": benchmarks/results/train-h200-20261130T0621.json), and memory grows with the
+tokens per device. `jax.checkpoint` around each block keeps only what the policy saves:
 
     "none"      no checkpointing (everything the backward pass needs stays live)
     "full"      only the block inputs (the residual stream); the backward recomputes the layer
