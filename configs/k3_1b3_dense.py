@@ -27,7 +27,7 @@ def get_config(arg=None):
     config.model = model
     # 16k tokens per step, the one-H200 throughput point: without activation checkpointing the
     # step keeps 89 GiB of temporaries next to 14.6 GiB of state (fits 141 GB) and is the fastest
-    # (405-409 ms at 4 x 4096 vs 457 for "dots16", benchmarks/results/train-h200-20261130T0621.json).
+    # (409 ms at 4 x 4096 vs 457 for "dots16" in one run, benchmarks/results/train-h200-20261130T0621.json).
     # Scale batch_size with the GPU count. 80 GB GPUs need --config.remat=dots16 and fewer tokens
     # per GPU (dots16 keeps 62 GiB of temporaries at 16k tokens).
     config.data.batch_size, config.data.seq_len = 8, 2048

@@ -1,7 +1,7 @@
 """Per-layer rematerialisation (activation checkpointing) of the decoder blocks.
 
 Without it every layer's intermediates stay live for the backward pass: the 1.3B K3 hybrid at
-4 x 4096 tokens keeps 89 GiB of temporaries on an H200 (it fits there and is the fastest, 405 ms
+4 x 4096 tokens keeps 89 GiB of temporaries on an H200 (it fits there and is the fastest, 409 ms
 vs 457 for "dots16": benchmarks/results/train-h200-20261130T0621.json), and memory grows with the
 tokens per device. `jax.checkpoint` around each block keeps only what the policy saves:
 
