@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 PYTHON312 := $(shell bash tools/find_python312.sh)
 
-.PHONY: venv train test test-gpu bench lint clean
+.PHONY: venv train test test-gpu bench clean
 
 $(STAMP): requirements.txt
 	@if [ -z "$(PYTHON312)" ] || ! "$(PYTHON312)" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then \
