@@ -84,6 +84,23 @@ def test_rejects_bad_shapes_and_blocks():
         conv_silu_bwd(x, w, dy, jnp.zeros((1, 7), jnp.int32), interpret=True)
 
 
+def test_lowers_to_triton_for_an_h200(monkeypatch):
+    """The Triton lowering at a mixer's shape, exported for CUDA from this CPU machine (jax asks
+    for a device's compute capability: an H200's is given): catches what interpret mode does not."""
+    from jax import export
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    x = jax.ShapeDtypeStruct((4, 4096, 16, 128), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4, 16, 128), jnp.float32)
+    seg = jax.ShapeDtypeStruct((4, 4096), jnp.int32)
+    triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    module = export.export(jax.jit(conv_silu_bwd), platforms=["cuda"], disabled_checks=[triton])(
+        x, w, x, seg).mlir_module()
+    assert "xla.gpu.triton" in module and "grid_y = 64" in module and "grid_z = 16" in module
+
+
 @pytest.mark.gpu
 def test_lowers_and_matches_on_gpu():
     """The Triton lowering at a mixer's shape (4 x 4096 tokens, 16 heads x 128), bf16."""
