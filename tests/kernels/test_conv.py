@@ -109,3 +109,20 @@ def test_lowers_and_matches_on_gpu():
     dx_r, dw_r = jax.jit(_reference)(x, w, dy, seg)
     np.testing.assert_allclose(np.asarray(dx, np.float32), np.asarray(dx_r, np.float32), rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(dw, dw_r, rtol=1e-3, atol=1e-2)
+
+
+def test_benchmark_quick(tmp_path):
+    """benchmarks/conv.py --quick: both impls run and agree; the JSON holds the table's rows."""
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "conv.py")
+    spec = importlib.util.spec_from_file_location("bench_conv", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--quick", "--out", str(tmp_path / "c.json")])
+    assert [r["impl"] for r in result["rows"]] == ["xla", "pallas"]
+    assert all(r["error"] is None and r["ms"] > 0 for r in result["rows"])
+    assert result["rows"][1]["dx_max_err"] < 0.05 and result["rows"][1]["dw_rel_err"] < 1e-3
+    assert json.loads((tmp_path / "c.json").read_text())["rows"] == result["rows"]
