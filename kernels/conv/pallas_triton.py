@@ -74,6 +74,9 @@ def conv_silu_bwd(x, w, dy, segment_ids=None, *, block_t: int = 64, block_c: int
     P = W - 1
     BT, BC = min(block_t, _pow2(T)), min(block_c, _pow2(C))
     Tp, Cp = -(-T // BT) * BT, -(-C // BC) * BC
+    if B * (Tp + 2 * P) * Cp >= 2**31:  # the kernel's element offsets are 32-bit
+        raise ValueError(f"conv_silu_bwd: {B} x {Tp + 2 * P} x {Cp} padded elements exceed 2**31; "
+                         f"call it on slices of the batch")
     pad3 = ((0, 0), (P, Tp - T + P), (0, Cp - C))
     xp = jnp.pad(x.reshape(B, T, C), pad3)
     dyp = jnp.pad(dy.reshape(B, T, C), pad3)

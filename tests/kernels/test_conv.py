@@ -82,6 +82,9 @@ def test_rejects_bad_shapes_and_blocks():
         conv_silu_bwd(x, w, dy, block_t=48, interpret=True)
     with pytest.raises(ValueError, match="segment_ids"):
         conv_silu_bwd(x, w, dy, jnp.zeros((1, 7), jnp.int32), interpret=True)
+    big = jax.ShapeDtypeStruct((8, 65536, 4096), jnp.bfloat16)  # 2**31 elements: 32-bit offsets overflow
+    with pytest.raises(ValueError, match="exceed 2\\*\\*31"):
+        jax.eval_shape(conv_silu_bwd, big, jax.ShapeDtypeStruct((4, 4096), jnp.float32), big)
 
 
 def test_lowers_to_triton_for_an_h200(monkeypatch):
