@@ -264,9 +264,9 @@ def conv_backward(impl: str):
 def _ccs_bwd(res, dy):
     x, w, segment_ids = res
     if CONV_BACKWARD != "xla":
-        from kernels.conv import conv_silu_bwd
+        from kernels.conv import conv_silu_bwd_per_shard
 
-        dx, dw = conv_silu_bwd(x, w, dy, segment_ids, interpret=CONV_BACKWARD == "pallas_interpret")
+        dx, dw = conv_silu_bwd_per_shard(x, w, dy, segment_ids, interpret=CONV_BACKWARD == "pallas_interpret")
         return dx, dw, None
     W = w.shape[0]
     masks = _tap_masks(segment_ids, W, x.ndim)

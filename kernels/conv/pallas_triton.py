@@ -100,3 +100,28 @@ def conv_silu_bwd(x, w, dy, segment_ids=None, *, block_t: int = 64, block_c: int
     dx = dxp[:, :T, :C].reshape(x.shape)
     dw = jnp.sum(dw_parts[:, :, :W, :C], axis=(0, 1)).reshape(w.shape).astype(w.dtype)
     return dx, dw
+
+
+def conv_silu_bwd_per_shard(x, w, dy, segment_ids=None, *, interpret: bool = False):
+    """`conv_silu_bwd` once per (batch, head) shard of the active mesh for x [B, T, H, D] (XLA
+    cannot partition the kernel's custom call: under a mesh it would gather the whole batch onto
+    every device), the weight gradient summed over the batch shards; directly without a mesh or
+    for other layouts."""
+    from jax.sharding import PartitionSpec as P
+
+    from kernels.kda.hopper import shard_specs
+
+    run = functools.partial(conv_silu_bwd, interpret=interpret)
+    specs = shard_specs(x) if x.ndim == 4 else None
+    if specs is None:
+        return run(x, w, dy, segment_ids)
+    mesh, x4, _, s2, _ = specs
+    batch_axes, head_axes = x4[0], x4[2]
+    w_spec = P(None, head_axes, None)
+
+    def body(x, w, dy, seg):
+        dx, dw = run(x, w, dy, seg)
+        return dx, dw if batch_axes is None else jax.lax.psum(dw, batch_axes)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(x4, w_spec, x4, None if segment_ids is None else s2),
+                         out_specs=(x4, w_spec), check_vma=False)(x, w, dy, segment_ids)

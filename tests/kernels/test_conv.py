@@ -129,3 +129,31 @@ def test_benchmark_quick(tmp_path):
     assert all(r["error"] is None and r["ms"] > 0 for r in result["rows"])
     assert result["rows"][1]["dx_max_err"] < 0.05 and result["rows"][1]["dw_rel_err"] < 1e-3
     assert json.loads((tmp_path / "c.json").read_text())["rows"] == result["rows"]
+
+
+def test_runs_per_shard_under_a_mesh(monkeypatch):
+    """Under a (data, tensor, fsdp) mesh of the fake CPU devices the kernel runs once per (batch,
+    head) shard through shard_map, and dx, dw (summed over the batch shards) equal the unsharded
+    call's."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from kernels.conv import conv_silu_bwd_per_shard, pallas_triton
+    from kimi_jax.sharding import make_mesh
+
+    x, w, dy, seg = _case(9, 4, 40, (2, 16), 4, True)
+    want = conv_silu_bwd(x, w, dy, seg, block_t=16, block_c=16, interpret=True)
+    shapes, real = [], pallas_triton.conv_silu_bwd
+
+    def spy(x, *a, **kw):
+        shapes.append(x.shape)
+        return real(x, *a, block_t=16, block_c=16, **kw)
+
+    monkeypatch.setattr(pallas_triton, "conv_silu_bwd", spy)
+    mesh = make_mesh({"data": 2, "tensor": 2, "fsdp": 2})
+    x4 = NamedSharding(mesh, P(("data", "fsdp"), None, "tensor", None))
+    with jax.set_mesh(mesh):
+        got = jax.jit(lambda *a: conv_silu_bwd_per_shard(*a, interpret=True))(
+            jax.device_put(x, x4), w, jax.device_put(dy, x4), seg)
+    assert shapes == [(1, 40, 1, 16)]  # batch / 4, heads / 2
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-4)
