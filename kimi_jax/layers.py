@@ -263,6 +263,8 @@ def conv_backward(impl: str):
 
 def _ccs_bwd(res, dy):
     x, w, segment_ids = res
+    if CONV_BACKWARD not in CONV_BACKWARDS:  # set directly rather than through conv_backward
+        raise ValueError(f"layers.CONV_BACKWARD={CONV_BACKWARD!r}; expected one of {CONV_BACKWARDS}")
     if CONV_BACKWARD != "xla":
         from kernels.conv import conv_silu_bwd_per_shard
 

@@ -72,6 +72,14 @@ def test_selected_by_name_inside_the_model_layer():
     with pytest.raises(ValueError, match="unknown conv backward"):
         with conv_backward("triton"):
             pass
+    from kimi_jax import layers
+
+    layers.CONV_BACKWARD = "triton"  # set directly: the backward refuses it instead of guessing
+    try:
+        with pytest.raises(ValueError, match="CONV_BACKWARD='triton'"):
+            grads()
+    finally:
+        layers.CONV_BACKWARD = "xla"
 
 
 def test_rejects_bad_shapes_and_blocks():
