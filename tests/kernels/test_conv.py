@@ -30,14 +30,15 @@ def _reference(x, w, dy, seg):
 
 
 @pytest.mark.parametrize("B, T, channels, W, segmented, blocks", [
-    (2, 37, (3, 5), 4, True, (16, 16)),      # T and C tails, packed documents, several T blocks
-    (1, 64, (2, 64), 4, False, (16, 64)),    # exact blocks, no segments
-    (2, 19, (7,), 3, True, (8, 8)),          # W not a power of two
-    (1, 9, (4,), 1, False, (64, 128)),       # W = 1 (no taps back), blocks larger than the array
+    (2, 37, (3, 5), 4, True, (8, 16, 16, 4)),      # T and C tails, packed documents, 2 tiles a program
+    (1, 64, (2, 64), 4, False, (16, 64, 16, 4)),   # exact blocks, no segments, one tile a program
+    (1, 100, (2, 64), 4, True, (16, 32, 64, 2)),   # 4 tiles a program, the last program past T
+    (2, 19, (7,), 3, True, (8, 8, 8, 1)),          # W not a power of two
+    (1, 9, (4,), 1, False, (64, 128, 256, 4)),     # W = 1 (no taps back), blocks larger than the array
 ])
 def test_matches_the_reference_backward_f32(B, T, channels, W, segmented, blocks):
     x, w, dy, seg = _case(B * T + W, B, T, channels, W, segmented)
-    dx, dw = conv_silu_bwd(x, w, dy, seg, block_t=blocks[0], block_c=blocks[1], interpret=True)
+    dx, dw = conv_silu_bwd(x, w, dy, seg, blocks=blocks, interpret=True)
     dx_r, dw_r = _reference(x, w, dy, seg)
     assert dx.shape == x.shape and dx.dtype == x.dtype and dw.shape == w.shape and dw.dtype == w.dtype
     np.testing.assert_allclose(dx, dx_r, rtol=1e-5, atol=1e-5)
@@ -46,13 +47,13 @@ def test_matches_the_reference_backward_f32(B, T, channels, W, segmented, blocks
 
 def test_bf16_inputs_and_document_boundaries():
     x, w, dy, seg = _case(3, 2, 48, (4, 16), 4, True, jnp.bfloat16)
-    dx, dw = conv_silu_bwd(x, w, dy, seg, block_t=16, block_c=32, interpret=True)
+    dx, dw = conv_silu_bwd(x, w, dy, seg, blocks=(16, 32, 32, 4), interpret=True)
     dx_r, dw_r = _reference(x, w, dy, seg)
     assert dx.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(dx, np.float32), np.asarray(dx_r, np.float32), rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(dw, dw_r, rtol=1e-4, atol=1e-3)
     # without the segment masks the gradient differs at document starts: the masks matter
-    dx_flat, _ = conv_silu_bwd(x, w, dy, None, block_t=16, block_c=32, interpret=True)
+    dx_flat, _ = conv_silu_bwd(x, w, dy, None, blocks=(16, 32, 32, 4), interpret=True)
     assert not np.allclose(np.asarray(dx_flat, np.float32), np.asarray(dx_r, np.float32), atol=5e-2)
 
 
@@ -87,7 +88,9 @@ def test_rejects_bad_shapes_and_blocks():
     with pytest.raises(ValueError, match="want x = dy"):
         conv_silu_bwd(x, w[:, :2], dy, interpret=True)
     with pytest.raises(ValueError, match="powers of two"):
-        conv_silu_bwd(x, w, dy, block_t=48, interpret=True)
+        conv_silu_bwd(x, w, dy, blocks=(48, 128, 256, 4), interpret=True)
+    with pytest.raises(ValueError, match="block_rows >= block_t"):
+        conv_silu_bwd(x, w, dy, blocks=(64, 128, 32, 4), interpret=True)
     with pytest.raises(ValueError, match="segment_ids"):
         conv_silu_bwd(x, w, dy, jnp.zeros((1, 7), jnp.int32), interpret=True)
     big = jax.ShapeDtypeStruct((8, 65536, 4096), jnp.bfloat16)  # 2**31 elements: 32-bit offsets overflow
@@ -109,7 +112,8 @@ def test_lowers_to_triton_for_an_h200(monkeypatch):
     triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     module = export.export(jax.jit(conv_silu_bwd), platforms=["cuda"], disabled_checks=[triton])(
         x, w, x, seg).mlir_module()
-    assert "xla.gpu.triton" in module and "grid_y = 64" in module and "grid_z = 16" in module
+    assert "xla.gpu.triton" in module and "grid_y = 16" in module and "grid_z = 16" in module
+    assert "stablehlo.pad" not in module  # x and dy go to the kernel as they are, no padded copies
 
 
 @pytest.mark.gpu
@@ -149,12 +153,12 @@ def test_runs_per_shard_under_a_mesh(monkeypatch):
     from kimi_jax.sharding import make_mesh
 
     x, w, dy, seg = _case(9, 4, 40, (2, 16), 4, True)
-    want = conv_silu_bwd(x, w, dy, seg, block_t=16, block_c=16, interpret=True)
+    want = conv_silu_bwd(x, w, dy, seg, blocks=(16, 16, 16, 4), interpret=True)
     shapes, real = [], pallas_triton.conv_silu_bwd
 
     def spy(x, *a, **kw):
         shapes.append(x.shape)
-        return real(x, *a, block_t=16, block_c=16, **kw)
+        return real(x, *a, blocks=(16, 16, 16, 4), **kw)
 
     monkeypatch.setattr(pallas_triton, "conv_silu_bwd", spy)
     mesh = make_mesh({"data": 2, "tensor": 2, "fsdp": 2})
