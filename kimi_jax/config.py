@@ -11,6 +11,8 @@ once and returns plain frozen dataclasses. Keys of `config.model`:
     activation                             "swiglu" | "situ" (every FFN site)
     situ_beta, situ_linear_beta            SiTU-GLU bounds (K3: 4, 25)
     dense_layers, dense_hidden             the first N layers use a dense MLP of this width
+    ffn                                    False: mixer-only layers, no FFN sublayer (Zoology's MQAR
+                                           models); needs moe None and plain residuals
     moe                                    None (all layers dense) or a dict of MoEConfig fields
     residual, attn_res_block_size          "plain" | "attn_res"; block size in decoder layers
     norm_eps, dtype, param_dtype, init_std
@@ -105,6 +107,7 @@ class ModelConfig:
     situ_linear_beta: float = 25.0
     dense_layers: int = 1
     dense_hidden: int = 0
+    ffn: bool = True
     moe: MoEConfig | None = None
     residual: str = "plain"
     attn_res_block_size: int = 1
@@ -129,7 +132,12 @@ class ModelConfig:
         if self.moe is None and self.dense_layers != self.num_layers:
             raise ValueError(f"moe is None, so every layer is dense: set dense_layers="
                              f"{self.num_layers} (got {self.dense_layers})")
-        if self.dense_layers > 0:
+        if not isinstance(self.ffn, bool):
+            raise ValueError(f"ffn must be True or False; got {self.ffn!r}")
+        if not self.ffn and (self.moe is not None or self.residual != "plain"):
+            raise ValueError(f"ffn=False (mixer-only layers) needs moe None and residual 'plain'; got "
+                             f"moe={'set' if self.moe is not None else None}, residual={self.residual!r}")
+        if self.dense_layers > 0 and self.ffn:
             _positive("dense_hidden", self.dense_hidden)
         settings = dict(self.mixer_settings)
         missing = sorted(set(self.layer_mixers) - set(settings))

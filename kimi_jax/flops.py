@@ -15,6 +15,8 @@ def ffn_flops_per_token(cfg: ModelConfig, layer: int) -> float:
     """Forward FLOPs of one layer's FFN per token (MoE: router, latent projections, the k active
     experts and the shared experts)."""
     d = cfg.d_model
+    if not cfg.ffn:
+        return 0.0
     if not cfg.is_moe(layer):
         return 2.0 * 3 * d * cfg.dense_hidden
     m = cfg.moe

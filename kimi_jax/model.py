@@ -43,10 +43,12 @@ class Block(nnx.Module):
         self.layer, self.mixer_name = layer, name
         self.mixer_norm = RMSNorm(d, eps=eps, **kw)
         self.mixer = build_mixer(name, config.settings(name), d, **kw)
-        self.ffn_norm = RMSNorm(d, eps=eps, **kw)
         act = dict(activation=config.activation, situ_beta=config.situ_beta,
                    situ_linear_beta=config.situ_linear_beta)
-        if config.is_moe(layer):
+        self.ffn_norm = RMSNorm(d, eps=eps, **kw) if config.ffn else None
+        if not config.ffn:  # mixer-only layer
+            self.ffn = None
+        elif config.is_moe(layer):
             self.ffn = MoE(d, config.moe, norm_eps=eps, **act, **kw)
         else:
             self.ffn = MLP(d, config.dense_hidden, **act, **kw)
@@ -66,6 +68,8 @@ class Block(nnx.Module):
             else:
                 y, cache = self.mixer.decode(x, cache)
         stream.add(y)
+        if self.ffn is None:
+            return cache, None
         with jax.named_scope("attn_res"):
             x = stream.before_ffn(self.ffn_read)
         moe = isinstance(self.ffn, MoE)

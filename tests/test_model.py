@@ -165,3 +165,28 @@ def test_invalid_configs_say_what_is_wrong():
         ModelConfig.from_config_dict(_model_dict(mixers={"kda": {}}))
     with pytest.raises(ValueError, match="tokens must be"):
         build_model(tiny.get_config(), rngs=nnx.Rngs(0))(jnp.zeros((2, 3)))
+
+
+def test_mixer_only_layers_without_ffn():
+    """ffn=False (Zoology's MQAR models): no FFN parameters, its FLOPs dropped, decode still
+    equals the forward, and the output differs from the same model with its MLP."""
+    plain = ablation_config("softmax", "d_model=32,num_layers=2,vocab_size=64,rope=False")
+    bare = ablation_config("softmax", "d_model=32,num_layers=2,vocab_size=64,rope=False,ffn=False")
+    m_plain, m_bare = build_model(plain, rngs=nnx.Rngs(0)), build_model(bare, rngs=nnx.Rngs(0))
+    assert all(b.ffn is None and b.ffn_norm is None for b in m_bare.blocks)
+    n = lambda m: sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))
+    assert n(m_plain) - n(m_bare) == 2 * (3 * 32 * 64 + 32)  # SwiGLU 32 -> 64 -> 32 and its norm
+    c_plain, c_bare = m_plain.config, m_bare.config
+    assert c_bare.settings("softmax")["rope_theta"] is None
+    assert flops.forward_flops_per_token(c_plain, 16) - flops.forward_flops_per_token(c_bare, 16) == 2 * 6 * 32 * 64
+    tokens = _tokens(64)
+    full = m_bare(tokens)
+    np.testing.assert_allclose(stepwise_logits(m_bare, tokens), full, rtol=1e-4, atol=1e-4)
+    assert not np.allclose(full, m_plain(tokens), atol=1e-3)
+
+
+def test_mixer_only_layers_need_plain_residuals_and_no_moe():
+    with pytest.raises(ValueError, match="ffn=False .* needs moe None and residual 'plain'"):
+        ModelConfig.from_config_dict(_model_dict(ffn=False, residual="attn_res"))
+    with pytest.raises(ValueError, match="ffn must be True or False"):
+        ModelConfig.from_config_dict(_model_dict(ffn="no"))

@@ -36,3 +36,20 @@ def test_hi_lr_trial_is_the_plain_trial_at_lr_1e2():
 
 def test_full_grid_already_has_1e2():
     assert mqar.get_config("hi_lr").axes.lr == mqar.get_config(None).axes.lr
+
+
+def test_softmax_forms_grid():
+    """16 softmax trials at (256, 16): RoPE x MLP x budget x lr; each trial config is the
+    ablation model with NoPE / no FFN as named and the named step count."""
+    trials = _trials("softmax_forms")
+    assert len(trials) == 16 and len({t.name for t in trials}) == 16
+    seen = set()
+    for t in trials:
+        p = t.point
+        config = mqar.get_config(t.config.split(":", 1)[1])
+        assert config.model.mixer_pattern == ("softmax",) and config.model.d_model == 64
+        assert config.data.task_kwargs.seq_len == 256 and config.data.task_kwargs.num_kv_pairs == 16
+        assert (config.model.mixers.softmax.rope_theta is not None) == p["rope"]
+        assert config.model.ffn == p["mlp"] and config.total_steps == p["steps"]
+        seen.add((p["rope"], p["mlp"], p["steps"], p["lr"]))
+    assert len(seen) == 16

@@ -12,7 +12,7 @@ TINY = dict(steps=4, batch_size=8, eval_examples=16, decode_timing=False)
 
 def trial_arg(grid_keys, arg) -> str:
     """The arg template of one trial: grid keys as `{key}` placeholders, fixed keys as values."""
-    fixed = {k: arg[k] for k in TRIAL_ARGS if k not in ("trial", "tiny")}
+    fixed = {k: arg[k] for k in TRIAL_ARGS if k not in ("trial", "tiny") and k not in grid_keys}
     return ",".join(["trial", *(f"{k}={{{k}}}" for k in grid_keys), *(f"{k}={v}" for k, v in fixed.items())])
 
 

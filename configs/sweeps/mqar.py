@@ -43,6 +43,11 @@ workdir it trains only the 1e-2 trials and the summary takes the max over all th
 only 3e-3 leaves the 1/K plateau, after ~1800 steps), so the two-lr grid did not bracket its best
 lr. Measured on an H200 (benchmarks/results/mqar-softmax-lr-h200-20261130.json): 1e-2 is past it
 (0.21 / 0.25 at (64, 4), d_model 64 / 128), and no lr lifts attention off the plateau at (256, 16).
+`:softmax_forms` asks which difference from Zoology keeps softmax attention on the 1/K plateau
+at (256, 16): d_model 64 with and without RoPE (NoPE) x with and without the MLP (Zoology's models
+have none) x 4000 and 12000 steps (the budget) x lr {1e-3, 3e-3}, 16 trials:
+    python sweep.py --config configs/sweeps/mqar.py:softmax_forms --workdir /tmp/mqar_forms \
+        --devices 0,1 --trials_per_device 8 --deadline_s 540
 `mixers=softmax+linear` restricts any variant to those mixers (same trial names, so the trials
 join a workdir of the full grid).
 
@@ -72,7 +77,7 @@ def trial_config(arg) -> ml_collections.ConfigDict:
     """One grid point: the ablation model of `mixer` trained on MQAR (L, K)."""
     layers = max(arg.num_layers, len(HYBRID)) if arg.mixer == "hybrid" else arg.num_layers
     config = ablation_config(arg.mixer, f"d_model={arg.d_model},num_layers={layers},"
-                                        f"vocab_size={arg.vocab_size}")
+                                        f"vocab_size={arg.vocab_size},rope={arg.rope},ffn={arg.mlp}")
     config.data.task = "mqar"
     config.data.task_kwargs = ml_collections.ConfigDict(dict(
         seq_len=arg.seq_len, num_kv_pairs=arg.num_kv_pairs, vocab_size=arg.vocab_size,
@@ -85,7 +90,9 @@ def trial_config(arg) -> ml_collections.ConfigDict:
 def sweep_config(arg) -> ml_collections.ConfigDict:
     sweep = ml_collections.ConfigDict()
     sweep.trial_config = "configs/sweeps/mqar.py"
-    sweep.trial_arg = trial_arg(("mixer", "d_model", "seq_len", "num_kv_pairs"), arg) + (
+    grid_keys = ("mixer", "d_model", "seq_len", "num_kv_pairs") + (
+        ("rope", "mlp", "steps") if arg.softmax_forms else ())
+    sweep.trial_arg = trial_arg(grid_keys, arg) + (
         f",num_layers={arg.num_layers},vocab_size={arg.vocab_size}" + (",gpu" if arg.gpu else ""))
     # Grid axes: each a list; `setting` entries are dicts expanded into the template.
     sweep.axes = ml_collections.ConfigDict()
@@ -115,6 +122,14 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
         sweep.axes.d_model = [64, 128]
         sweep.axes.setting = [dict(seq_len=512, num_kv_pairs=64)]
         sweep.axes.lr = [1e-3, 3e-3]
+    if arg.softmax_forms:  # which difference from Zoology keeps softmax attention at 1/K on (256, 16)
+        sweep.axes.mixer = ["softmax"]
+        sweep.axes.d_model = [64]
+        sweep.axes.setting = [dict(seq_len=256, num_kv_pairs=16)]
+        sweep.axes.form = [dict(rope=r, mlp=m) for m in (True, False) for r in (True, False)]
+        sweep.axes.steps = [4000, 12000]
+        sweep.axes.lr = [1e-3, 3e-3]
+        sweep.plot = dict(x="steps", line="form", panel="setting")
     if arg.hi_lr:  # Zoology's top lr on top of the variant's (see the docstring)
         sweep.axes.lr = sorted(set(sweep.axes.lr) | {1e-2})
     if arg.mixers:  # a subset of the mixers, "+"-separated; trials keep the full grid's names
@@ -144,9 +159,9 @@ def get_config(arg=None):
     arg = common.parse_arg(arg_str, **{**TRIAL_ARGS, "steps": 12500, "batch_size": 0},
                            mixer="kda", d_model=64, num_layers=2, seq_len=64, num_kv_pairs=4,
                            vocab_size=8192, cpu=False, gpu=False, gpu_small=False, gpu_hard=False,
-                           hi_lr=False, mixers="")
+                           softmax_forms=False, hi_lr=False, mixers="", rope=True, mlp=True)
     given = {item.partition("=")[0] for item in arg_str.split(",")}
-    arg.gpu = arg.gpu or arg.gpu_small or arg.gpu_hard  # the gpu trials' budget, other grids
+    arg.gpu = arg.gpu or arg.gpu_small or arg.gpu_hard or arg.softmax_forms  # the gpu trials' budget
     for name, values in VARIANTS.items():
         if arg[name]:
             arg.update({k: v for k, v in values.items() if k not in given})
