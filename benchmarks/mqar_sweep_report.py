@@ -84,7 +84,11 @@ def sweep_description(spec: str) -> dict:
     axes = {k: [dict(v) if hasattr(v, "items") else v for v in vals] for k, vals in sweep.axes.items()}
     batches, steps = {}, None
     for setting in axes.get("setting", [{}]):
-        point = {k: vals[0] for k, vals in axes.items() if k != "setting"}
+        point = {}
+        for k, vals in axes.items():  # dict-valued entries expand into their keys, as in sweep.py
+            if k == "setting":
+                continue
+            point.update(vals[0] if isinstance(vals[0], dict) else {k: vals[0]})
         point.update(setting)
         config = module.get_config(sweep.trial_arg.format(**point))
         batches[f"L{config.data.task_kwargs.seq_len}_K{config.data.task_kwargs.num_kv_pairs}"] = config.data.batch_size
@@ -129,21 +133,26 @@ def markdown(rows: list[dict], record: dict) -> str:
     cols = [(s, d) for s in settings for d in widths]
     head = "| model | source | " + " | ".join(f"L={L} K={K} d={d}" for (L, K), d in cols) + " |"
     lines = [head, "|" + "---|" * (len(cols) + 2)]
-    ours = {(r["mixer"], r["seq_len"], r["num_kv_pairs"], r["d_model"]): r for r in rows}
+    # Grid axes beyond mixer, width and setting (e.g. softmax_forms' form and steps) split the rows.
+    sweep = record["sweep"]
+    extra = [k for k in sweep["axes"] if k not in ("mixer", "d_model", "setting", sweep["select_over"])]
+    line_key = lambda r: (r["mixer"],) + tuple(r[k] for k in extra)
+    ours = {line_key(r) + (r["seq_len"], r["num_kv_pairs"], r["d_model"]): r for r in rows}
     env = record["env"]
-    label = f"ours ({env['device']}, {record['sweep']['steps']} steps)"
-    for mixer in dict.fromkeys(r["mixer"] for r in rows):
+    steps = "" if "steps" in extra else f", {sweep['steps']} steps"
+    label = f"ours ({env['device']}{steps})"
+    for key in dict.fromkeys(line_key(r) for r in rows):
         cells = []
         for (L, K), d in cols:
-            r = ours.get((mixer, L, K, d))
+            r = ours.get(key + (L, K, d))
             cells.append("-" if r is None or r["score"] is None else f"{r['score']:.2f}")
-        lines.append(f"| {MIXER_NAMES.get(mixer, mixer)} | {label} | " + " | ".join(cells) + " |")
+        name = MIXER_NAMES.get(key[0], key[0]) + "".join(f", {k} {v}" for k, v in zip(extra, key[1:]))
+        lines.append(f"| {name} | {label} | " + " | ".join(cells) + " |")
     for model, table in ZOOLOGY_FIG2.items():
         cells = [f"≈{_fmt(table[s][d])}" if s in table and d in table[s] else "-" for s, d in cols]
         lines.append(f"| {model} | Zoology Fig. 2 | " + " | ".join(cells) + " |")
-    sweep = record["sweep"]
     lines += ["", f"Ours: best of lr {sweep['axes'][sweep['select_over']]} per cell, accuracy on "
-              f"{sweep['eval_examples']} held-out examples, {sweep['steps']} steps at batch "
+              f"{sweep['eval_examples']} held-out examples, {sweep['axes'].get('steps', sweep['steps'])} steps at batch "
               f"{sweep['batch_size']} ({record['trials_finished']}/{record['trials_total']} trials finished). "
               f"Published: {ZOOLOGY_SOURCE}.", ""]
     lines += [f"- {note}" for note in OTHER_PUBLISHED]

@@ -57,3 +57,28 @@ def test_report_of_the_gpu_grid(tmp_path):
     h3 = next(line for line in md if line.startswith("| H3 |"))
     assert h3.endswith("| ≈0.91 | ≈0.97 | ≈0.06 | ≈0.63 |")
     assert (out / "mqar_sweep_test.png").stat().st_size > 1000
+
+
+def test_report_splits_rows_by_the_extra_axes(tmp_path):
+    """softmax_forms' form and steps axes get a table row each (not collapsed into one mixer row)."""
+    sweep = mqar.get_config("softmax_forms")
+    root = str(tmp_path / "sweep")
+    trials = sw.make_trials(sweep, root)
+    score = lambda p: round(0.1 * p["rope"] + 0.2 * p["mlp"] + p["steps"] / 1e5 + p["lr"], 4)
+
+    def runner(trial, device):
+        os.makedirs(os.path.join(trial.workdir, "eval"), exist_ok=True)
+        json.dump({"mqar": {"L256_K16": score(trial.point)}}, open(os.path.join(trial.workdir, "eval", "results.json"), "w"))
+        return True
+
+    sw.run_trials(trials, runner, parallel=2, log=lambda *a, **k: None)
+    rows = sw.summarize(sweep, trials)
+    sw.write_summary(sweep, rows, root)
+    report.main(["--sweep_dir", root, "--config", "configs/sweeps/mqar.py:softmax_forms",
+                 "--out_dir", str(tmp_path / "out"), "--name", "forms"])
+    md = (tmp_path / "out" / "forms.md").read_text().splitlines()
+    ours = [line for line in md if "ours (" in line]
+    assert len(ours) == 8 and all(", steps " not in line.split(" | ")[1] for line in ours)
+    row = next(line for line in ours if "form ropeFalse_mlpTrue, steps 12000" in line)
+    assert row.split(" | ")[-1] == f"{score(dict(rope=False, mlp=True, steps=12000, lr=3e-3)):.2f} |"
+    assert "[4000, 12000] steps" in "\n".join(md)
