@@ -45,7 +45,10 @@ lr. Measured on an H200 (benchmarks/results/mqar-softmax-lr-h200-20261130.json):
 (0.21 / 0.25 at (64, 4), d_model 64 / 128), and no lr lifts attention off the plateau at (256, 16).
 `:softmax_forms` asks which difference from Zoology keeps softmax attention on the 1/K plateau
 at (256, 16): d_model 64 with and without RoPE (NoPE) x with and without the MLP (Zoology's models
-have none) x 4000 and 12000 steps (the budget) x lr {1e-3, 3e-3}, 16 trials:
+have none) x 4000 and 12000 steps (the budget) x lr {1e-3, 3e-3}, 16 trials. Measured on two
+H200s (benchmarks/results/mqar-softmax-forms-h200x2-20261130.json): every form stays at ~0.04 at
+4000 steps; at 12000 steps lr 3e-3 solves it with RoPE (1.00 with or without the MLP) and NoPE
+reaches 0.48-0.52, so the budget is the cause:
     python sweep.py --config configs/sweeps/mqar.py:softmax_forms --workdir /tmp/mqar_forms \
         --devices 0,1 --trials_per_device 8 --deadline_s 540
 `mixers=softmax+linear` restricts any variant to those mixers (same trial names, so the trials
