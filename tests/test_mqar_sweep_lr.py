@@ -53,3 +53,13 @@ def test_softmax_forms_grid():
         assert config.model.ffn == p["mlp"] and config.total_steps == p["steps"]
         seen.add((p["rope"], p["mlp"], p["steps"], p["lr"]))
     assert len(seen) == 16
+
+
+def test_widths_restricts_the_grid_and_keeps_trial_names():
+    full = {t.name: t for t in _trials("gpu")}
+    only = _trials("gpu,widths=128")
+    assert len(only) == 24 and {t.point["d_model"] for t in only} == {128}
+    assert all(t.name in full and full[t.name].config == t.config for t in only)
+    assert len(_trials("gpu,widths=64+128")) == 48
+    with pytest.raises(ValueError, match="256.* not in this variant's d_model axis"):
+        mqar.get_config("gpu,widths=256")

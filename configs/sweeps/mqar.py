@@ -51,8 +51,8 @@ H200s (benchmarks/results/mqar-softmax-forms-h200x2-20261130.json): every form s
 reaches 0.48-0.52, so the budget is the cause:
     python sweep.py --config configs/sweeps/mqar.py:softmax_forms --workdir /tmp/mqar_forms \
         --devices 0,1 --trials_per_device 8 --deadline_s 540
-`mixers=softmax+linear` restricts any variant to those mixers (same trial names, so the trials
-join a workdir of the full grid).
+`mixers=softmax+linear` restricts any variant to those mixers and `widths=128` (or `64+128`) to
+those widths (same trial names, so the trials join a workdir of the full grid).
 
 The same file is the trial config: `configs/sweeps/mqar.py:trial,mixer=kda,d_model=64,seq_len=64,
 num_kv_pairs=4` is the full training config of one grid point (sweep.py adds `--config.optim.lr`).
@@ -141,6 +141,12 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
         if unknown:
             raise ValueError(f"Unknown mixers {unknown} in mixers={arg.mixers!r}; expected of {list(ABLATION_MIXERS)}")
         sweep.axes.mixer = [m for m in ABLATION_MIXERS if m in wanted]
+    if arg.widths:  # a subset of the widths, "+"-separated; trials keep the full grid's names
+        wanted = [int(w) for w in str(arg.widths).split("+")]
+        missing = sorted(set(wanted) - set(sweep.axes.d_model))
+        if missing:
+            raise ValueError(f"widths={arg.widths!r}: {missing} not in this variant's d_model axis {list(sweep.axes.d_model)}")
+        sweep.axes.d_model = [d for d in sweep.axes.d_model if d in wanted]
     if arg.tiny:  # 2 trials in seconds on CPU: softmax, width 16, 2 learning rates
         sweep.axes.mixer = ["softmax"]
         sweep.axes.d_model = [16]
@@ -162,7 +168,7 @@ def get_config(arg=None):
     arg = common.parse_arg(arg_str, **{**TRIAL_ARGS, "steps": 12500, "batch_size": 0},
                            mixer="kda", d_model=64, num_layers=2, seq_len=64, num_kv_pairs=4,
                            vocab_size=8192, cpu=False, gpu=False, gpu_small=False, gpu_hard=False,
-                           softmax_forms=False, hi_lr=False, mixers="", rope=True, mlp=True)
+                           softmax_forms=False, hi_lr=False, mixers="", widths="", rope=True, mlp=True)
     given = {item.partition("=")[0] for item in arg_str.split(",")}
     arg.gpu = arg.gpu or arg.gpu_small or arg.gpu_hard or arg.softmax_forms  # the gpu trials' budget
     for name, values in VARIANTS.items():
