@@ -423,6 +423,16 @@ def plot_summary(sweep, rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def host_warning(parallel: int, cores: int) -> str:
+    """A warning when concurrent trials get fewer than 2 host cores each: every trial drives its
+    device and generates its data on the host. Measured on two H200s with 32 cores: 16 trials at
+    once ran their steps in 11-30 ms; 24 at once in 70-100 ms, and 20 of 24 missed the deadline."""
+    if parallel <= max(cores // 2, 1):
+        return ""
+    return (f"[sweep] warning: {parallel} trials at once on {cores} host cores (< 2 cores each); trials "
+            f"will be host-bound and much slower, fewer at a time (--trials_per_device) may finish sooner")
+
+
 def main(argv):
     del argv
     sweep, root = FLAGS.config, FLAGS.workdir
@@ -437,6 +447,9 @@ def main(argv):
     parallel = FLAGS.parallel or max(len(slots), 1)
     if FLAGS.launcher and parallel > 1:
         raise ValueError("--launcher runs each trial on the whole slice; use --parallel 1")
+    warning = host_warning(parallel, os.cpu_count() or 1)
+    if warning:
+        print(warning, flush=True)
     os.makedirs(root, exist_ok=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())

@@ -250,3 +250,9 @@ def test_mqar_mixer_subset_keeps_the_grid_names_and_rejects_unknown_mixers():
     assert {t.name for t in sub} <= full
     with pytest.raises(ValueError, match="Unknown mixers"):
         mqar.get_config("gpu_small,mixers=kda+mamba")
+
+
+def test_host_warning_when_trials_get_under_two_cores_each():
+    assert sw.host_warning(16, 32) == "" and sw.host_warning(1, 1) == ""
+    warning = sw.host_warning(24, 32)
+    assert "24 trials at once on 32 host cores" in warning and "--trials_per_device" in warning
