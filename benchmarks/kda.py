@@ -6,6 +6,7 @@
     python benchmarks/kda.py --decode             # one decoding step, B=64, H=32, K=V=128
     python benchmarks/kda.py --impls chunk,pallas_gpu:mosaic_bf16 --peers fla   # a chosen intra stage
     python benchmarks/kda.py --impls chunk_mosaic:dense,chunk_mosaic:tiled --peers fla   # chunk's score formulations
+    python benchmarks/kda.py --peers fla --triton_cache .cache/triton   # keep fla's autotuning for the next run
 
 Ours: `kda(..., impl=...)` for `naive` (only where its autodiff states fit, else skipped with the
 reason), `chunk`, `chunk_mosaic` (chunk with Mosaic GPU serial passes) and `pallas_gpu` (when it
@@ -14,6 +15,11 @@ Peers: flash-linear-attention `chunk_kda` through PyTorch (`fla`; safe_gate, low
 first call per shape autotunes for minutes, so it is warmed up first), jax-linear-attention's KDA
 (`jla` = its `mosaic_gpu` and `chunked` impls), and cuDNN causal softmax attention at the same
 B, T, H, D (`jax.nn.dot_product_attention(implementation="cudnn")`).
+
+fla's autotuning (minutes per new shape; on a fresh H200 it has outlasted 10-minute runs at
+4,8192,32,128) is cached by Triton on disk (fla sets `cache_results`): `--triton_cache DIR` points
+Triton's cache there, so a later run on the same GPU type and versions skips the tuning. The run
+records how many autotuning results the folder held before and after.
 
 Inputs (bf16 q, k, v): q and k l2-normalised, g = -5 * sigmoid(N(0, 1)) per channel (float32),
 beta = sigmoid(N(0, 1)). Times: median of `--iters` calls after `--warmup` calls.
@@ -413,6 +419,25 @@ def _parse_shapes(s):
         raise ValueError(f"--shapes must look like 8x4096x16x128[,BxTxHxD...]; got {s!r}") from None
 
 
+def count_autotune_results(folder: str) -> int:
+    """Triton's on-disk autotuning results (`<kernel>.autotune.json`) under `folder`."""
+    return sum(name.endswith(".autotune.json") for _, _, names in os.walk(folder) for name in names)
+
+
+def use_triton_cache(folder: str) -> dict:
+    """Point Triton's cache (compiled kernels and, with fla's `cache_results`, autotuning results) at
+    `folder`; must run before torch or triton are imported, else Triton has read its default."""
+    if "triton" in sys.modules:
+        raise RuntimeError("--triton_cache must be set before triton is imported")
+    folder = os.path.abspath(folder)
+    os.makedirs(folder, exist_ok=True)
+    os.environ["TRITON_CACHE_DIR"] = folder
+    os.environ.setdefault("FLA_CACHE_RESULTS", "1")
+    found = count_autotune_results(folder)
+    print(f"# Triton cache {folder}: {found} autotuning results", flush=True)
+    return dict(dir=folder, autotune_results_before=found, autotune_results_after=found)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", help="comma-separated BxTxHxD (D = K = V)")
@@ -425,7 +450,10 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--decode", action="store_true", help="time one decoding step (kda_step) instead")
+    p.add_argument("--triton_cache", default="",
+                   help="Triton cache folder (TRITON_CACHE_DIR) that keeps fla's autotuning results between runs")
     a = p.parse_args(argv)
+    cache = use_triton_cache(a.triton_cache) if a.triton_cache else None
     shapes = _parse_shapes(a.shapes) if a.shapes else list(QUICK_SHAPES if a.quick else SHAPES)
     args_timing.update(warmup=1 if a.quick else a.warmup, iters=3 if a.quick else a.iters)
     impls = [s for s in a.impls.split(",") if s]
@@ -448,6 +476,8 @@ def main(argv=None):
         return result
     rows, path = [], a.out
     config = dict(shapes=[list(s) for s in shapes], impls=impls, peers=peers, lower_bound=LOWER_BOUND, **args_timing)
+    if cache is not None:
+        config["triton_cache"] = cache
 
     def save(all_rows):
         nonlocal path
@@ -461,6 +491,8 @@ def main(argv=None):
         done = list(rows)
         rows += run_shape(shape, impls, peers, on_row=lambda partial: save(done + partial))
         print(table([r for r in rows if r["shape"] == list(shape)]) + "\n", flush=True)
+        if cache is not None:
+            cache["autotune_results_after"] = count_autotune_results(cache["dir"])
         report, result = save(rows)
     print(report)
     print(f"\nwrote {path}")

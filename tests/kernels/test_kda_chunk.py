@@ -189,6 +189,27 @@ def test_benchmark_script_quick(tmp_path):
     assert "| 1,70,1,16 | chunk |" in res["table"]
 
 
+def test_benchmark_triton_cache(tmp_path, monkeypatch):
+    """--triton_cache points Triton's cache at the folder and records the autotuning results in it."""
+    import json
+    import os
+
+    from benchmarks import kda as bench
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", "unset")  # restored after the test
+    monkeypatch.delenv("FLA_CACHE_RESULTS", raising=False)
+    cache = tmp_path / "triton"
+    (cache / "ab12").mkdir(parents=True)
+    (cache / "ab12" / "chunk_kda_fwd_kernel.autotune.json").write_text("{}")
+    (cache / "ab12" / "chunk_kda_fwd_kernel.cubin").write_text("")
+    out = tmp_path / "kda.json"
+    bench.main(["--quick", "--shapes", "1x16x1x16", "--impls", "chunk", "--peers", "none",
+                "--triton_cache", str(cache), "--out", str(out)])
+    assert os.environ["TRITON_CACHE_DIR"] == str(cache) and os.environ["FLA_CACHE_RESULTS"] == "1"
+    tc = json.loads(out.read_text())["config"]["triton_cache"]
+    assert tc == {"dir": str(cache), "autotune_results_before": 1, "autotune_results_after": 1}
+
+
 @pytest.mark.parametrize("lb, g_fill, seg", [(-5.0, None, "edge"), (None, None, "random"), (None, (-1000.0, 0.05), "random")])
 def test_tiled_scores_match_dense(rng, lb, g_fill, seg):
     """scores="tiled" (lower tile pairs, hand-written VJP) against scores="dense" in float32:
