@@ -12,9 +12,8 @@ parameters (configs/k3_1b3_dense.py).
 Rows: device count x remat policy (kimi_jax/remat.py) x sequences per device, or --rows
 (`devices:remat:batch[:settings]`, the settings `key=value` joined by "/": `mesh=data|fsdp`, the
 mesh axis the devices form (data parallel, or FSDP: parameters and optimizer state sharded,
-gathered per use), the KDA kernel module settings `diag`, `rows` and `scores`, and `conv=xla|pallas`,
-the short convolutions' backward (`kimi_jax.layers.conv_backward`), all read while the row is
-traced). Every
+gathered per use), and the KDA kernel module settings `diag`, `rows` and `scores`, read while the
+row is traced). Every
 phase is timed apart and printed as it ends: step lowering and compile (`.lower(...).compile()`
 on abstract inputs; each row compiles in a thread while the next is traced, and nothing runs
 before all are compiled, so compiles do not disturb timings), the state's initialisation, the
@@ -60,7 +59,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kernels.kda import chunk, chunk_intra  # noqa: E402
-from kimi_jax import flops, layers, logging_utils, optim, sharding, train_lib  # noqa: E402
+from kimi_jax import flops, logging_utils, optim, sharding, train_lib  # noqa: E402
 from kimi_jax.remat import POLICIES  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -78,8 +77,7 @@ MESH_AXES = ("data", "fsdp")  # the axis a row's devices form
 
 def parse_settings(text: str) -> dict:
     """"mesh=fsdp/diag=split" -> {"mesh": "fsdp", "diag": "split"}; unknown keys or values raise."""
-    allowed = {k: chunk.setting_values(k) for k in chunk.SETTINGS} | {"mesh": MESH_AXES,
-                                                                      "conv": layers.CONV_BACKWARDS}
+    allowed = {k: chunk.setting_values(k) for k in chunk.SETTINGS} | {"mesh": MESH_AXES}
     out = {}
     for item in filter(None, text.split("/")):
         key, eq, value = item.partition("=")
@@ -92,10 +90,8 @@ def parse_settings(text: str) -> dict:
 
 
 def traced_with(settings: dict, f):
-    """f() with the KDA module settings among `settings` in place (`kernels.kda.chunk.settings`)
-    and the short convolutions' backward (`conv`, `kimi_jax.layers.conv_backward`)."""
-    with chunk.settings(**{k: v for k, v in settings.items() if k in chunk.SETTINGS}), \
-            layers.conv_backward(settings.get("conv", layers.CONV_BACKWARD)):
+    """f() with the KDA module settings among `settings` in place (`kernels.kda.chunk.settings`)."""
+    with chunk.settings(**{k: v for k, v in settings.items() if k in chunk.SETTINGS}):
         return f()
 
 

@@ -8,7 +8,6 @@ in `param_dtype` and cast to `dtype` at use; norms and RoPE compute in float32.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Sequence
 
 import jax
@@ -241,35 +240,8 @@ def _ccs_fwd(x, w, segment_ids=None):
     return causal_conv_silu(x, w, segment_ids), (x, w, segment_ids)
 
 
-# How causal_conv_silu's backward runs, read while tracing (set with `conv_backward`): "xla" (the
-# fusions below), "pallas" (kernels.conv: one Triton-lowered kernel, GPU), "pallas_interpret"
-# (the same kernel in interpret mode, for CPU tests).
-CONV_BACKWARDS = ("xla", "pallas", "pallas_interpret")
-CONV_BACKWARD = "xla"
-
-
-@contextlib.contextmanager
-def conv_backward(impl: str):
-    """Within the block, trace causal_conv_silu's backward with `impl` (one of CONV_BACKWARDS)."""
-    global CONV_BACKWARD
-    if impl not in CONV_BACKWARDS:
-        raise ValueError(f"unknown conv backward {impl!r}; expected one of {CONV_BACKWARDS}")
-    old, CONV_BACKWARD = CONV_BACKWARD, impl
-    try:
-        yield
-    finally:
-        CONV_BACKWARD = old
-
-
 def _ccs_bwd(res, dy):
     x, w, segment_ids = res
-    if CONV_BACKWARD not in CONV_BACKWARDS:  # set directly rather than through conv_backward
-        raise ValueError(f"layers.CONV_BACKWARD={CONV_BACKWARD!r}; expected one of {CONV_BACKWARDS}")
-    if CONV_BACKWARD != "xla":
-        from kernels.conv import conv_silu_bwd_per_shard
-
-        dx, dw = conv_silu_bwd_per_shard(x, w, dy, segment_ids, interpret=CONV_BACKWARD == "pallas_interpret")
-        return dx, dw, None
     W = w.shape[0]
     masks = _tap_masks(segment_ids, W, x.ndim)
     a = _conv_pre(x, w, masks)

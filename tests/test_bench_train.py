@@ -121,16 +121,11 @@ def test_rows_carry_kda_settings_into_tracing_and_keys(bench):
     for bad in ("1:dots16", "1:dots16:4:diag", "1:dots16:4:diag=bf16", "1:dots16:4:tile=16", "2:dots16:4:mesh=tp"):
         with pytest.raises(ValueError):
             bench.parse_row(bad)
-    from kimi_jax import layers
-
-    assert bench.parse_row("1:none:4:conv=pallas") == (1, "none", 4, {"conv": "pallas"})
-    with pytest.raises(ValueError):
-        bench.parse_row("1:none:4:conv=cudnn")
-    before = (chunk_intra.DIAG_MODE, chunk.DEFAULT_SCORES, layers.CONV_BACKWARD)
-    seen = bench.traced_with({"diag": "split", "scores": "tiled", "mesh": "fsdp", "conv": "pallas"},
-                             lambda: (chunk_intra.DIAG_MODE, chunk.DEFAULT_SCORES, layers.CONV_BACKWARD))
-    assert seen == ("split", "tiled", "pallas")
-    assert (chunk_intra.DIAG_MODE, chunk.DEFAULT_SCORES, layers.CONV_BACKWARD) == before  # restored
+    before = (chunk_intra.DIAG_MODE, chunk.DEFAULT_SCORES)
+    seen = bench.traced_with({"diag": "split", "scores": "tiled", "mesh": "fsdp"},
+                             lambda: (chunk_intra.DIAG_MODE, chunk.DEFAULT_SCORES))
+    assert seen == ("split", "tiled")
+    assert (chunk_intra.DIAG_MODE, chunk.DEFAULT_SCORES) == before  # restored
     rows = [dict(devices=1, batch=4, remat="dots16", tokens_per_sec=100.0),
             dict(devices=1, batch=4, remat="dots16", settings={"diag": "split"}, tokens_per_sec=120.0),
             dict(devices=2, batch=8, remat="dots16", settings={"diag": "split"}, tokens_per_sec=216.0),
