@@ -34,6 +34,35 @@ def time_jax(fn, *args, warmup: int = 3, iters: int = 10) -> float:
     return 1e3 * statistics.median(times)
 
 
+def time_jax_stream(fn, *args, warmup: int = 3, iters: int = 50) -> float:
+    """Mean ms per call of `iters` calls dispatched back to back, one wait at the end: the
+    device time of a short kernel, which the per-call `time_jax` (dispatch + wait each call)
+    overstates by the host's round trip (tens of microseconds)."""
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    for _ in range(iters):  # only the newest output is kept: one stream runs the calls in order
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return 1e3 * (time.perf_counter() - t0) / iters
+
+
+def time_torch_stream(fn, *, warmup: int = 3, iters: int = 50) -> float:
+    """`time_jax_stream` for a PyTorch callable on the current CUDA device."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t0) / iters
+
+
 def time_torch(fn, *, warmup: int = 3, iters: int = 10) -> float:
     """Median wall time of `fn()` in ms on the current CUDA device."""
     import torch

@@ -189,6 +189,29 @@ def test_benchmark_script_quick(tmp_path):
     assert "| 1,70,1,16 | chunk |" in res["table"]
 
 
+def test_benchmark_decode_quick(tmp_path):
+    """--decode on CPU: the plain-JAX step is timed per call and back to back; the kernel rows
+    say why they are skipped; the table shows both timings."""
+    import json
+
+    from benchmarks import common
+    from benchmarks import kda as bench
+
+    calls = []
+    ms = common.time_jax_stream(lambda x: calls.append(1) or x + 1, jnp.ones(3), warmup=2, iters=5)
+    assert ms > 0 and len(calls) == 7
+    out = tmp_path / "dec.json"
+    bench.main(["--quick", "--decode", "--peers", "none", "--out", str(out)])
+    res = json.loads(out.read_text())
+    rows = {r["name"]: r for r in res["rows"]}
+    naive = rows["kda_step naive"]
+    assert naive["error"] is None and naive["us"] > 0 and naive["us_stream"] > 0
+    assert naive["gbps_stream"] == pytest.approx(naive["bytes"] / (naive["us_stream"] * 1e-6) / 1e9)
+    kernel = rows["kernel only: mosaic_decode.decode_step_pipelined"]
+    assert kernel["us"] is None and kernel["us_stream"] is None and "skipped" in kernel["error"]
+    assert "| us per call | us back to back |" in res["table"]
+
+
 def test_benchmark_triton_cache(tmp_path, monkeypatch):
     """--triton_cache points Triton's cache at the folder and records the autotuning results in it."""
     import json
