@@ -4,6 +4,7 @@
     python benchmarks/kda.py --quick              # a tiny shape, few iterations (runs on CPU too)
     python benchmarks/kda.py --shapes 8x4096x16x128 --impls chunk --peers fla,cudnn
     python benchmarks/kda.py --decode             # one decoding step, B=64, H=32, K=V=128
+    python benchmarks/kda.py --decode --decode_blocks 132.2.128,264.3.32   # + pipelined-kernel settings
     python benchmarks/kda.py --impls chunk,pallas_gpu:mosaic_bf16 --peers fla   # a chosen intra stage
     python benchmarks/kda.py --impls chunk_mosaic:dense,chunk_mosaic:tiled --peers fla   # chunk's score formulations
     python benchmarks/kda.py --peers fla --triton_cache .cache/triton   # keep fla's autotuning for the next run
@@ -43,6 +44,7 @@ over calls dispatched without waiting: the device time, which the bandwidth colu
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -349,8 +351,9 @@ def _decode_ours(impl, x):
                          lambda: time_jax_stream(f, *args, **_decode_timing())), (o, S)
 
 
-def _decode_kernel(name, x):
-    """The Mosaic GPU decode kernel alone (operands prepared outside the timed call)."""
+def _decode_kernel(name, x, **kw):
+    """The Mosaic GPU decode kernel alone (operands prepared outside the timed call); `kw` its
+    tile settings (`decode_step_pipelined`'s programs, slots, block_v)."""
     from kernels.kda import mosaic_decode
     from kernels.kda.pallas_gpu import unsupported_reason
 
@@ -363,7 +366,7 @@ def _decode_kernel(name, x):
     q, k = bf(x["q"]) * K**-0.5, bf(x["k"])
     vecs = np.stack([x["g"], k, x["beta"][..., None] * k, q], axis=2).reshape(B * H, 4, K)
     args = (jnp.asarray(x["state"].reshape(B * H, K, V)), jnp.asarray(vecs), jnp.asarray(bf(x["v"]).reshape(B * H, V)))
-    f = jax.jit(getattr(mosaic_decode, name))
+    f = jax.jit(functools.partial(getattr(mosaic_decode, name), **kw))
     o, S = f(*args)
     ms = _decode_times(lambda: time_jax(f, *args, **_decode_timing()),
                        lambda: time_jax_stream(f, *args, **_decode_timing()))
@@ -391,13 +394,27 @@ def _decode_fla(x):
     return ms, (o[:, 0].float().cpu().numpy(), S.float().cpu().numpy())
 
 
-def run_decode(shape, peers):
-    """Rows for one decoding step at shape (B, H, K, V): us, GB/s, % of the H200's 4.3 TB/s."""
+def parse_decode_blocks(text: str) -> list[dict]:
+    """"132.4.64,264.2.32" -> decode_step_pipelined settings (programs, slots, block_v) per entry."""
+    out = []
+    for item in filter(None, text.split(",")):
+        parts = item.split(".")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"--decode_blocks entry {item!r}: expected programs.slots.block_v, e.g. 132.4.64")
+        out.append(dict(programs=int(parts[0]), slots=int(parts[1]), block_v=int(parts[2])))
+    return out
+
+
+def run_decode(shape, peers, blocks=()):
+    """Rows for one decoding step at shape (B, H, K, V): us, GB/s, % of the H200's 4.3 TB/s;
+    `blocks`: extra settings of the pipelined kernel, one row each."""
     x = _decode_inputs(*shape)
     nbytes = decode_bytes(*shape)
     cases = [(f"kda_step {i}", "ours", lambda i=i: _decode_ours(i, x)) for i in ("pallas_gpu", "naive")]
     cases += [(f"kernel only: mosaic_decode.{k}", "ours", lambda k=k: _decode_kernel(k, x))
               for k in ("decode_step_pipelined", "decode_step")]
+    cases += [(f"kernel only: decode_step_pipelined programs={b['programs']} slots={b['slots']} block_v={b['block_v']}",
+               "ours", lambda b=b: _decode_kernel("decode_step_pipelined", x, **b)) for b in blocks]
     if "fla" in peers:
         cases.append(("fla fused_recurrent_kda", "peer", lambda: _decode_fla(x)))
     rows, ref = [], None
@@ -470,6 +487,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--decode", action="store_true", help="time one decoding step (kda_step) instead")
+    p.add_argument("--decode_blocks", default="",
+                   help="with --decode: extra decode_step_pipelined settings programs.slots.block_v, comma-separated")
     p.add_argument("--triton_cache", default="",
                    help="Triton cache folder (TRITON_CACHE_DIR) that keeps fla's autotuning results between runs")
     a = p.parse_args(argv)
@@ -486,7 +505,7 @@ def main(argv=None):
           f"fla {env['fla']}, jla {env['jla']}, {env['date']}", flush=True)  # fmt: skip
     if a.decode:
         shape = QUICK_DECODE_SHAPE if a.quick else DECODE_SHAPE
-        rows = run_decode(shape, peers)
+        rows = run_decode(shape, peers, parse_decode_blocks(a.decode_blocks))
         report = decode_table(rows)
         print(report, flush=True)
         config = dict(decode_shape=list(shape), peers=peers, lower_bound=LOWER_BOUND, **args_timing)

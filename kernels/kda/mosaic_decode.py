@@ -74,8 +74,8 @@ def decode_step(state, vecs, v, *, interpret=False):
     return launch_bh_v(_body, out_type, scratch, (state, vecs, v), BH=BH, V=V, BV=BV, interpret=interpret)
 
 
-def _pipelined_body(s_ref, vec_ref, v_ref, o_ref, sn_ref, s_smem, vec_smem, v_smem, o_smem, bars, *, J, P, NV, slots,
-                    n_tiles):
+def _pipelined_body(s_ref, vec_ref, v_ref, o_ref, sn_ref, s_smem, vec_smem, v_smem, o_smem, bars, *, J, P, NV, BV,
+                    slots, n_tiles):
     pid = lax.axis_index("p")
     valid = lambda j: pid + j * P < n_tiles  # program pid owns tiles pid, pid + P, ...: a prefix of j
 
@@ -117,27 +117,41 @@ def _pipelined_body(s_ref, vec_ref, v_ref, o_ref, sn_ref, s_smem, vec_smem, v_sm
     plgpu.wait_smem_to_gmem(0)
 
 
-def decode_step_pipelined(state, vecs, v, *, programs=None, slots=4, interpret=False):
+# SMEM one program may use (the H200's 227 KiB per block, less room for the barriers).
+SMEM_LIMIT = 224 * 1024
+
+
+def decode_step_pipelined(state, vecs, v, *, programs=None, slots=4, block_v=BV, interpret=False):
     """Same contract as `decode_step`; `programs` (default: the GPU's SM count) persistent
-    programs with `slots` SMEM slots each; program p takes tiles p, p + programs, ..."""
+    programs with `slots` SMEM slots each; program p takes tiles p, p + programs, ... A tile is
+    [K, block_v] of the state (block_v = V reads each head's state as one contiguous block, at the
+    cost of K * V / 128 registers per thread for the tile)."""
     BH, K, V = state.shape
-    if K % 64 or V % BV:
-        raise ValueError(f"decode_step_pipelined needs K a multiple of 64 and V of {BV}; got K={K}, V={V}")
-    NV = V // BV
+    if block_v not in (32, 64, 128) or K % 64 or V % block_v:
+        raise ValueError(f"decode_step_pipelined needs block_v in (32, 64, 128) dividing V and K a multiple "
+                         f"of 64; got K={K}, V={V}, block_v={block_v}")
+    if slots < 2 or (programs is not None and programs < 1):  # one slot would wait on a load never issued
+        raise ValueError(f"decode_step_pipelined needs slots >= 2 and programs >= 1; got {slots}, {programs}")
+    bv = block_v
+    smem = slots * 4 * (K * bv + 4 * K + 2 * bv)
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"decode_step_pipelined: {slots} slots of [{K}, {bv}] float32 need {smem // 1024} KiB "
+                         f"of SMEM (limit {SMEM_LIMIT // 1024}); use fewer slots or a narrower block_v")
+    NV = V // bv
     n_tiles = BH * NV
     if programs is None:
         programs = getattr(jax.devices()[0], "core_count", None) or 132
     P = min(programs, n_tiles)
     f32 = jnp.float32
     scratch = [
-        _smem((slots, K, BV), f32),
+        _smem((slots, K, bv), f32),
         plgpu.SMEM((slots, 4, K), f32),
-        plgpu.SMEM((slots, BV), f32),
-        plgpu.SMEM((slots, BV), f32),
+        plgpu.SMEM((slots, bv), f32),
+        plgpu.SMEM((slots, bv), f32),
         plgpu.Barrier(num_barriers=3 * slots),
     ]
     out_type = (jax.ShapeDtypeStruct((BH, V), f32), jax.ShapeDtypeStruct((BH, K, V), f32))
-    body = functools.partial(_pipelined_body, J=-(-n_tiles // P), P=P, NV=NV, slots=slots, n_tiles=n_tiles)
+    body = functools.partial(_pipelined_body, J=-(-n_tiles // P), P=P, NV=NV, BV=bv, slots=slots, n_tiles=n_tiles)
     return plgpu.kernel(
         body,
         out_type=out_type,

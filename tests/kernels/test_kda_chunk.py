@@ -201,7 +201,7 @@ def test_benchmark_decode_quick(tmp_path):
     ms = common.time_jax_stream(lambda x: calls.append(1) or x + 1, jnp.ones(3), warmup=2, iters=5)
     assert ms > 0 and len(calls) == 7
     out = tmp_path / "dec.json"
-    bench.main(["--quick", "--decode", "--peers", "none", "--out", str(out)])
+    bench.main(["--quick", "--decode", "--peers", "none", "--decode_blocks", "8.2.32", "--out", str(out)])
     res = json.loads(out.read_text())
     rows = {r["name"]: r for r in res["rows"]}
     naive = rows["kda_step naive"]
@@ -210,6 +210,11 @@ def test_benchmark_decode_quick(tmp_path):
     kernel = rows["kernel only: mosaic_decode.decode_step_pipelined"]
     assert kernel["us"] is None and kernel["us_stream"] is None and "skipped" in kernel["error"]
     assert "| us per call | us back to back |" in res["table"]
+    assert "skipped" in rows["kernel only: decode_step_pipelined programs=8 slots=2 block_v=32"]["error"]
+    assert bench.parse_decode_blocks("132.4.64,264.2.32") == [dict(programs=132, slots=4, block_v=64),
+                                                              dict(programs=264, slots=2, block_v=32)]
+    with pytest.raises(ValueError, match="programs.slots.block_v"):
+        bench.parse_decode_blocks("132.4")
 
 
 def test_benchmark_triton_cache(tmp_path, monkeypatch):

@@ -203,7 +203,8 @@ def test_kernels_lower_for_cuda():
     args = (bf(BH, NT, C, K), bf(BH, NT, C, K), bf(BH, NT, C, K), bf(BH, NT, C, V), bf(BH, NT, C, C),
             f32(BH, NT, K), f32(BH, K, V))
     assert "mosaic_gpu" in state.trace(*args).lower(lowering_platforms=("cuda",)).as_text()[:4000]
-    for kernel in (mosaic_decode.decode_step, functools.partial(mosaic_decode.decode_step_pipelined, programs=132)):
+    for kernel in (mosaic_decode.decode_step, functools.partial(mosaic_decode.decode_step_pipelined, programs=132),
+                   functools.partial(mosaic_decode.decode_step_pipelined, programs=132, slots=2, block_v=32)):
         lowered = jax.jit(kernel).trace(f32(BH, K, V), f32(BH, 4, K), f32(BH, V)).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()[:4000]
 
@@ -222,3 +223,34 @@ def test_pipelined_decode_matches_one_tile_per_program(rng):
         o, S = mosaic_decode.decode_step_pipelined(state, vecs, v, programs=programs, slots=3, interpret=True)
         assert_close("o", o_ref, o, 1e-6)
         assert_close("S", S_ref, S, 1e-6)
+
+
+@pytest.mark.parametrize("block_v, programs, slots", [(32, 3, 2), (128, 2, 2)])
+def test_pipelined_decode_block_widths(rng, block_v, programs, slots):
+    """Tiles of 32 and 128 state columns (128: a head's whole [K, V] state, one contiguous copy)
+    give the one-tile-per-program kernel's o and state."""
+    from kernels.kda import mosaic_decode
+
+    BH, K, V = 3, 64, 128
+    state = jnp.asarray(rng.standard_normal((BH, K, V)), jnp.float32)
+    vecs = jnp.asarray(rng.standard_normal((BH, 4, K)) * 0.3, jnp.float32)
+    v = jnp.asarray(rng.standard_normal((BH, V)), jnp.float32)
+    o_ref, S_ref = mosaic_decode.decode_step(state, vecs, v, interpret=True)
+    o, S = mosaic_decode.decode_step_pipelined(state, vecs, v, programs=programs, slots=slots, block_v=block_v,
+                                               interpret=True)
+    assert_close("o", o_ref, o, 1e-6)
+    assert_close("S", S_ref, S, 1e-6)
+
+
+def test_pipelined_decode_rejects_bad_blocks():
+    from kernels.kda import mosaic_decode
+
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    call = lambda **kw: jax.eval_shape(lambda *a: mosaic_decode.decode_step_pipelined(*a, **kw),
+                                       f32(2, 128, 128), f32(2, 4, 128), f32(2, 128))
+    with pytest.raises(ValueError, match="block_v in"):
+        call(block_v=48)
+    with pytest.raises(ValueError, match="KiB of SMEM"):
+        call(block_v=128, slots=4)  # 4 x 64 KiB tiles
+    with pytest.raises(ValueError, match="slots >= 2"):
+        call(slots=1)
