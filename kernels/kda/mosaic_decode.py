@@ -28,13 +28,13 @@ BV = 64
 def _update(s_smem, vec_smem, v_smem, o_smem):
     """New state into s_smem (in place) and o into o_smem, from the tiles in SMEM."""
     S = plgpu.load(s_smem, layout=plgpu.Layout.WGMMA)
-    rows = lambda i: lax.broadcast_in_dim(
-        plgpu.load(vec_smem.at[i], layout=plgpu.Layout.WGMMA.reduce(1)), S.shape, [0])
+    vec = lambda i: plgpu.load(vec_smem.at[i], layout=plgpu.Layout.WGMMA.reduce(1))
+    rows = lambda x: lax.broadcast_in_dim(x, S.shape, [0])
     v = plgpu.load(v_smem, layout=plgpu.Layout.WGMMA.reduce(0))
-    S = S * jnp.exp(rows(0))  # decay
-    pred = (S * rows(1)).sum(axis=0)  # k^T S'
-    S = S + rows(2) * lax.broadcast_in_dim(v - pred, S.shape, [1])  # (beta k) (v - pred)^T
-    o = (S * rows(3)).sum(axis=0)  # (scale q)^T S_new
+    S = S * rows(jnp.exp(vec(0)))  # decay: K exponentials, then broadcast over the tile's columns
+    pred = (S * rows(vec(1))).sum(axis=0)  # k^T S'
+    S = S + rows(vec(2)) * lax.broadcast_in_dim(v - pred, S.shape, [1])  # (beta k) (v - pred)^T
+    o = (S * rows(vec(3))).sum(axis=0)  # (scale q)^T S_new
     s_smem[...] = S
     o_smem[...] = o
     plgpu.commit_smem()
