@@ -63,3 +63,14 @@ def test_widths_restricts_the_grid_and_keeps_trial_names():
     assert len(_trials("gpu,widths=64+128")) == 48
     with pytest.raises(ValueError, match="256.* not in this variant's d_model axis"):
         mqar.get_config("gpu,widths=256")
+
+
+def test_gpu_long_grid():
+    """Every mixer at (256, 16), d_model 64, lr 3e-3, 12000 steps (the softmax_forms budget)."""
+    trials = _trials("gpu_long")
+    assert len(trials) == 6 and {t.point["mixer"] for t in trials} == set(mqar.ABLATION_MIXERS)
+    for t in trials:
+        config = mqar.get_config(t.config.split(":", 1)[1])
+        assert config.total_steps == 12000 and config.data.batch_size == 128 and config.model.d_model == 64
+        assert (config.data.task_kwargs.seq_len, config.data.task_kwargs.num_kv_pairs) == (256, 16)
+        assert t.point["lr"] == 3e-3

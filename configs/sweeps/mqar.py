@@ -51,6 +51,10 @@ H200s (benchmarks/results/mqar-softmax-forms-h200x2-20261130.json): every form s
 reaches 0.48-0.52, so the budget is the cause:
     python sweep.py --config configs/sweeps/mqar.py:softmax_forms --workdir /tmp/mqar_forms \
         --devices 0,1 --trials_per_device 8 --deadline_s 540
+`:gpu_long` runs every mixer at (256, 16), d_model 64, on that budget (12000 steps, batch 128,
+lr 3e-3: the lr at which attention solved it; one lr, so not Zoology's best-of-four), 6 trials:
+    python sweep.py --config configs/sweeps/mqar.py:gpu_long --workdir /tmp/mqar_long \
+        --devices 0,1 --trials_per_device 3 --deadline_s 540
 `mixers=softmax+linear` restricts any variant to those mixers and `widths=128` (or `64+128`) to
 those widths (same trial names, so the trials join a workdir of the full grid).
 
@@ -125,6 +129,10 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
         sweep.axes.d_model = [64, 128]
         sweep.axes.setting = [dict(seq_len=512, num_kv_pairs=64)]
         sweep.axes.lr = [1e-3, 3e-3]
+    if arg.gpu_long:  # every mixer at (256, 16) on the budget that lets softmax attention solve it
+        sweep.axes.d_model = [64]
+        sweep.axes.setting = [dict(seq_len=256, num_kv_pairs=16)]
+        sweep.axes.lr = [3e-3]
     if arg.softmax_forms:  # which difference from Zoology keeps softmax attention at 1/K on (256, 16)
         sweep.axes.mixer = ["softmax"]
         sweep.axes.d_model = [64]
@@ -168,10 +176,13 @@ def get_config(arg=None):
     arg = common.parse_arg(arg_str, **{**TRIAL_ARGS, "steps": 12500, "batch_size": 0},
                            mixer="kda", d_model=64, num_layers=2, seq_len=64, num_kv_pairs=4,
                            vocab_size=8192, cpu=False, gpu=False, gpu_small=False, gpu_hard=False,
-                           softmax_forms=False, hi_lr=False, mixers="", widths="", rope=True, mlp=True)
+                           softmax_forms=False, gpu_long=False, hi_lr=False, mixers="", widths="", rope=True,
+                           mlp=True)
     given = {item.partition("=")[0] for item in arg_str.split(",")}
-    arg.gpu = arg.gpu or arg.gpu_small or arg.gpu_hard or arg.softmax_forms  # the gpu trials' budget
+    arg.gpu = arg.gpu or arg.gpu_small or arg.gpu_hard or arg.softmax_forms or arg.gpu_long  # the gpu budget
     for name, values in VARIANTS.items():
         if arg[name]:
             arg.update({k: v for k, v in values.items() if k not in given})
+    if arg.gpu_long and "steps" not in given:  # the gpu budget, three times as long
+        arg.steps = 12000
     return trial_config(arg) if arg.trial else sweep_config(arg)
