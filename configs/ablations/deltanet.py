@@ -3,7 +3,8 @@
     python train.py --config configs/ablations/deltanet.py:d_model=128 --workdir workdirs/ablations/deltanet
     python -m kimi_jax.summary --config configs/ablations/deltanet.py
 
-Args: d_model (64), num_layers (4), vocab_size (8192, the MQAR vocabulary), num_heads (0 = d_model // 32).
+Args: d_model (64), num_layers (4), vocab_size (8192, the MQAR vocabulary), num_heads (0 = d_model // 32),
+rope (True; False = NoPE softmax attention), ffn (True; False = mixer-only layers).
 """
 
 from configs.model_presets import ablation_config
