@@ -242,6 +242,24 @@ def test_pipelined_decode_block_widths(rng, block_v, programs, slots):
     assert_close("S", S_ref, S, 1e-6)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs, slots, block_v", [(132, 4, 64), (264, 3, 64), (132, 3, 128), (396, 3, 32)])
+def test_gpu_pipelined_decode_settings(rng, programs, slots, block_v):
+    """Every setting `benchmarks/kda.py --decode_blocks` is meant to sweep, at the benchmark's
+    B * H = 2048 heads of K = V = 128, equals the one-tile-per-program kernel."""
+    from kernels.kda import mosaic_decode
+
+    BH, K, V = 2048, 128, 128
+    state = jnp.asarray(rng.standard_normal((BH, K, V)) * 0.1, jnp.float32)
+    vecs = jnp.asarray(rng.standard_normal((BH, 4, K)) * 0.1, jnp.float32)
+    v = jnp.asarray(rng.standard_normal((BH, V)), jnp.float32)
+    o_ref, S_ref = jax.jit(mosaic_decode.decode_step)(state, vecs, v)
+    o, S = jax.jit(functools.partial(mosaic_decode.decode_step_pipelined, programs=programs, slots=slots,
+                                     block_v=block_v))(state, vecs, v)
+    assert_close("o", o_ref, o, 1e-6)
+    assert_close("S", S_ref, S, 1e-6)
+
+
 def test_pipelined_decode_rejects_bad_blocks():
     from kernels.kda import mosaic_decode
 
