@@ -330,14 +330,11 @@ def _decode_inputs(B, H, K, V, seed=0):
     return dict(state=0.1 * normal(B, H, K, V), q=q, k=k, v=normal(B, H, V), g=g, beta=beta)
 
 
-def _decode_timing() -> dict:
-    return dict(warmup=args_timing["warmup"], iters=max(args_timing["iters"], 50))
-
-
-def _decode_times(per_call, stream) -> dict:
+def _decode_times(time_call, time_stream, *args) -> dict:
     """ms per step timed two ways: each call dispatched and waited for (`per_call`, what a
     token-by-token decode loop sees) and calls back to back (`stream`, the device time)."""
-    return dict(per_call=per_call(), stream=stream())
+    kw = dict(warmup=args_timing["warmup"], iters=max(args_timing["iters"], 50))
+    return dict(per_call=time_call(*args, **kw), stream=time_stream(*args, **kw))
 
 
 def _decode_ours(impl, x):
@@ -347,8 +344,7 @@ def _decode_ours(impl, x):
     args = (jnp.asarray(x["state"]), bf(x["q"]), bf(x["k"]), bf(x["v"]), jnp.asarray(x["g"]), jnp.asarray(x["beta"]))
     f = jax.jit(lambda *a: kda_step(*a, impl=impl))
     o, S = f(*args)
-    return _decode_times(lambda: time_jax(f, *args, **_decode_timing()),
-                         lambda: time_jax_stream(f, *args, **_decode_timing())), (o, S)
+    return _decode_times(time_jax, time_jax_stream, f, *args), (o, S)
 
 
 def _decode_kernel(name, x, **kw):
@@ -368,8 +364,7 @@ def _decode_kernel(name, x, **kw):
     args = (jnp.asarray(x["state"].reshape(B * H, K, V)), jnp.asarray(vecs), jnp.asarray(bf(x["v"]).reshape(B * H, V)))
     f = jax.jit(functools.partial(getattr(mosaic_decode, name), **kw))
     o, S = f(*args)
-    ms = _decode_times(lambda: time_jax(f, *args, **_decode_timing()),
-                       lambda: time_jax_stream(f, *args, **_decode_timing()))
+    ms = _decode_times(time_jax, time_jax_stream, f, *args)
     return ms, (np.asarray(o).reshape(B, H, V).astype(np.float32), np.asarray(S).reshape(B, H, K, V))
 
 
@@ -390,7 +385,7 @@ def _decode_fla(x):
             return fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
 
     o, S = step()
-    ms = _decode_times(lambda: time_torch(step, **_decode_timing()), lambda: time_torch_stream(step, **_decode_timing()))
+    ms = _decode_times(time_torch, time_torch_stream, step)
     return ms, (o[:, 0].float().cpu().numpy(), S.float().cpu().numpy())
 
 
