@@ -132,26 +132,25 @@ def decode_step_pipelined(state, vecs, v, *, programs=None, slots=4, block_v=BV,
                          f"of 64; got K={K}, V={V}, block_v={block_v}")
     if slots < 2 or (programs is not None and programs < 1):  # one slot would wait on a load never issued
         raise ValueError(f"decode_step_pipelined needs slots >= 2 and programs >= 1; got {slots}, {programs}")
-    bv = block_v
-    smem = slots * 4 * (K * bv + 4 * K + 2 * bv)
+    smem = slots * 4 * (K * block_v + 4 * K + 2 * block_v)
     if smem > SMEM_LIMIT:
-        raise ValueError(f"decode_step_pipelined: {slots} slots of [{K}, {bv}] float32 need {smem // 1024} KiB "
+        raise ValueError(f"decode_step_pipelined: {slots} slots of [{K}, {block_v}] float32 need {smem // 1024} KiB "
                          f"of SMEM (limit {SMEM_LIMIT // 1024}); use fewer slots or a narrower block_v")
-    NV = V // bv
+    NV = V // block_v
     n_tiles = BH * NV
     if programs is None:
         programs = getattr(jax.devices()[0], "core_count", None) or 132
     P = min(programs, n_tiles)
     f32 = jnp.float32
     scratch = [
-        _smem((slots, K, bv), f32),
+        _smem((slots, K, block_v), f32),
         plgpu.SMEM((slots, 4, K), f32),
-        plgpu.SMEM((slots, bv), f32),
-        plgpu.SMEM((slots, bv), f32),
+        plgpu.SMEM((slots, block_v), f32),
+        plgpu.SMEM((slots, block_v), f32),
         plgpu.Barrier(num_barriers=3 * slots),
     ]
     out_type = (jax.ShapeDtypeStruct((BH, V), f32), jax.ShapeDtypeStruct((BH, K, V), f32))
-    body = functools.partial(_pipelined_body, J=-(-n_tiles // P), P=P, NV=NV, BV=bv, slots=slots, n_tiles=n_tiles)
+    body = functools.partial(_pipelined_body, J=-(-n_tiles // P), P=P, NV=NV, BV=block_v, slots=slots, n_tiles=n_tiles)
     return plgpu.kernel(
         body,
         out_type=out_type,
