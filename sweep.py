@@ -14,7 +14,9 @@ share each one (small models leave a GPU mostly idle; their cost is process star
 host-side data), each then without preallocation and with 0.9/N of the device memory (JAX's
 XLA_PYTHON_CLIENT_* variables). `--deadline_s` bounds the sweep's wall time: no trial starts after
 it, running ones are stopped (SIGTERM, as does a SIGTERM to the sweep) and the summary is written
-from the trials that finished, marked partial (how many of each point's trials it holds). The trials share a persistent XLA compilation cache,
+from the trials that finished, marked partial (how many of each point's trials it holds). A
+stopped trial's train.py saves a checkpoint on SIGTERM, so the same sweep run again in the same
+DIR resumes it from there (long trials can span several time-limited jobs). The trials share a persistent XLA compilation cache,
 DIR/xla_cache by default (`--compile_cache PATH`, relative to DIR, or `off`; handed to each trial
 through JAX's JAX_COMPILATION_CACHE_DIR variables), and run in an order that puts the trials of one
 grid point (differing only in `select_over`) apart, so that a later one finds the programs an
