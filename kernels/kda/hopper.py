@@ -45,7 +45,7 @@ def unsupported_reason(K: int, V: int, dtype, interpret: bool, kind: str | None 
     return None
 
 
-def shard_specs(q):
+def _shard_specs(q):
     """(mesh, spec [B,T,H,*], spec [B,H,K,V], spec [B,T], spec [B,T,H]) under a mesh of more than
     one device that shards the batch or the heads of q [B, T, H, K], else None."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -65,7 +65,7 @@ def per_shard(run, q, k, v, g, beta, initial_state, segment_ids):
     """run(q, k, v, g, beta, initial_state, segment_ids) -> (o [B,T,H,V], S [B,H,K,V]) on the
     canonical KDA form (g [B,T,H,K], beta [B,T,H]), called once per (batch, head) shard of the
     active mesh through `jax.shard_map`, or directly without a mesh."""
-    specs = shard_specs(q)
+    specs = _shard_specs(q)
     if specs is None:
         return run(q, k, v, g, beta, initial_state, segment_ids)
     mesh, x4, s4, s2, s3 = specs
