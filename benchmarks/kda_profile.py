@@ -1,0 +1,199 @@
+"""Where one KDA call's device time goes: traces forward+backward calls of our impls and lists the
+kernels by time, each XLA fusion with its output shape, its source line and the fused computation.
+
+    python benchmarks/kda_profile.py --shape 4x4096x16x128 --impls chunk_mosaic
+    python benchmarks/kda_profile.py --quick          # tiny shape (runs on CPU, checks the plumbing)
+
+Same inputs and call as `benchmarks/kda.py` (lower_bound=-5, bf16 q, k, v). The JSON (default
+benchmarks/results/kda-profile-<time>.json) holds, per impl, the kernel time per call by HLO op
+(`kimi_jax.profile_summary.summarize`) and, for the `--top` largest XLA fusions, what they compute:
+the bytes their operands and result take (against the H200's 4.3 TB/s: how far a fusion is from
+its own memory roofline) and the first `--body_lines` lines of the fused computation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import tempfile
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from benchmarks.common import PEAK_TBPS, environment, markdown_table, write_json  # noqa: E402
+from benchmarks.kda import LOWER_BOUND, _check_impl, _parse_shapes, make_inputs  # noqa: E402
+from kernels.kda import kda  # noqa: E402
+from kimi_jax import profile_summary  # noqa: E402
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4,
+                "f64": 8, "s64": 8}
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
+_FRAME = re.compile(r"stack_frame_id=(\d+)")
+_OPNAME = re.compile(r'op_name="([^"]*)"')
+
+
+def array_bytes(text: str) -> int:
+    """Bytes of every array type (`f32[4,64,128]`) written in `text`."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(text):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _DTYPE_BYTES.get(dtype, 4)
+    return total
+
+
+def stack_frames(hlo_text: str) -> dict[int, list[str]]:
+    """stack_frame_id -> "file:line" of the frame and its callers, from the tables an HLO module's
+    text ends with (FileNames, FileLocations, StackFrames), innermost first."""
+    tables, section = {"FileNames": {}, "FileLocations": {}, "StackFrames": {}}, None
+    for line in hlo_text.splitlines():
+        if line.strip() in tables:
+            section = line.strip()
+        elif not line.strip() or line.startswith("%") or line.startswith("ENTRY"):
+            section = None
+        elif section:
+            num, _, rest = line.strip().partition(" ")
+            tables[section][int(num)] = rest
+    files = {i: v.strip('"') for i, v in tables["FileNames"].items()}
+    field = lambda text, key: int(re.search(key + r"=(\d+)", text).group(1))
+    locs = {i: f"{os.path.basename(files.get(field(v, 'file_name_id'), '?'))}:{field(v, 'line')}"
+            for i, v in tables["FileLocations"].items()}
+    out = {}
+    for i in tables["StackFrames"]:
+        chain, j = [], i
+        while j in tables["StackFrames"] and len(chain) < 12:
+            v = tables["StackFrames"][j]
+            loc = locs.get(field(v, "file_location_id"), "?")
+            if not chain or chain[-1] != loc:  # nested jits repeat their call site
+                chain.append(loc)
+            j = field(v, "parent_frame_id") - 1  # the table's parent ids are one past the parent's; 0: none
+        out[i] = chain
+    return out
+
+
+def instructions(hlo_text: str) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """(instruction name -> its line, computation name -> its lines) of an HLO module's text."""
+    instrs, comps, comp = {}, {}, None
+    for line in hlo_text.splitlines():
+        head = re.match(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?.*\{\s*$", line)
+        if head and "=" not in line.split("{")[0]:
+            comp = head.group(1)
+            comps[comp] = []
+            continue
+        m = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", line)
+        if m:
+            instrs[m.group(1)] = line.strip()
+            if comp is not None:
+                comps[comp].append(line.strip())
+    return instrs, comps
+
+
+def _type_and_operands(line: str) -> tuple[str, list[str]]:
+    """(result type text, operand names) of one HLO instruction line."""
+    rhs = line.partition("=")[2].strip()
+    m = re.match(r"(\(.*?\)|\S+)\s+[\w\-]+\((.*?)\)", rhs)
+    if m is None:
+        return rhs.split(" ")[0], []
+    return m.group(1), [o.strip().lstrip("%") for o in m.group(2).split(",") if o.strip().startswith("%")]
+
+
+def describe(op: str, instrs: dict, comps: dict, frames: dict, body_lines: int) -> dict | None:
+    """Output/operand bytes, source lines, op names and fused body of HLO op `op` (None if not in
+    the HLO)."""
+    line = instrs.get(op) or instrs.get(re.sub(r"_(\d+)$", r".\1", op))
+    if line is None:
+        return None
+    out_type, operands = _type_and_operands(line)
+    called = re.search(r"calls=%?([\w.\-]+)", line)
+    body = comps.get(called.group(1), []) if called else []
+    texts = body + [line]  # producers first
+    ids = list(dict.fromkeys(int(i) for t in texts for i in _FRAME.findall(t)))
+    # Each distinct stack as its three innermost frames ("inner < caller < its caller").
+    source = list(dict.fromkeys(" < ".join(frames.get(i, ["?"])[:3]) for i in ids))
+    names = list(dict.fromkeys(n for t in texts for n in _OPNAME.findall(t)))
+    # Operands are printed by name: their types are on their own instructions' lines.
+    nbytes = array_bytes(out_type) + sum(array_bytes(_type_and_operands(instrs[o])[0]) for o in operands if o in instrs)
+    return dict(instruction=line[:400], bytes=nbytes, source=source[:8], op_names=names[:8],
+                body=[b[:240] for b in body[:body_lines]])
+
+
+def profile_impl(impl: str, shape, calls: int, top: int, body_lines: int, folder: str) -> dict:
+    x = make_inputs(shape)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+    args = (bf(x["q"]), bf(x["k"]), bf(x["v"]), jnp.asarray(x["g"]), jnp.asarray(x["beta"]))
+    name, _, scores = impl.partition(":")
+    do = bf(x["do"])
+
+    def f(q, k, v, g, beta):
+        kw = dict(scores=scores) if scores else {}
+        return kda(q, k, v, g, beta, lower_bound=LOWER_BOUND, impl=name, **kw)[0]
+
+    @jax.jit
+    def fwd_bwd(*a):
+        o, vjp = jax.vjp(f, *a)
+        return vjp(do.astype(o.dtype))
+
+    compiled = fwd_bwd.lower(*args).compile()
+    jax.block_until_ready(compiled(*args))
+    jax.block_until_ready(compiled(*args))
+    jax.profiler.start_trace(folder)
+    for _ in range(calls):
+        out = compiled(*args)
+    jax.block_until_ready(out)
+    jax.profiler.stop_trace()
+    hlo = compiled.as_text()
+    summary = profile_summary.summarize(folder, hlo, calls, top)
+    instrs, comps = instructions(hlo)
+    frames = stack_frames(hlo)
+    for o in summary["top_ops"]:
+        d = describe(o["op"], instrs, comps, frames, body_lines)
+        if d is not None:
+            o.update(d)
+            per_launch = o["ms"] / max(o["launches_per_step"], 1)
+            o["gbps"] = d["bytes"] / (per_launch * 1e-3) / 1e9 if per_launch else None
+    return dict(impl=impl, shape=list(shape), calls=calls, summary=summary)
+
+
+def report(result: dict) -> str:
+    s = result["summary"]
+    rows = [[f"{o['ms']:.3f}", f"{o['launches_per_step']:.0f}", o["op"][:60],
+             "–" if o.get("bytes") is None else f"{o['bytes'] / 1e6:.0f}",
+             "–" if o.get("gbps") is None else f"{o['gbps']:.0f} ({100 * o['gbps'] / (1e3 * PEAK_TBPS):.0f}%)",
+             ", ".join(o.get("source", []))[:80]] for o in s["top_ops"]]
+    head = f"{result['impl']} at {result['shape']}: {s['kernel_ms_per_step']:.2f} ms of kernels per call"
+    return head + "\n" + markdown_table(["ms/call", "launches", "op", "MB moved", "GB/s (% of 4.3 TB/s)", "source"],
+                                        rows)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="4x4096x16x128", help="BxTxHxD")
+    p.add_argument("--impls", default="chunk_mosaic", help="comma-separated, as benchmarks/kda.py takes them")
+    p.add_argument("--calls", type=int, default=3, help="traced forward+backward calls")
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--body_lines", type=int, default=40)
+    p.add_argument("--quick", action="store_true", help="a tiny shape (1x128x2x64), impl chunk")
+    p.add_argument("--out", help="JSON path (default benchmarks/results/kda-profile-<time>.json)")
+    a = p.parse_args(argv)
+    (shape,) = _parse_shapes("1x128x2x64" if a.quick else a.shape)
+    impls = ["chunk"] if a.quick else [s for s in a.impls.split(",") if s]
+    for impl in impls:
+        _check_impl(impl)
+    results = []
+    for impl in impls:
+        with tempfile.TemporaryDirectory() as folder:
+            results.append(profile_impl(impl, shape, a.calls, a.top, a.body_lines, folder))
+        print(report(results[-1]) + "\n", flush=True)
+    path = write_json(dict(env=environment(), results=results), a.out, "kda-profile")
+    print(f"wrote {path}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
