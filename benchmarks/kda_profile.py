@@ -2,6 +2,7 @@
 kernels by time, each XLA fusion with its output shape, its source line and the fused computation.
 
     python benchmarks/kda_profile.py --shape 4x4096x16x128 --impls chunk_mosaic
+    python benchmarks/kda_profile.py --decode --impls pallas_gpu,naive   # one kda_step at 64x32x128x128
     python benchmarks/kda_profile.py --quick          # tiny shape (runs on CPU, checks the plumbing)
 
 Same inputs and call as `benchmarks/kda.py` (lower_bound=-5, bf16 q, k, v). The JSON (default
@@ -14,6 +15,7 @@ its own memory roofline) and the first `--body_lines` lines of the fused computa
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
 import re
 import sys
@@ -26,8 +28,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks.common import PEAK_TBPS, environment, markdown_table, write_json  # noqa: E402
-from benchmarks.kda import LOWER_BOUND, _check_impl, _parse_shapes, make_inputs  # noqa: E402
-from kernels.kda import kda  # noqa: E402
+from benchmarks.kda import LOWER_BOUND, _check_impl, _decode_inputs, _parse_shapes, make_inputs  # noqa: E402
+from kernels.kda import kda, kda_step  # noqa: E402
+from kernels.kda.ops import STEP_IMPLS  # noqa: E402
 from kimi_jax import profile_summary  # noqa: E402
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4,
@@ -123,23 +126,9 @@ def describe(op: str, instrs: dict, comps: dict, frames: dict, body_lines: int) 
                 body=[b[:240] for b in body[:body_lines]])
 
 
-def profile_impl(impl: str, shape, calls: int, top: int, body_lines: int, folder: str) -> dict:
-    x = make_inputs(shape)
-    bf = lambda a: jnp.asarray(a, jnp.bfloat16)
-    args = (bf(x["q"]), bf(x["k"]), bf(x["v"]), jnp.asarray(x["g"]), jnp.asarray(x["beta"]))
-    name, _, scores = impl.partition(":")
-    do = bf(x["do"])
-
-    def f(q, k, v, g, beta):
-        kw = dict(scores=scores) if scores else {}
-        return kda(q, k, v, g, beta, lower_bound=LOWER_BOUND, impl=name, **kw)[0]
-
-    @jax.jit
-    def fwd_bwd(*a):
-        o, vjp = jax.vjp(f, *a)
-        return vjp(do.astype(o.dtype))
-
-    compiled = fwd_bwd.lower(*args).compile()
+def profile_call(label: str, fn, args, calls: int, top: int, body_lines: int, folder: str) -> dict:
+    """Trace `calls` calls of jitted `fn(*args)` (after two untraced ones) and describe the top ops."""
+    compiled = jax.jit(fn).lower(*args).compile()
     jax.block_until_ready(compiled(*args))
     jax.block_until_ready(compiled(*args))
     jax.profiler.start_trace(folder)
@@ -152,12 +141,42 @@ def profile_impl(impl: str, shape, calls: int, top: int, body_lines: int, folder
     instrs, comps = instructions(hlo)
     frames = stack_frames(hlo)
     for o in summary["top_ops"]:
-        d = describe(o["op"], instrs, comps, frames, body_lines)
+        # Kernels inside a CUDA graph are keyed "<kernel name> [<part>]"; their fusion is the HLO
+        # instruction of that name ("loop_add_fusion_3" is "loop_add_fusion.3").
+        d = describe(o["op"].split(" [")[0], instrs, comps, frames, body_lines)
         if d is not None:
             o.update(d)
             per_launch = o["ms"] / max(o["launches_per_step"], 1)
             o["gbps"] = d["bytes"] / (per_launch * 1e-3) / 1e9 if per_launch else None
-    return dict(impl=impl, shape=list(shape), calls=calls, summary=summary)
+    return dict(impl=label, calls=calls, summary=summary, hlo=hlo)
+
+
+def kda_call(impl: str, shape):
+    """(fn, args): forward+backward of `kda(..., impl)` (impl may be "<impl>:<scores>") at
+    shape B, T, H, D on benchmarks/kda.py's inputs."""
+    x = make_inputs(shape)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+    args = (bf(x["q"]), bf(x["k"]), bf(x["v"]), jnp.asarray(x["g"]), jnp.asarray(x["beta"]))
+    name, _, scores = impl.partition(":")
+    do = bf(x["do"])
+
+    def f(q, k, v, g, beta):
+        kw = dict(scores=scores) if scores else {}
+        return kda(q, k, v, g, beta, lower_bound=LOWER_BOUND, impl=name, **kw)[0]
+
+    def fwd_bwd(*a):
+        o, vjp = jax.vjp(f, *a)
+        return vjp(do.astype(o.dtype))
+
+    return fwd_bwd, args
+
+
+def decode_call(impl: str, shape):
+    """(fn, args): one `kda_step(..., impl)` at shape B, H, K, V on benchmarks/kda.py's inputs."""
+    x = _decode_inputs(*shape)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+    args = (jnp.asarray(x["state"]), bf(x["q"]), bf(x["k"]), bf(x["v"]), jnp.asarray(x["g"]), jnp.asarray(x["beta"]))
+    return (lambda *a: kda_step(*a, impl=impl)), args
 
 
 def report(result: dict) -> str:
@@ -173,24 +192,41 @@ def report(result: dict) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="4x4096x16x128", help="BxTxHxD")
-    p.add_argument("--impls", default="chunk_mosaic", help="comma-separated, as benchmarks/kda.py takes them")
-    p.add_argument("--calls", type=int, default=3, help="traced forward+backward calls")
+    p.add_argument("--shape", default="", help="BxTxHxD (default 4x4096x16x128), with --decode BxHxKxV (default 64x32x128x128)")
+    p.add_argument("--impls", default="", help="comma-separated, as benchmarks/kda.py takes them "
+                                                "(default chunk_mosaic; with --decode pallas_gpu,naive)")
+    p.add_argument("--decode", action="store_true", help="profile one kda_step instead")
+    p.add_argument("--calls", type=int, default=3, help="traced calls")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--body_lines", type=int, default=40)
-    p.add_argument("--quick", action="store_true", help="a tiny shape (1x128x2x64), impl chunk")
+    p.add_argument("--hlo", action="store_true", help="also write each program's optimized HLO beside the JSON")
+    p.add_argument("--quick", action="store_true", help="a tiny shape (1x128x2x64 or 2x2x64x64), impl chunk / naive")
     p.add_argument("--out", help="JSON path (default benchmarks/results/kda-profile-<time>.json)")
     a = p.parse_args(argv)
-    (shape,) = _parse_shapes("1x128x2x64" if a.quick else a.shape)
-    impls = ["chunk"] if a.quick else [s for s in a.impls.split(",") if s]
+    default_shape, default_impls = ("64x32x128x128", "pallas_gpu,naive") if a.decode else ("4x4096x16x128", "chunk_mosaic")
+    if a.quick:
+        a.shape, a.impls = ("2x2x64x64", "naive") if a.decode else ("1x128x2x64", "chunk")
+    (shape,) = _parse_shapes(a.shape or default_shape)
+    impls = [s for s in (a.impls or default_impls).split(",") if s]
     for impl in impls:
-        _check_impl(impl)
+        if a.decode and impl not in STEP_IMPLS:
+            raise ValueError(f"--decode impl {impl!r}; expected one of {STEP_IMPLS}")
+        if not a.decode:
+            _check_impl(impl)
     results = []
     for impl in impls:
+        fn, args = (decode_call if a.decode else kda_call)(impl, shape)
+        label = f"kda_step {impl}" if a.decode else impl
         with tempfile.TemporaryDirectory() as folder:
-            results.append(profile_impl(impl, shape, a.calls, a.top, a.body_lines, folder))
+            results.append(dict(profile_call(label, fn, args, a.calls, a.top, a.body_lines, folder), shape=list(shape)))
         print(report(results[-1]) + "\n", flush=True)
+    hlos = [r.pop("hlo") for r in results]
     path = write_json(dict(env=environment(), results=results), a.out, "kda-profile")
+    if a.hlo:  # the optimized HLO of each profiled program, beside the JSON
+        for r, text in zip(results, hlos):
+            name = re.sub(r"[^\w.-]+", "_", r["impl"])
+            with gzip.open(f"{os.path.splitext(path)[0]}-{name}.hlo.txt.gz", "wt") as f:
+                f.write(text)
     print(f"wrote {path}")
     return results
 
