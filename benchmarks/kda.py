@@ -467,7 +467,8 @@ def use_triton_cache(folder: str) -> dict:
     os.environ.setdefault("FLA_CACHE_RESULTS", "1")
     found = count_autotune_results(folder)
     print(f"# Triton cache {folder}: {found} autotuning results", flush=True)
-    return dict(dir=folder, autotune_results_before=found, autotune_results_after=found)
+    shown = os.path.relpath(folder) if folder.startswith(os.getcwd() + os.sep) else folder  # no host paths in results
+    return dict(dir=shown, autotune_results_before=found, autotune_results_after=found)
 
 
 def main(argv=None):
