@@ -66,11 +66,23 @@ def test_widths_restricts_the_grid_and_keeps_trial_names():
 
 
 def test_gpu_long_grid():
-    """Every mixer at (256, 16), d_model 64, lr 3e-3, 12000 steps (the softmax_forms budget)."""
-    trials = _trials("gpu_long")
-    assert len(trials) == 6 and {t.point["mixer"] for t in trials} == set(mqar.ABLATION_MIXERS)
-    for t in trials:
+    """Every mixer x d_model {64, 128} x the four settings, lr 3e-3, 12000 steps (the softmax_forms
+    budget); widths= and settings= pick pieces with the full grid's trial names."""
+    full = {t.name: t for t in _trials("gpu_long")}
+    assert len(full) == 6 * 2 * 4
+    piece = _trials("gpu_long,widths=64,settings=256x16")
+    assert len(piece) == 6 and {t.point["mixer"] for t in piece} == set(mqar.ABLATION_MIXERS)
+    for t in piece:
+        assert t.name in full and full[t.name].config == t.config
         config = mqar.get_config(t.config.split(":", 1)[1])
         assert config.total_steps == 12000 and config.data.batch_size == 128 and config.model.d_model == 64
         assert (config.data.task_kwargs.seq_len, config.data.task_kwargs.num_kv_pairs) == (256, 16)
         assert t.point["lr"] == 3e-3
+    hard = _trials("gpu_long,settings=512x64+64x4")
+    assert len(hard) == 6 * 2 * 2 and {t.point["seq_len"] for t in hard} == {64, 512}
+    assert all(mqar.get_config(t.config.split(":", 1)[1]).data.batch_size == 64 for t in hard
+               if t.point["seq_len"] == 512)
+    with pytest.raises(ValueError, match=r"\(512, 8\)\] not in this variant's settings"):
+        mqar.get_config("gpu_long,settings=512x8")
+    with pytest.raises(ValueError, match="expected LxK entries"):
+        mqar.get_config("gpu_long,settings=512-64")

@@ -51,12 +51,18 @@ H200s (benchmarks/results/mqar-softmax-forms-h200x2-20261130.json): every form s
 reaches 0.48-0.52, so the budget is the cause:
     python sweep.py --config configs/sweeps/mqar.py:softmax_forms --workdir /tmp/mqar_forms \
         --devices 0,1 --trials_per_device 8 --deadline_s 540
-`:gpu_long` runs every mixer at (256, 16), d_model 64, on that budget (12000 steps, batch 128,
-lr 3e-3: the lr at which attention solved it; one lr, so not Zoology's best-of-four), 6 trials:
-    python sweep.py --config configs/sweeps/mqar.py:gpu_long --workdir /tmp/mqar_long \
-        --devices 0,1 --trials_per_device 3 --deadline_s 540
-`mixers=softmax+linear` restricts any variant to those mixers and `widths=128` (or `64+128`) to
-those widths (same trial names, so the trials join a workdir of the full grid).
+`:gpu_long` is every mixer x d_model {64, 128} x the four (L, K) settings on that budget (12000
+steps at the gpu batches, lr 3e-3: the lr at which attention solved (256, 16); one lr, so not
+Zoology's best-of-four), 48 trials; run it in pieces that fit a call, e.g. the 6 trials at
+(256, 16), d_model 64 (measured on two H200s: every mixer 0.996-1.000,
+benchmarks/results/mqar-gpu-long-h200x2-20261130.json) and the 12 at (512, 64):
+    python sweep.py --config configs/sweeps/mqar.py:gpu_long,widths=64,settings=256x16 \
+        --workdir /tmp/mqar_long --devices 0,1 --trials_per_device 3 --deadline_s 540
+    python sweep.py --config configs/sweeps/mqar.py:gpu_long,settings=512x64 \
+        --workdir /tmp/mqar_long --devices 0,1 --trials_per_device 6 --deadline_s 540
+`mixers=softmax+linear` restricts any variant to those mixers, `widths=128` (or `64+128`) to
+those widths and `settings=512x64` (or `64x4+512x64`) to those (L, K) settings (same trial names,
+so the trials join a workdir of the full grid).
 
 The same file is the trial config: `configs/sweeps/mqar.py:trial,mixer=kda,d_model=64,seq_len=64,
 num_kv_pairs=4` is the full training config of one grid point (sweep.py adds `--config.optim.lr`).
@@ -129,9 +135,9 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
         sweep.axes.d_model = [64, 128]
         sweep.axes.setting = [dict(seq_len=512, num_kv_pairs=64)]
         sweep.axes.lr = [1e-3, 3e-3]
-    if arg.gpu_long:  # every mixer at (256, 16) on the budget that lets softmax attention solve it
-        sweep.axes.d_model = [64]
-        sweep.axes.setting = [dict(seq_len=256, num_kv_pairs=16)]
+    if arg.gpu_long:  # the budget that lets softmax attention solve (256, 16); filter with widths=, settings=
+        sweep.axes.d_model = [64, 128]
+        sweep.axes.setting = [dict(seq_len=L, num_kv_pairs=K) for L, K in SETTINGS]
         sweep.axes.lr = [3e-3]
     if arg.softmax_forms:  # which difference from Zoology keeps softmax attention at 1/K on (256, 16)
         sweep.axes.mixer = ["softmax"]
@@ -155,6 +161,16 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
         if missing:
             raise ValueError(f"widths={arg.widths!r}: {missing} not in this variant's d_model axis {list(sweep.axes.d_model)}")
         sweep.axes.d_model = [d for d in sweep.axes.d_model if d in wanted]
+    if arg.settings:  # a subset of the (L, K) settings, "LxK" "+"-separated, e.g. 512x64+256x16
+        have = {(d["seq_len"], d["num_kv_pairs"]): d for d in sweep.axes.setting}
+        try:
+            wanted = [tuple(int(n) for n in item.split("x")) for item in str(arg.settings).split("+")]
+        except ValueError:
+            raise ValueError(f"settings={arg.settings!r}: expected LxK entries joined by '+', e.g. 512x64+256x16") from None
+        missing = [w for w in wanted if w not in have]
+        if missing:
+            raise ValueError(f"settings={arg.settings!r}: {missing} not in this variant's settings {sorted(have)}")
+        sweep.axes.setting = [d for key, d in have.items() if key in wanted]
     if arg.tiny:  # 2 trials in seconds on CPU: softmax, width 16, 2 learning rates
         sweep.axes.mixer = ["softmax"]
         sweep.axes.d_model = [16]
@@ -176,7 +192,7 @@ def get_config(arg=None):
     arg = common.parse_arg(arg_str, **{**TRIAL_ARGS, "steps": 12500, "batch_size": 0},
                            mixer="kda", d_model=64, num_layers=2, seq_len=64, num_kv_pairs=4,
                            vocab_size=8192, cpu=False, gpu=False, gpu_small=False, gpu_hard=False,
-                           softmax_forms=False, gpu_long=False, hi_lr=False, mixers="", widths="", rope=True,
+                           softmax_forms=False, gpu_long=False, hi_lr=False, mixers="", widths="", settings="", rope=True,
                            mlp=True)
     given = {item.partition("=")[0] for item in arg_str.split(",")}
     arg.gpu = arg.gpu or arg.gpu_small or arg.gpu_hard or arg.softmax_forms or arg.gpu_long  # the gpu budget
