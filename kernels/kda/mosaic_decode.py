@@ -30,13 +30,13 @@ def _update(s_smem, vec_smem, v_smem, o_smem):
     S = plgpu.load(s_smem, layout=plgpu.Layout.WGMMA)
     vec = lambda i: plgpu.load(vec_smem.at[i], layout=plgpu.Layout.WGMMA.reduce(1))
     rows = lambda x: lax.broadcast_in_dim(x, S.shape, [0])
-    v = plgpu.load(v_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+    v = plgpu.load(v_smem, layout=plgpu.Layout.WGMMA.reduce(0)).astype(S.dtype)
     S = S * rows(jnp.exp(vec(0)))  # decay: K exponentials, then broadcast over the tile's columns
     pred = (S * rows(vec(1))).sum(axis=0)  # k^T S'
     S = S + rows(vec(2)) * lax.broadcast_in_dim(v - pred, S.shape, [1])  # (beta k) (v - pred)^T
     o = (S * rows(vec(3))).sum(axis=0)  # (scale q)^T S_new
     s_smem[...] = S
-    o_smem[...] = o
+    o_smem[...] = o.astype(o_smem.dtype)
     plgpu.commit_smem()
 
 
@@ -54,23 +54,31 @@ def _body(s_ref, vec_ref, v_ref, o_ref, sn_ref, s_smem, vec_smem, v_smem, o_smem
     plgpu.wait_smem_to_gmem(0)
 
 
-def decode_step(state, vecs, v, *, interpret=False):
-    """state [BH, K, V] f32; vecs [BH, 4, K] f32 = (g, k, beta*k, scale*q); v [BH, V] f32.
+def _check_dtypes(v, o_dtype):
+    for name, dt in (("v", v.dtype), ("o_dtype", o_dtype)):
+        if jnp.dtype(dt) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+            raise ValueError(f"decode kernels take {name} in float32 or bfloat16; got {jnp.dtype(dt)}")
 
-    Returns (o [BH, V] f32, new state [BH, K, V] f32).
+
+def decode_step(state, vecs, v, *, o_dtype=jnp.float32, interpret=False):
+    """state [BH, K, V] f32; vecs [BH, 4, K] f32 = (g, k, beta*k, scale*q); v [BH, V] f32 or bf16
+    (converted in the kernel, so the caller needs no conversion kernel).
+
+    Returns (o [BH, V] in `o_dtype` (f32 or bf16), new state [BH, K, V] f32).
     """
     BH, K, V = state.shape
     if K % 64 or V % BV:
         raise ValueError(f"decode_step needs K a multiple of 64 and V of {BV}; got K={K}, V={V}")
+    _check_dtypes(v, o_dtype)
     f32 = jnp.float32
     scratch = [
         _smem((K, BV), f32),
         plgpu.SMEM((4, K), f32),
-        plgpu.SMEM((BV,), f32),
-        plgpu.SMEM((BV,), f32),
+        plgpu.SMEM((BV,), v.dtype),
+        plgpu.SMEM((BV,), o_dtype),
         plgpu.Barrier(num_barriers=3),
     ]
-    out_type = (jax.ShapeDtypeStruct((BH, V), f32), jax.ShapeDtypeStruct((BH, K, V), f32))
+    out_type = (jax.ShapeDtypeStruct((BH, V), o_dtype), jax.ShapeDtypeStruct((BH, K, V), f32))
     return launch_bh_v(_body, out_type, scratch, (state, vecs, v), BH=BH, V=V, BV=BV, interpret=interpret)
 
 
@@ -121,7 +129,8 @@ def _pipelined_body(s_ref, vec_ref, v_ref, o_ref, sn_ref, s_smem, vec_smem, v_sm
 SMEM_LIMIT = 224 * 1024
 
 
-def decode_step_pipelined(state, vecs, v, *, programs=None, slots=4, block_v=BV, interpret=False):
+def decode_step_pipelined(state, vecs, v, *, programs=None, slots=4, block_v=BV, o_dtype=jnp.float32,
+                          interpret=False):
     """Same contract as `decode_step`; `programs` (default: the GPU's SM count) persistent
     programs with `slots` SMEM slots each; program p takes tiles p, p + programs, ... A tile is
     [K, block_v] of the state (block_v = V reads each head's state as one contiguous block, at the
@@ -132,7 +141,8 @@ def decode_step_pipelined(state, vecs, v, *, programs=None, slots=4, block_v=BV,
                          f"of 64; got K={K}, V={V}, block_v={block_v}")
     if slots < 2 or (programs is not None and programs < 1):  # one slot would wait on a load never issued
         raise ValueError(f"decode_step_pipelined needs slots >= 2 and programs >= 1; got {slots}, {programs}")
-    smem = slots * 4 * (K * block_v + 4 * K + 2 * block_v)
+    _check_dtypes(v, o_dtype)
+    smem = slots * (4 * K * block_v + 4 * 4 * K + (v.dtype.itemsize + jnp.dtype(o_dtype).itemsize) * block_v)
     if smem > SMEM_LIMIT:
         raise ValueError(f"decode_step_pipelined: {slots} slots of [{K}, {block_v}] float32 need {smem // 1024} KiB "
                          f"of SMEM (limit {SMEM_LIMIT // 1024}); use fewer slots or a narrower block_v")
@@ -145,11 +155,11 @@ def decode_step_pipelined(state, vecs, v, *, programs=None, slots=4, block_v=BV,
     scratch = [
         _smem((slots, K, block_v), f32),
         plgpu.SMEM((slots, 4, K), f32),
-        plgpu.SMEM((slots, block_v), f32),
-        plgpu.SMEM((slots, block_v), f32),
+        plgpu.SMEM((slots, block_v), v.dtype),
+        plgpu.SMEM((slots, block_v), o_dtype),
         plgpu.Barrier(num_barriers=3 * slots),
     ]
-    out_type = (jax.ShapeDtypeStruct((BH, V), f32), jax.ShapeDtypeStruct((BH, K, V), f32))
+    out_type = (jax.ShapeDtypeStruct((BH, V), o_dtype), jax.ShapeDtypeStruct((BH, K, V), f32))
     body = functools.partial(_pipelined_body, J=-(-n_tiles // P), P=P, NV=NV, BV=block_v, slots=slots, n_tiles=n_tiles)
     return plgpu.kernel(
         body,

@@ -172,8 +172,8 @@ def kda_step(state, q, k, v, g=None, beta=None, *, scale=None, impl="auto"):
         raise ValueError(f"beta must be [B, H] = {(B, H)}; got beta.shape={beta.shape}")
     scale = K**-0.5 if scale is None else float(scale)
     f = lambda x: x.astype(sdt)
-    if step_impl == "pallas_gpu":
-        o, S = _module(step_impl, IMPLS).kda_step_impl(f(state), f(q), f(k), f(v), g, f(beta), scale)
+    if step_impl == "pallas_gpu":  # v keeps its dtype: the kernel converts it (and writes o in it)
+        o, S = _module(step_impl, IMPLS).kda_step_impl(f(state), f(q), f(k), v, g, f(beta), scale)
     else:
         o, S = naive.delta_step(f(state), f(q), f(k), f(v), g, f(beta), scale)
     return o.astype(v.dtype), S

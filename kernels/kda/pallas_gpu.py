@@ -298,7 +298,8 @@ def kda_step_impl(state, q, k, v, g, beta, scale, *, interpret=None):
     """One decoding step on the Mosaic GPU decode kernel.
 
     state [B, H, K, V]; q, k, g [B, H, K]; v [B, H, V]; beta [B, H] (all float; g, beta
-    canonical as in `kernels.kda.kda_step`). Returns (o [B, H, V] float32, new state float32).
+    canonical as in `kernels.kda.kda_step`). Returns (o [B, H, V] in v's dtype for bf16 / f32 v,
+    else float32; new state float32).
     Unsupported shapes or devices fall back to the plain-JAX step with a logged reason.
     """
     B, H, K = q.shape
@@ -313,7 +314,11 @@ def kda_step_impl(state, q, k, v, g, beta, scale, *, interpret=None):
 
         return delta_step(f32(state), f32(q), f32(k), f32(v), f32(g), f32(beta), scale)
     vecs = jnp.stack([f32(g), f32(k), f32(beta)[..., None] * f32(k), f32(q) * scale], axis=2)
+    # v goes in and o comes out in v's dtype when the kernel takes it (bf16, f32): no conversion
+    # kernels around the step (a decode step is short enough for each launch to show).
+    io = v.dtype if v.dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)) else jnp.dtype(jnp.float32)
     o, S = mosaic_decode.decode_step_pipelined(
-        f32(state).reshape(B * H, K, V), vecs.reshape(B * H, 4, K), f32(v).reshape(B * H, V), interpret=interpret
+        f32(state).reshape(B * H, K, V), vecs.reshape(B * H, 4, K), v.astype(io).reshape(B * H, V), o_dtype=io,
+        interpret=interpret,
     )
     return o.reshape(B, H, V), S.reshape(B, H, K, V)

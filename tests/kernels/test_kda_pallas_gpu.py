@@ -205,8 +205,11 @@ def test_kernels_lower_for_cuda():
     assert "mosaic_gpu" in state.trace(*args).lower(lowering_platforms=("cuda",)).as_text()[:4000]
     for kernel in (mosaic_decode.decode_step, functools.partial(mosaic_decode.decode_step_pipelined, programs=132),
                    functools.partial(mosaic_decode.decode_step_pipelined, programs=132, slots=2, block_v=32)):
-        lowered = jax.jit(kernel).trace(f32(BH, K, V), f32(BH, 4, K), f32(BH, V)).lower(lowering_platforms=("cuda",))
-        assert "mosaic_gpu" in lowered.as_text()[:4000]
+        for vt in (f32, bf):  # bf16 v in, bf16 o out: the kda_step path
+            o_dtype = jnp.float32 if vt is f32 else jnp.bfloat16
+            lowered = jax.jit(functools.partial(kernel, o_dtype=o_dtype)).trace(
+                f32(BH, K, V), f32(BH, 4, K), vt(BH, V)).lower(lowering_platforms=("cuda",))
+            assert "mosaic_gpu" in lowered.as_text()[:4000]
 
 
 def test_pipelined_decode_matches_one_tile_per_program(rng):
@@ -240,6 +243,27 @@ def test_pipelined_decode_block_widths(rng, block_v, programs, slots):
                                                interpret=True)
     assert_close("o", o_ref, o, 1e-6)
     assert_close("S", S_ref, S, 1e-6)
+
+
+@pytest.mark.parametrize("kernel", ["decode_step", "decode_step_pipelined"])
+def test_decode_kernels_take_bf16_v_and_write_bf16_o(rng, kernel):
+    """v in bf16 is converted in the kernel and o written in bf16: the float32 kernel's o, rounded
+    once, and the same state."""
+    from kernels.kda import mosaic_decode
+
+    BH, K, V = 3, 64, 128
+    state = jnp.asarray(rng.standard_normal((BH, K, V)), jnp.float32)
+    vecs = jnp.asarray(rng.standard_normal((BH, 4, K)) * 0.3, jnp.float32)
+    v = jnp.asarray(rng.standard_normal((BH, V)), jnp.bfloat16)
+    fn = getattr(mosaic_decode, kernel)
+    kw = dict(programs=2, slots=2) if kernel.endswith("pipelined") else {}
+    o_ref, S_ref = fn(state, vecs, v.astype(jnp.float32), interpret=True, **kw)
+    o, S = fn(state, vecs, v, o_dtype=jnp.bfloat16, interpret=True, **kw)
+    assert o.dtype == jnp.bfloat16 and S.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(o.astype(jnp.float32)), np.asarray(o_ref.astype(jnp.bfloat16).astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(S), np.asarray(S_ref))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        fn(state, vecs, v.astype(jnp.float16), interpret=True, **kw)
 
 
 @pytest.mark.gpu
