@@ -333,7 +333,8 @@ def _decode_inputs(B, H, K, V, seed=0):
 def _decode_times(time_call, time_stream, *args) -> dict:
     """ms per step timed two ways: each call dispatched and waited for (`per_call`, what a
     token-by-token decode loop sees) and calls back to back (`stream`, the device time)."""
-    kw = dict(warmup=args_timing["warmup"], iters=max(args_timing["iters"], 50))
+    n = args_timing["iters"] if args_timing["iters"] < 10 else max(args_timing["iters"], 50)  # --quick: few
+    kw = dict(warmup=args_timing["warmup"], iters=n)
     return dict(per_call=time_call(*args, **kw), stream=time_stream(*args, **kw))
 
 

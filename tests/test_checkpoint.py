@@ -82,3 +82,28 @@ def test_load_model_is_exported_and_needs_a_checkpoint(tmp_path):
     assert kimi_jax.load_model is checkpoint.load_model
     with pytest.raises(FileNotFoundError, match="No checkpoint"):
         checkpoint.load_model(toy_config(), str(tmp_path))
+
+
+def test_small_replicated_arrays_are_saved_whole(tmp_path, monkeypatch):
+    """On a data x fsdp mesh every shard has replicas. Arrays whose per-replica piece would be
+    under MIN_REPLICA_SLICE_BYTES are written whole by one replica (no slice op per piece); a large
+    one is still split among its replicas. The saved values round-trip either way."""
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("fsdp")))  # replicated over "data"
+    small = put(jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16))
+    rows = 4 * 2 * checkpoint.MIN_REPLICA_SLICE_BYTES // (256 * 4)  # per replica: exactly the threshold
+    large = put(jnp.ones((rows, 256), jnp.float32))
+    slices = []
+    real = jax.lax.slice_in_dim
+    monkeypatch.setattr(jax.lax, "slice_in_dim", lambda *a, **k: slices.append(1) or real(*a, **k))
+    for step, params in ((1, {"w": small}), (2, {"w": large})):
+        ckpt = checkpoint.Checkpointer(str(tmp_path / str(step)), async_save=False)
+        before = len(slices)
+        ckpt.save(step, {"params": params, "rest": {}, "opt_state": {}}, {"step": step})
+        ckpt.wait()
+        assert (len(slices) > before) == (step == 2), (step, len(slices) - before)
+        back = ckpt.restore(step, checkpoint.abstract_with_shardings(
+            {"params": params, "rest": {}, "opt_state": {}}, {"params": {"w": params["w"].sharding}, "rest": {},
+                                                               "opt_state": {}}))
+        np.testing.assert_array_equal(np.asarray(back["params"]["w"]), np.asarray(params["w"]))
+        ckpt.close()

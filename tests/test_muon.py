@@ -128,16 +128,16 @@ def test_train_py_muon_tiny_resumes_exactly(tmp_path):
     config.mesh.data, config.mesh.fsdp = 2, 4
     config.data.task_kwargs = dict(seq_len=16, num_kv_pairs=2, vocab_size=32)
     config.data.batch_size, config.optim.warmup_steps = 8, 1
-    config.total_steps, config.log_every_steps, config.eval_every_steps = 5, 1, 0
+    config.total_steps, config.log_every_steps, config.eval_every_steps = 4, 1, 0  # saves: step 2, step 4
     config.checkpoint_every_steps = 2
     config.evals.train_tasks = ""
     train.train_and_evaluate(config, str(tmp_path / "straight"))
     reference = _losses(tmp_path / "straight")
-    assert sorted(reference) == [1, 2, 3, 4, 5] and np.all(np.isfinite(list(reference.values())))
-    assert reference[5] < reference[1], reference
+    assert sorted(reference) == [1, 2, 3, 4] and np.all(np.isfinite(list(reference.values())))
+    assert reference[4] < reference[1], reference
 
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "straight" / "checkpoints" / "2", resumed / "checkpoints" / "2")
     assert checkpoint.Checkpointer(str(resumed)).latest_step() == 2
     train.train_and_evaluate(config, str(resumed))
-    assert _losses(resumed) == {s: reference[s] for s in (3, 4, 5)}
+    assert _losses(resumed) == {s: reference[s] for s in (3, 4)}
