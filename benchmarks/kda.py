@@ -7,6 +7,7 @@
     python benchmarks/kda.py --decode --decode_blocks 132.2.128,264.3.32   # + pipelined-kernel settings
     python benchmarks/kda.py --impls chunk,pallas_gpu:mosaic_bf16 --peers fla   # a chosen intra stage
     python benchmarks/kda.py --impls chunk_mosaic:dense,chunk_mosaic:tiled --peers fla   # chunk's score formulations
+    python benchmarks/kda.py --impls chunk_mosaic,chunk_mosaic:cumsum=matmul --peers none   # any chunk setting
     python benchmarks/kda.py --peers fla --triton_cache .cache/triton   # keep fla's autotuning for the next run
 
 Ours: `kda(..., impl=...)` for `naive` (only where its autodiff states fit, else skipped with the
@@ -149,14 +150,11 @@ def _ours(impl, x, shape):
     f = lambda q, k, v, g, beta: kda(q, k, v, g, beta, lower_bound=LOWER_BOUND, impl=impl)[0]
     if not intra:
         return attempt(lambda: _jax_timings(f, x, args))
-    if impl in ("chunk", "chunk_mosaic"):  # chunk:<scores>, the intra-chunk score formulation
+    if impl in ("chunk", "chunk_mosaic"):  # chunk:<scores> or chunk:key=value/..., traced module settings
         from kernels.kda import chunk
 
-        default, chunk.DEFAULT_SCORES = chunk.DEFAULT_SCORES, intra  # read while the jitted functions trace
-        try:
+        with chunk.settings(**chunk_settings(intra)):  # read while the jitted functions trace
             return attempt(lambda: _jax_timings(f, x, args))
-        finally:
-            chunk.DEFAULT_SCORES = default
     from kernels.kda import pallas_gpu
 
     default = pallas_gpu.DEFAULT_INTRA
@@ -265,12 +263,37 @@ def run_shape(shape, impls, peers, on_row=None):
     return rows
 
 
+def chunk_settings(opt: str) -> dict:
+    """"tiled" -> {"scores": "tiled"}; "cumsum=matmul/diag=split" -> those `chunk.settings`."""
+    from kernels.kda import chunk
+
+    if not opt:
+        return {}
+    if "=" not in opt:
+        opt = f"scores={opt}"
+    out = dict(item.split("=", 1) for item in opt.split("/"))
+    for key, value in out.items():
+        if key not in chunk.SETTINGS or value not in chunk.setting_values(key):
+            raise ValueError(f"chunk setting {key}={value!r}: expected a key of {chunk.SETTINGS} with one of its values")
+    return out
+
+
 def _check_impl(impl):
     name, sep, opt = impl.partition(":")
-    allowed = {"pallas_gpu": PALLAS_INTRA, "chunk": SCORES, "chunk_mosaic": SCORES}.get(name, ())
-    if name not in IMPLS or (sep and opt not in allowed):
+    ok = name in IMPLS
+    if ok and sep:
+        if name == "pallas_gpu":
+            ok = opt in PALLAS_INTRA
+        elif name in ("chunk", "chunk_mosaic"):
+            try:
+                chunk_settings(opt)
+            except ValueError:
+                ok = False
+        else:
+            ok = False
+    if not ok:
         raise ValueError(f"Unknown impl {impl!r}; expected one of {IMPLS}, pallas_gpu:<{'|'.join(PALLAS_INTRA)}> "
-                         f"or chunk[_mosaic]:<{'|'.join(SCORES)}>")
+                         f"or chunk[_mosaic]:<{'|'.join(SCORES)}> or chunk[_mosaic]:key=value/... (chunk.SETTINGS)")
 
 
 def _ratio(a, b):
@@ -477,7 +500,8 @@ def main(argv=None):
     p.add_argument("--shapes", help="comma-separated BxTxHxD (D = K = V)")
     p.add_argument("--impls", default=",".join(IMPLS),
                    help=f"ours, from {IMPLS}; pallas_gpu:<intra> picks its intra stage from {PALLAS_INTRA}, "
-                        f"chunk[_mosaic]:<scores> the score formulation from {SCORES}")
+                        f"chunk[_mosaic]:<scores> the score formulation from {SCORES}, "
+                        "chunk[_mosaic]:key=value/... any traced KDA setting (kernels.kda.chunk.SETTINGS)")
     p.add_argument("--peers", default=",".join(PEERS), help=f"from {PEERS}, or 'none'")
     p.add_argument("--out", help="JSON path (default benchmarks/results/kda-<time>.json)")
     p.add_argument("--quick", action="store_true", help="tiny shape, 1 warm-up and 3 timed calls")

@@ -219,7 +219,7 @@ def run_chunked(q, k, v, g, beta, *, scale, initial_state, segment_ids, bounded,
     run `chunk_core`, un-chunk. Canonical-form inputs; returns (o [B, T, H, V] in v's dtype, S).
     `scores` ("tiled" or "dense") picks the intra-chunk score formulation (`chunk_intra.prep`)."""
     # Module settings read while tracing are part of the jit cache key: a program traced under
-    # one DIAG_MODE or ROW_MODE is never reused under another (an unknown value raises here).
+    # one DIAG_MODE, ROW_MODE or CUMSUM_MODE is never reused under another (an unknown value raises here).
     return _run_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids,
                         bounded=bounded, delta=delta, state_pass=state_pass, scores=scores,
                         traced_settings=chunk_intra.traced_settings())
@@ -284,10 +284,11 @@ def _settings_table():
 
     return {"diag": (chunk_intra, "DIAG_MODE", chunk_intra.DIAG_MODES),
             "rows": (chunk_intra, "ROW_MODE", chunk_intra.ROW_MODES),
+            "cumsum": (chunk_intra, "CUMSUM_MODE", chunk_intra.CUMSUM_MODES),
             "scores": (sys.modules[__name__], "DEFAULT_SCORES", SCORES)}
 
 
-SETTINGS = ("diag", "rows", "scores")
+SETTINGS = ("diag", "rows", "scores", "cumsum")
 
 
 def setting_values(key: str) -> tuple:
@@ -297,7 +298,7 @@ def setting_values(key: str) -> tuple:
 
 @contextlib.contextmanager
 def settings(**values):
-    """Within the block, trace with these module settings (diag=, rows=, scores=; see SETTINGS),
+    """Within the block, trace with these module settings (diag=, rows=, scores=, cumsum=; see SETTINGS),
     restored afterwards; an unknown key or value raises."""
     table = _settings_table()
     for key, value in values.items():

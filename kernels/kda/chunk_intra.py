@@ -42,15 +42,32 @@ DIAG_MODE = "f32"
 # setting rows=stacked) says otherwise.
 ROW_MODES = ("stacked", "separate")
 ROW_MODE = "separate"
+# How the chunk-local cumsum G of the gates is formed: "scan" (jnp.cumsum; XLA on an H200 lowers
+# it to a two-level reduce-window that ran at 22% of HBM bandwidth, 0.29 ms per call at
+# 4 x 4096 x 16 x 128, benchmarks/results/kda-profile-h200-20261130.json) or "matmul" (a lower-
+# triangular ones matrix times g in float32 at HIGHEST precision, one batched GEMM whose
+# transpose is the backward's reverse cumsum). Same values up to float32 summation order.
+CUMSUM_MODES = ("scan", "matmul")
+CUMSUM_MODE = "scan"
 
 
-def traced_settings() -> tuple[str, str]:
-    """(DIAG_MODE, ROW_MODE), the module settings read while tracing (a jit cache key for the
-    callers that jit); an unknown value raises."""
-    for name, value, allowed in (("DIAG_MODE", DIAG_MODE, DIAG_MODES), ("ROW_MODE", ROW_MODE, ROW_MODES)):
+def traced_settings() -> tuple[str, str, str]:
+    """(DIAG_MODE, ROW_MODE, CUMSUM_MODE), the module settings read while tracing (a jit cache key
+    for the callers that jit); an unknown value raises."""
+    for name, value, allowed in (("DIAG_MODE", DIAG_MODE, DIAG_MODES), ("ROW_MODE", ROW_MODE, ROW_MODES),
+                                 ("CUMSUM_MODE", CUMSUM_MODE, CUMSUM_MODES)):
         if value not in allowed:
             raise ValueError(f"chunk_intra.{name}={value!r}; expected one of {allowed}")
-    return DIAG_MODE, ROW_MODE
+    return DIAG_MODE, ROW_MODE, CUMSUM_MODE
+
+
+def chunk_cumsum(g):
+    """Inclusive cumsum of g [..., C, K] over C, formed as CUMSUM_MODE says."""
+    if traced_settings()[2] == "scan":
+        return jnp.cumsum(g, axis=-2)
+    C = g.shape[-2]
+    tri = jnp.tril(jnp.ones((C, C), g.dtype))  # tri[d, c] = 1 for c <= d
+    return jnp.einsum("dc,...ck->...dk", tri, g, precision=jax.lax.Precision.HIGHEST)
 
 
 def to_chunks(x, C: int = CHUNK):
@@ -229,7 +246,7 @@ def prep(q, k, v, g, beta, counts, *, scale: float, bounded: bool, delta: bool, 
       bv   [.., C, V]  beta * v
     Differentiable by `jax.vjp` (used by the backward pass)."""
     sdt = g.dtype
-    G = jnp.cumsum(g, axis=-2)
+    G = chunk_cumsum(g)
     G_last = G[..., -1, :]
     gam = jnp.exp(G)
     C = G.shape[-2]
