@@ -46,9 +46,13 @@ ROW_MODE = "separate"
 # it to a two-level reduce-window that ran at 22% of HBM bandwidth, 0.29 ms per call at
 # 4 x 4096 x 16 x 128, benchmarks/results/kda-profile-h200-20261130.json) or "matmul" (a lower-
 # triangular ones matrix times g in float32 at HIGHEST precision, one batched GEMM whose
-# transpose is the backward's reverse cumsum). Same values up to float32 summation order.
+# transpose is the backward's reverse cumsum). Same values up to float32 summation order (the
+# matmul was as close to float64 or closer in the tests). On an H200 (chunk_mosaic,
+# benchmarks/results/kda-cumsum-h200-20261130T1228.json) "matmul" took the forward from 4.24 to
+# 4.00 ms at 8 x 4096 x 16 x 128 and from 2.49 to 2.20 at 4 x 4096, forward + backward from
+# 11.51 to 11.20 and 5.87 to 5.86 ms: the default.
 CUMSUM_MODES = ("scan", "matmul")
-CUMSUM_MODE = "scan"
+CUMSUM_MODE = "matmul"
 
 
 def traced_settings() -> tuple[str, str, str]:
