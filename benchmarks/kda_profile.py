@@ -28,8 +28,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks.common import PEAK_TBPS, environment, markdown_table, write_json  # noqa: E402
-from benchmarks.kda import LOWER_BOUND, _check_impl, _decode_inputs, _parse_shapes, make_inputs  # noqa: E402
-from kernels.kda import kda, kda_step  # noqa: E402
+from benchmarks.kda import LOWER_BOUND, _check_impl, chunk_settings, _decode_inputs, _parse_shapes, make_inputs  # noqa: E402
+from kernels.kda import chunk, kda, kda_step  # noqa: E402
 from kernels.kda.ops import STEP_IMPLS  # noqa: E402
 from kimi_jax import profile_summary  # noqa: E402
 
@@ -152,17 +152,18 @@ def profile_call(label: str, fn, args, calls: int, top: int, body_lines: int, fo
 
 
 def kda_call(impl: str, shape):
-    """(fn, args): forward+backward of `kda(..., impl)` (impl may be "<impl>:<scores>") at
+    """(fn, args): forward+backward of `kda(..., impl)` (impl may be "chunk[_mosaic]:<settings>") at
     shape B, T, H, D on benchmarks/kda.py's inputs."""
     x = make_inputs(shape)
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)
     args = (bf(x["q"]), bf(x["k"]), bf(x["v"]), jnp.asarray(x["g"]), jnp.asarray(x["beta"]))
-    name, _, scores = impl.partition(":")
+    name, _, opt = impl.partition(":")
+    settings = chunk_settings(opt) if name in ("chunk", "chunk_mosaic") else {}
     do = bf(x["do"])
 
     def f(q, k, v, g, beta):
-        kw = dict(scores=scores) if scores else {}
-        return kda(q, k, v, g, beta, lower_bound=LOWER_BOUND, impl=name, **kw)[0]
+        with chunk.settings(**settings):  # read while tracing
+            return kda(q, k, v, g, beta, lower_bound=LOWER_BOUND, impl=name)[0]
 
     def fwd_bwd(*a):
         o, vjp = jax.vjp(f, *a)

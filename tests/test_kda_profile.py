@@ -36,3 +36,13 @@ def test_stack_frames_and_fusion_description():
 
 def test_array_bytes():
     assert kp.array_bytes("(bf16[2,3]{1,0}, f32[4]{0}) pred[]") == 2 * 3 * 2 + 4 * 4 + 1
+
+
+def test_kda_call_traces_under_the_named_chunk_settings():
+    """"chunk:cumsum=scan" profiles the gate cumsum as XLA's scan (a reduce-window), the default
+    "chunk" as the triangular matmul: the settings hold while the call is traced."""
+    texts = {}
+    for impl in ("chunk:cumsum=scan", "chunk"):
+        fn, args = kp.kda_call(impl, (1, 64, 1, 16))
+        texts[impl] = jax.jit(fn).lower(*args).as_text()
+    assert "reduce_window" in texts["chunk:cumsum=scan"] and "reduce_window" not in texts["chunk"]
