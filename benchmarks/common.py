@@ -34,6 +34,23 @@ def time_jax(fn, *args, warmup: int = 3, iters: int = 10) -> float:
     return 1e3 * statistics.median(times)
 
 
+def _stream_ms(call, wait, warmup: int, iters: int, bursts: int) -> float:
+    """Median over `bursts` of the mean ms per call of `iters` calls dispatched back to back, one
+    `wait(last output)` at the end of each; an untimed burst runs first."""
+    for _ in range(warmup):
+        wait(call())
+
+    def burst():
+        t0 = time.perf_counter()
+        for _ in range(iters):  # only the newest output is kept: one stream runs the calls in order
+            out = call()
+        wait(out)
+        return 1e3 * (time.perf_counter() - t0) / iters
+
+    burst()
+    return statistics.median(burst() for _ in range(bursts))
+
+
 def time_jax_stream(fn, *args, warmup: int = 3, iters: int = 50, bursts: int = 3) -> float:
     """Median over `bursts` of the mean ms per call of `iters` calls dispatched back to back, one
     wait at the end: the device time of a short kernel, which the per-call `time_jax` (dispatch +
@@ -42,37 +59,14 @@ def time_jax_stream(fn, *args, warmup: int = 3, iters: int = 50, bursts: int = 3
     allocator's pool (synchronous device allocations) for whichever case is timed first."""
     import jax
 
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-
-    def burst():
-        t0 = time.perf_counter()
-        for _ in range(iters):  # only the newest output is kept: one stream runs the calls in order
-            out = fn(*args)
-        jax.block_until_ready(out)
-        return 1e3 * (time.perf_counter() - t0) / iters
-
-    burst()
-    return statistics.median(burst() for _ in range(bursts))
+    return _stream_ms(lambda: fn(*args), jax.block_until_ready, warmup, iters, bursts)
 
 
 def time_torch_stream(fn, *, warmup: int = 3, iters: int = 50, bursts: int = 3) -> float:
     """`time_jax_stream` for a PyTorch callable on the current CUDA device."""
     import torch
 
-    for _ in range(warmup):
-        fn()
-
-    def burst():
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-        return 1e3 * (time.perf_counter() - t0) / iters
-
-    burst()
-    return statistics.median(burst() for _ in range(bursts))
+    return _stream_ms(fn, lambda _: torch.cuda.synchronize(), warmup, iters, bursts)
 
 
 def time_torch(fn, *, warmup: int = 3, iters: int = 10) -> float:

@@ -82,18 +82,10 @@ def stack_frames(hlo_text: str) -> dict[int, list[str]]:
 
 def instructions(hlo_text: str) -> tuple[dict[str, str], dict[str, list[str]]]:
     """(instruction name -> its line, computation name -> its lines) of an HLO module's text."""
-    instrs, comps, comp = {}, {}, None
-    for line in hlo_text.splitlines():
-        head = re.match(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?.*\{\s*$", line)
-        if head and "=" not in line.split("{")[0]:
-            comp = head.group(1)
-            comps[comp] = []
-            continue
-        m = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", line)
-        if m:
-            instrs[m.group(1)] = line.strip()
-            if comp is not None:
-                comps[comp].append(line.strip())
+    instrs, comps = {}, {}
+    for comp, name, rest in profile_summary.hlo_instructions(hlo_text):
+        instrs[name] = line = f"{name} = {rest.strip()}"
+        comps.setdefault(comp, []).append(line)
     return instrs, comps
 
 

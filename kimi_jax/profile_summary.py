@@ -60,25 +60,30 @@ def kernel_kind(kernel: str, hlo_op: str) -> str:
     return "fusion/other"
 
 
-def op_scopes(hlo_text: str) -> dict[str, str]:
-    """HLO instruction name -> op_name metadata, for every instruction of the module; fusions
-    and calls without metadata take the most common op_name of their called computations."""
-    own, calls, comp_ops = {}, {}, collections.defaultdict(list)
+def hlo_instructions(hlo_text: str):
+    """(computation name or None, instruction name, text after "=") for every instruction line of
+    an HLO module's text, in order."""
     comp = None
     for line in hlo_text.splitlines():
         m = _INSTR.match(line)
         if m and not line.rstrip().endswith("{"):
-            name, rest = m.groups()
-            meta = _OPNAME.search(rest)
-            own[name] = meta.group(1) if meta else ""
-            called = [c.strip(" %") for g in _CALLS.findall(rest) for c in g.split(",") if c.strip(" %")]
-            calls[name] = called
-            if comp is not None:
-                comp_ops[comp].append(name)
+            yield comp, m.group(1), m.group(2)
             continue
         c = _COMP.match(line)
         if c and "=" not in line.split("{")[0]:
             comp = c.group(1)
+
+
+def op_scopes(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> op_name metadata, for every instruction of the module; fusions
+    and calls without metadata take the most common op_name of their called computations."""
+    own, calls, comp_ops = {}, {}, collections.defaultdict(list)
+    for comp, name, rest in hlo_instructions(hlo_text):
+        meta = _OPNAME.search(rest)
+        own[name] = meta.group(1) if meta else ""
+        calls[name] = [c.strip(" %") for g in _CALLS.findall(rest) for c in g.split(",") if c.strip(" %")]
+        if comp is not None:
+            comp_ops[comp].append(name)
 
     def resolve(name, depth=0):
         if own.get(name) or depth > 8:
