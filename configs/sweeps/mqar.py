@@ -100,6 +100,20 @@ def trial_config(arg) -> ml_collections.ConfigDict:
     return config
 
 
+def _subset(values, text, arg: str, axis: str, parse, form: str, key=lambda v: v) -> list:
+    """The entries of axis `values` whose key is among the "+"-separated items of `text`, in the
+    axis' order; an item that does not parse (as `form`) or is not on the axis raises."""
+    try:
+        wanted = [parse(item) for item in str(text).split("+")]
+    except ValueError:
+        raise ValueError(f"{arg}={text!r}: expected {form} entries joined by '+'") from None
+    have = [key(v) for v in values]
+    missing = [w for w in wanted if w not in have]
+    if missing:
+        raise ValueError(f"Unknown {arg} in {arg}={text!r}: {missing} not in this variant's {axis} axis {have}")
+    return [v for v in values if key(v) in wanted]
+
+
 def sweep_config(arg) -> ml_collections.ConfigDict:
     sweep = ml_collections.ConfigDict()
     sweep.trial_config = "configs/sweeps/mqar.py"
@@ -149,28 +163,15 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
         sweep.plot = dict(x="steps", line="form", panel="setting")
     if arg.hi_lr:  # Zoology's top lr on top of the variant's (see the docstring)
         sweep.axes.lr = sorted(set(sweep.axes.lr) | {1e-2})
-    if arg.mixers:  # a subset of the mixers, "+"-separated; trials keep the full grid's names
-        wanted = arg.mixers.split("+")
-        unknown = sorted(set(wanted) - set(ABLATION_MIXERS))
-        if unknown:
-            raise ValueError(f"Unknown mixers {unknown} in mixers={arg.mixers!r}; expected of {list(ABLATION_MIXERS)}")
-        sweep.axes.mixer = [m for m in ABLATION_MIXERS if m in wanted]
-    if arg.widths:  # a subset of the widths, "+"-separated; trials keep the full grid's names
-        wanted = [int(w) for w in str(arg.widths).split("+")]
-        missing = sorted(set(wanted) - set(sweep.axes.d_model))
-        if missing:
-            raise ValueError(f"widths={arg.widths!r}: {missing} not in this variant's d_model axis {list(sweep.axes.d_model)}")
-        sweep.axes.d_model = [d for d in sweep.axes.d_model if d in wanted]
-    if arg.settings:  # a subset of the (L, K) settings, "LxK" "+"-separated, e.g. 512x64+256x16
-        have = {(d["seq_len"], d["num_kv_pairs"]): d for d in sweep.axes.setting}
-        try:
-            wanted = [tuple(int(n) for n in item.split("x")) for item in str(arg.settings).split("+")]
-        except ValueError:
-            raise ValueError(f"settings={arg.settings!r}: expected LxK entries joined by '+', e.g. 512x64+256x16") from None
-        missing = [w for w in wanted if w not in have]
-        if missing:
-            raise ValueError(f"settings={arg.settings!r}: {missing} not in this variant's settings {sorted(have)}")
-        sweep.axes.setting = [d for key, d in have.items() if key in wanted]
+    # Subsets of an axis, "+"-separated; the trials keep the full grid's names.
+    if arg.mixers:
+        sweep.axes.mixer = _subset(sweep.axes.mixer, arg.mixers, "mixers", "mixer", str, "mixer names")
+    if arg.widths:
+        sweep.axes.d_model = _subset(sweep.axes.d_model, arg.widths, "widths", "d_model", int, "integer")
+    if arg.settings:  # e.g. 512x64+256x16
+        sweep.axes.setting = _subset(sweep.axes.setting, arg.settings, "settings", "settings",
+                                     lambda item: tuple(int(n) for n in item.split("x")), "LxK",
+                                     key=lambda d: (d["seq_len"], d["num_kv_pairs"]))
     if arg.tiny:  # 2 trials in seconds on CPU: softmax, width 16, 2 learning rates
         sweep.axes.mixer = ["softmax"]
         sweep.axes.d_model = [16]
