@@ -26,12 +26,16 @@ TILE = 16
 SAFE_LOWER_BOUND = -5.0
 # The bounded path's diagonal tiles for bf16/f16 inputs (both score formulations): "f32"
 # (HIGHEST-precision float32 products; on an H200 XLA runs them on CUDA cores, ~0.7 ms per KDA
-# layer of the 1.3B train step) or "split" (hi/lo split of both operands in the compute dtype,
-# three tensor-core products with float32 accumulation, forward and backward). Plain bf16
-# operands would give dg errors of 0.02-0.03 against the reference (tolerance 0.02). "split" was
-# slower on an H200 (train step 467 vs 457 ms, benchmarks/results/train-diag-h200-20261130T0350.json):
-# the three 16x16 products and the splitting cost more bytes than the CUDA-core matmul.
-DIAG_MODES = ("f32", "split")
+# layer of the 1.3B train step), "split" (hi/lo split of both operands in the compute dtype,
+# three tensor-core products with float32 accumulation, forward and backward), or "bf16x3" /
+# "bf16x6" (XLA's dot algorithms BF16_BF16_F32_X3 / _X6: the same split done inside one
+# tensor-core GEMM, so the parts never reach memory; X3 forms the three products of "split", X6
+# six, about float32 accuracy). Plain bf16 operands would give dg errors of 0.02-0.03 against the
+# reference (tolerance 0.02). "split" was slower on an H200 (train step 467 vs 457 ms,
+# benchmarks/results/train-diag-h200-20261130T0350.json): the three 16x16 products and the
+# splitting cost more bytes than the CUDA-core matmul. XLA on CPU runs the bf16xN algorithms as
+# float32 products.
+DIAG_MODES = ("f32", "split", "bf16x3", "bf16x6")
 DIAG_MODE = "f32"
 # How the dense formulation scores its rows (q and, for the delta rule, k) against the shared
 # column side: "stacked" (both row tiles in one product of 2 x 16 rows, so the backward forms one
@@ -51,7 +55,10 @@ ROW_MODE = "separate"
 # benchmarks/results/kda-cumsum-h200-20261130T1228.json) "matmul" took the forward from 4.24 to
 # 4.00 ms at 8 x 4096 x 16 x 128 and from 2.49 to 2.20 at 4 x 4096, forward + backward from
 # 11.51 to 11.20 and 5.87 to 5.86 ms: the default.
-CUMSUM_MODES = ("scan", "matmul")
+# "matmul_bf16x6" is the same matmul as XLA's BF16_BF16_F32_X6 dot algorithm (g split into three
+# bf16 parts inside one tensor-core GEMM; the ones matrix is exact in bf16, so about float32's
+# precision) instead of a float32 GEMM on CUDA cores.
+CUMSUM_MODES = ("scan", "matmul", "matmul_bf16x6")
 CUMSUM_MODE = "matmul"
 
 
@@ -71,7 +78,10 @@ def chunk_cumsum(g):
         return jnp.cumsum(g, axis=-2)
     C = g.shape[-2]
     tri = jnp.tril(jnp.ones((C, C), g.dtype))  # tri[d, c] = 1 for c <= d
-    return jnp.einsum("dc,...ck->...dk", tri, g, precision=jax.lax.Precision.HIGHEST)
+    prec = jax.lax.Precision.HIGHEST
+    if CUMSUM_MODE == "matmul_bf16x6" and g.dtype == jnp.float32:
+        prec = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6
+    return jnp.einsum("dc,...ck->...dk", tri, g, precision=prec)
 
 
 def to_chunks(x, C: int = CHUNK):
@@ -139,7 +149,7 @@ def decayed_scores(rows, k, G, *, bounded: bool, mm, cd=None):
         if bounded and cd is not None and diag_split(cd, a_hat.dtype):
             d = _diag_split(a_hat, kt_hat, jnp.dtype(cd))
         elif bounded:
-            d = jnp.einsum("...ird,...icd->...irc", a_hat, kt_hat, precision=jax.lax.Precision.HIGHEST)
+            d = jnp.einsum("...ird,...icd->...irc", a_hat, kt_hat, precision=diag_precision(cd, a_hat.dtype))
         else:
             d = jnp.concatenate([_diag_tiles(at[..., x * TILE:(x + 1) * TILE, :], kt, Gt)
                                  for x in range(len(group))], axis=-2)
@@ -155,12 +165,27 @@ def diag_split(cd, sdt) -> bool:
     return traced_settings()[0] == "split" and jnp.dtype(cd).itemsize < jnp.dtype(sdt).itemsize
 
 
+_DIAG_ALGORITHMS = {"bf16x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
+                    "bf16x6": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6}
+
+
+def diag_precision(cd, sdt):
+    """The precision of the bounded diagonal tiles' state-dtype products when they are not split
+    by hand: `DIAG_MODE`'s dot algorithm for float32 state and a narrower compute dtype `cd`
+    (None: q's dtype is the state dtype), else HIGHEST."""
+    mode = traced_settings()[0]
+    narrow = cd is not None and jnp.dtype(cd).itemsize < jnp.dtype(sdt).itemsize
+    if mode in _DIAG_ALGORITHMS and narrow and jnp.dtype(sdt) == jnp.float32:
+        return _DIAG_ALGORITHMS[mode]
+    return jax.lax.Precision.HIGHEST
+
+
 def diag_product(spec, x, y, cd):
-    """einsum(spec, x, y) of state-dtype operands: HIGHEST precision, or (`diag_split`) the sum
+    """einsum(spec, x, y) of state-dtype operands: at `diag_precision`, or (`diag_split`) the sum
     xh yh + xh yl + xl yh of their hi/lo parts in the compute dtype `cd`, accumulated in x's dtype."""
     sdt = x.dtype
     if not diag_split(cd, sdt):
-        return jnp.einsum(spec, x, y, precision=jax.lax.Precision.HIGHEST)
+        return jnp.einsum(spec, x, y, precision=diag_precision(cd, sdt))
     mm = functools.partial(jnp.einsum, preferred_element_type=sdt)
     xh, yh = x.astype(cd), y.astype(cd)
     xl, yl = (x - xh.astype(sdt)).astype(cd), (y - yh.astype(sdt)).astype(cd)

@@ -45,9 +45,11 @@ def make_inputs(rng, B, T, H, K, V, gate="channel", lower=-1.0, seg=None, g_fill
     return q, k, v, g, beta, h0, segment_ids
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "lower_bound", "has_seg"))
-def _fwd_bwd(q, k, v, g, beta, h0, seg, do, dS, *, impl, lower_bound, has_seg):
-    """(o, S) and the gradients of <o, do> + <S, dS> w.r.t. q, k, v, g, beta, h0."""
+@functools.partial(jax.jit, static_argnames=("impl", "lower_bound", "has_seg", "traced"))
+def _fwd_bwd(q, k, v, g, beta, h0, seg, do, dS, *, impl, lower_bound, has_seg, traced):
+    """(o, S) and the gradients of <o, do> + <S, dS> w.r.t. q, k, v, g, beta, h0. `traced`: the
+    module settings read while tracing (`_traced()`), so a program is never reused under others."""
+    del traced
 
     def run(q, k, v, g, beta, h0):
         return kda(
@@ -67,6 +69,12 @@ def _fwd_bwd(q, k, v, g, beta, h0, seg, do, dS, *, impl, lower_bound, has_seg):
     return o, S, vjp((do.astype(o.dtype), dS.astype(S.dtype)))
 
 
+def _traced():
+    from kernels.kda import chunk, chunk_intra
+
+    return chunk_intra.traced_settings() + (chunk.DEFAULT_SCORES,)
+
+
 def compare(rng, inputs, tol, lower_bound=None, dtype=jnp.float32):
     """chunk in `dtype` vs naive in float32 on the same (rounded) inputs; all outputs and grads."""
     q, k, v, g, beta, h0, seg = inputs
@@ -75,7 +83,7 @@ def compare(rng, inputs, tol, lower_bound=None, dtype=jnp.float32):
     up = lambda x: jnp.asarray(x, jnp.float32)
     do = rng.standard_normal(q.shape[:3] + (v.shape[-1],)).astype(np.float32)
     dS = rng.standard_normal(h0.shape).astype(np.float32)
-    common = dict(lower_bound=lower_bound, has_seg=seg is not None)
+    common = dict(lower_bound=lower_bound, has_seg=seg is not None, traced=_traced())
     seg_j = jnp.zeros(q.shape[:2], jnp.int32) if seg is None else jnp.asarray(seg)
     ref = _fwd_bwd(up(qc), up(kc), up(vc), g, beta, h0, seg_j, do, dS, impl="naive", **common)
     out = _fwd_bwd(qc, kc, vc, g, beta, h0, seg_j, do, dS, impl="chunk", **common)
@@ -313,12 +321,16 @@ def test_diag_mode_is_part_of_the_jit_cache_key(monkeypatch):
         return str(jax.make_jaxpr(jax.grad(lambda q, g: f(q, g).astype(jnp.float32).sum(), (0, 1)))(q, g))
 
     texts = {}
-    for mode in ("f32", "split", "f32"):
+    for mode in ("f32", "split", "f32", "bf16x3", "bf16x6"):
         monkeypatch.setattr(chunk_intra, "DIAG_MODE", mode)
         texts.setdefault(mode, []).append(trace())
     assert texts["f32"][0] == texts["f32"][1]
     assert texts["split"][0] != texts["f32"][0]
     assert texts["split"][0].count("HIGHEST") < texts["f32"][0].count("HIGHEST")
+    for mode, algorithm in (("bf16x3", "BF16_BF16_F32_X3"), ("bf16x6", "BF16_BF16_F32_X6")):
+        # the diagonal tiles' forward product and both of its transposes take the dot algorithm
+        assert texts[mode][0].count(algorithm) >= 3, mode
+        assert texts[mode][0].count("HIGHEST") < texts["f32"][0].count("HIGHEST")
     monkeypatch.setattr(chunk_intra, "DIAG_MODE", "bf16")
     with pytest.raises(ValueError, match="DIAG_MODE"):
         trace()
@@ -326,7 +338,8 @@ def test_diag_mode_is_part_of_the_jit_cache_key(monkeypatch):
 
 @pytest.mark.parametrize("name, modes, lower", [("ROW_MODE", ("stacked", "separate"), -5.0),
                                                 ("ROW_MODE", ("stacked", "separate"), None),
-                                                ("CUMSUM_MODE", ("matmul", "scan"), -5.0)])
+                                                ("CUMSUM_MODE", ("matmul", "scan"), -5.0),
+                                                ("CUMSUM_MODE", ("matmul_bf16x6", "scan"), -5.0)])
 def test_traced_modes_give_the_same_values(rng, monkeypatch, name, modes, lower):
     """chunk_intra.ROW_MODE "stacked" (q and k row tiles in one product) gives the values and
     gradients of "separate" (float32: the same sums), on the bounded and the exact path; so does
@@ -396,3 +409,24 @@ def test_settings_context_sets_and_restores_the_traced_module_settings():
             with chunk.settings(**bad):
                 pass
     assert now() == before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("setting", [dict(diag="bf16x3"), dict(diag="bf16x6"), dict(cumsum="matmul_bf16x6")])
+def test_gpu_tensor_core_algorithms_keep_float32_accuracy(rng, setting):
+    """On a GPU, where XLA runs the BF16_BF16_F32_X3/X6 dot algorithms on the tensor cores (CPU
+    runs them as float32 products): bf16 inputs, K = V = 128, resets, every output and gradient
+    within the bf16 tolerances and as close to the reference as the default settings' (float32
+    diagonal tiles and cumsum)."""
+    from kernels.kda import chunk
+
+    inputs = make_inputs(rng, 1, 1024, 4, 128, 128, "channel", lower=-5.0, seg="random")
+    errs = {}
+    for name, values in (("default", {}), ("setting", setting)):
+        with chunk.settings(**values):
+            ref, out = compare(np.random.default_rng(1), inputs, BF16_TOL, lower_bound=-5.0, dtype=jnp.bfloat16)
+        errs[name] = [float(np.sqrt(np.mean((np.asarray(r, np.float64) - np.asarray(x, np.float64)) ** 2)) /
+                            np.sqrt(np.mean(np.asarray(r, np.float64) ** 2)))
+                      for r, x in zip((ref[0], ref[1], *ref[2]), (out[0], out[1], *out[2])) if r is not None]
+    for base, got in zip(errs["default"], errs["setting"]):
+        assert got <= 1.1 * base + 2e-4, errs

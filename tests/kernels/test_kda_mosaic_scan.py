@@ -15,7 +15,7 @@ import pytest
 from kernels.kda import chunk, mosaic_scan
 from kernels.kda.chunk import _Numerics, _grad_scan, _state_scan
 from kernels.testing import assert_close
-from tests.kernels.test_kda_chunk import BF16_TOL, F32_TOL, GRADS, _fwd_bwd, make_inputs
+from tests.kernels.test_kda_chunk import BF16_TOL, F32_TOL, GRADS, _fwd_bwd, _traced, make_inputs
 
 
 def _compare(rng, inputs, tol, lower_bound, dtype, impls=("naive", "chunk_mosaic")):
@@ -25,7 +25,7 @@ def _compare(rng, inputs, tol, lower_bound, dtype, impls=("naive", "chunk_mosaic
     up = lambda x: jnp.asarray(cast(x), jnp.float32) if impls[0] == "naive" else cast(x)
     do = rng.standard_normal(q.shape[:3] + (v.shape[-1],)).astype(np.float32)
     dS = rng.standard_normal(h0.shape).astype(np.float32)
-    common = dict(lower_bound=lower_bound, has_seg=seg is not None)
+    common = dict(lower_bound=lower_bound, has_seg=seg is not None, traced=_traced())
     seg_j = jnp.zeros(q.shape[:2], jnp.int32) if seg is None else jnp.asarray(seg)
     ref = _fwd_bwd(up(q), up(k), up(v), g, beta, h0, seg_j, do, dS, impl=impls[0], **common)
     out = _fwd_bwd(cast(q), cast(k), cast(v), g, beta, h0, seg_j, do, dS, impl=impls[1], **common)
