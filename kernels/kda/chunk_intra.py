@@ -34,9 +34,12 @@ SAFE_LOWER_BOUND = -5.0
 # reference (tolerance 0.02). "split" was slower on an H200 (train step 467 vs 457 ms,
 # benchmarks/results/train-diag-h200-20261130T0350.json): the three 16x16 products and the
 # splitting cost more bytes than the CUDA-core matmul. XLA on CPU runs the bf16xN algorithms as
-# float32 products.
+# float32 products. On an H200 at 8 x 4096 x 16 x 128 (chunk_mosaic, one run,
+# benchmarks/results/kda-diagalg-h200-20261130T1315.json), forward / forward + backward: "f32"
+# 4.10 / 11.29 ms, "bf16x3" 3.93 / 10.96, "bf16x6" 3.98 / 11.15; with CUMSUM_MODE "matmul_bf16x6"
+# too 3.79 / 10.96 (the defaults). The GPU tests hold every error at or under the "f32" one's.
 DIAG_MODES = ("f32", "split", "bf16x3", "bf16x6")
-DIAG_MODE = "f32"
+DIAG_MODE = "bf16x3"
 # How the dense formulation scores its rows (q and, for the delta rule, k) against the shared
 # column side: "stacked" (both row tiles in one product of 2 x 16 rows, so the backward forms one
 # gradient of the column side instead of two that are then added) or "separate" (one product per
@@ -57,9 +60,9 @@ ROW_MODE = "separate"
 # 11.51 to 11.20 and 5.87 to 5.86 ms: the default.
 # "matmul_bf16x6" is the same matmul as XLA's BF16_BF16_F32_X6 dot algorithm (g split into three
 # bf16 parts inside one tensor-core GEMM; the ones matrix is exact in bf16, so about float32's
-# precision) instead of a float32 GEMM on CUDA cores.
+# precision) instead of a float32 GEMM on CUDA cores: the default (see DIAG_MODES' timings).
 CUMSUM_MODES = ("scan", "matmul", "matmul_bf16x6")
-CUMSUM_MODE = "matmul"
+CUMSUM_MODE = "matmul_bf16x6"
 
 
 def traced_settings() -> tuple[str, str, str]:
