@@ -285,10 +285,11 @@ def _settings_table():
     return {"diag": (chunk_intra, "DIAG_MODE", chunk_intra.DIAG_MODES),
             "rows": (chunk_intra, "ROW_MODE", chunk_intra.ROW_MODES),
             "cumsum": (chunk_intra, "CUMSUM_MODE", chunk_intra.CUMSUM_MODES),
+            "scores_bwd": (chunk_intra, "SCORES_BWD", chunk_intra.SCORES_BWD_MODES),
             "scores": (sys.modules[__name__], "DEFAULT_SCORES", SCORES)}
 
 
-SETTINGS = ("diag", "rows", "scores", "cumsum")
+SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd")
 
 
 def setting_values(key: str) -> tuple:
@@ -298,7 +299,7 @@ def setting_values(key: str) -> tuple:
 
 @contextlib.contextmanager
 def settings(**values):
-    """Within the block, trace with these module settings (diag=, rows=, scores=, cumsum=; see SETTINGS),
+    """Within the block, trace with these module settings (diag=, rows=, scores=, cumsum=, scores_bwd=; see SETTINGS),
     restored afterwards; an unknown key or value raises."""
     table = _settings_table()
     for key, value in values.items():

@@ -65,14 +65,24 @@ CUMSUM_MODES = ("scan", "matmul", "matmul_bf16x6")
 CUMSUM_MODE = "matmul_bf16x6"
 
 
-def traced_settings() -> tuple[str, str, str]:
-    """(DIAG_MODE, ROW_MODE, CUMSUM_MODE), the module settings read while tracing (a jit cache key
-    for the callers that jit); an unknown value raises."""
+# The backward of the dense scores on the bounded path for bf16 inputs: "xla" (autodiff of
+# `decayed_scores`: the per-tile anchored float32 copies of k and of the rows and their gradients
+# pass through HBM) or "mosaic" (`mosaic_scores_bwd`: a Mosaic GPU kernel builds them in SMEM;
+# "interpret" runs it under the Mosaic GPU interpreter, for CPU tests). Other calls (float32 or
+# float16 inputs, unbounded gates, K not a multiple of 64, scores="tiled") always take "xla".
+SCORES_BWD_MODES = ("xla", "mosaic", "interpret")
+SCORES_BWD = "xla"
+
+
+def traced_settings() -> tuple[str, str, str, str]:
+    """(DIAG_MODE, ROW_MODE, CUMSUM_MODE, SCORES_BWD), the module settings read while tracing (a
+    jit cache key for the callers that jit); an unknown value raises."""
     for name, value, allowed in (("DIAG_MODE", DIAG_MODE, DIAG_MODES), ("ROW_MODE", ROW_MODE, ROW_MODES),
-                                 ("CUMSUM_MODE", CUMSUM_MODE, CUMSUM_MODES)):
+                                 ("CUMSUM_MODE", CUMSUM_MODE, CUMSUM_MODES),
+                                 ("SCORES_BWD", SCORES_BWD, SCORES_BWD_MODES)):
         if value not in allowed:
             raise ValueError(f"chunk_intra.{name}={value!r}; expected one of {allowed}")
-    return DIAG_MODE, ROW_MODE, CUMSUM_MODE
+    return DIAG_MODE, ROW_MODE, CUMSUM_MODE, SCORES_BWD
 
 
 def chunk_cumsum(g):
@@ -298,6 +308,10 @@ def prep(q, k, v, g, beta, counts, *, scale: float, bounded: bool, delta: bool, 
 
         A = tiled_scores(qf, kf, G, scale, delta, bounded, jnp.dtype(q.dtype if cd is None else cd), prec)
         scores = [A[..., x, :, :] for x in range(A.shape[-3])]
+    elif scores == "dense" and bounded and _kernel_scores_bwd(q.dtype if cd is None else cd, q.shape[-1]):
+        from kernels.kda import mosaic_scores_bwd
+
+        scores = mosaic_scores_bwd.dense_scores(qf, kf, G, scale, delta, mm, traced_settings()[3] == "interpret")
     elif scores == "dense":
         rows = [qf * scale, kf] if delta else [qf * scale]
         scores = decayed_scores(rows, kf, G, bounded=bounded, mm=mm, cd=jnp.dtype(q.dtype if cd is None else cd))
@@ -316,6 +330,11 @@ def prep(q, k, v, g, beta, counts, *, scale: float, bounded: bool, delta: bool, 
         out["kgam"] = keep(beta[..., None] * kf * gam, z)
         out["bv"] = beta[..., None] * v.astype(sdt)
     return out
+
+
+def _kernel_scores_bwd(cd, K: int) -> bool:
+    """Whether the dense scores' backward runs as the Mosaic GPU kernel (`SCORES_BWD`)."""
+    return traced_settings()[3] != "xla" and jnp.dtype(cd) == jnp.bfloat16 and K % 64 == 0
 
 
 def unit_lower_inverse(L, precision):
