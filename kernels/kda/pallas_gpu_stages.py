@@ -28,7 +28,8 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from kernels.kda import chunk, kda, mosaic_intra, mosaic_intra_bf16, mosaic_state, pallas_gpu, pallas_gpu_prep
+from kernels.kda import (chunk, chunk_intra, kda, mosaic_intra, mosaic_intra_bf16, mosaic_scores_bwd, mosaic_state,
+                         pallas_gpu, pallas_gpu_prep)
 from kernels.kda.chunk_intra import SCORES, to_chunks
 
 LOWER_BOUND = -5.0
@@ -144,6 +145,19 @@ def _chunk_stages(rec, q, k, v, g, beta, scale):
         return pull(jax.tree.map(jnp.ones_like, Pb))
 
     rec("chunk.bwd piece: prep recompute + vjp", lambda *a: prep_vjp(*a, scores="dense"), *args)
+    kernel_mode = "interpret" if pallas_gpu._device_kind() == "cpu" else "mosaic"
+
+    def prep_vjp_kernel(*a):
+        with chunk.settings(scores_bwd=kernel_mode):
+            return prep_vjp(*a, scores="dense")
+
+    rec("chunk.bwd piece: prep recompute + vjp, scores_bwd kernel", prep_vjp_kernel, *args)
+    flat = lambda x: x.reshape(x.shape[0], B * H, *x.shape[3:])
+    dA = jnp.tril(jnp.ones((cq.shape[0], B * H, 2, cq.shape[-2], cq.shape[-2]), jnp.float32))
+    rec("mosaic_scores_bwd kernel alone",
+        lambda q, k, g, dA: mosaic_scores_bwd.scores_bwd_kernel(q, k, chunk_intra.chunk_cumsum(g), dA, dA, scale=scale,
+                                                                interpret=kernel_mode == "interpret"),
+        flat(cq), flat(ck), flat(cg), dA)
     rec("chunk.prep (new) recompute + vjp (tiled scores)", lambda *a: prep_vjp(*a, scores="tiled"), *args)
     dvi = jnp.ones(vn.shape, nm.sdt)
     rec("chunk.bwd piece: reverse state scan",
