@@ -21,6 +21,7 @@ fed with the real outputs of the stages before it, and timed (mean ms of `iters`
 
 from __future__ import annotations
 
+import datetime
 import json
 import time
 import traceback
@@ -234,12 +235,13 @@ def run_stages(shape, *, warmup=2, iters=5, only=None, out=None):
     contains one of the strings in `only`, if given). Returns a JSON-able dict, also written to
     `out` after every stage (a run cut short keeps what it measured)."""
     t0 = time.perf_counter()
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     q, k, v, g, beta = _inputs(*shape)
     scale = shape[-1] ** -0.5
     d = jax.devices()[0]
 
     def result(rows):
-        return dict(shape=list(shape), dtype="bfloat16", lower_bound=LOWER_BOUND, warmup=warmup, iters=iters,
+        return dict(date=started, shape=list(shape), dtype="bfloat16", lower_bound=LOWER_BOUND, warmup=warmup, iters=iters,
                     device=getattr(d, "device_kind", str(d)), platform=d.platform, jax=jax.__version__,
                     wall_s=time.perf_counter() - t0, stages=rows)
 
