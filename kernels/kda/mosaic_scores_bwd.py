@@ -16,14 +16,16 @@ the outer factors is <= 0, and the inner ones are <= 15 * 5 = 75 (the bounded-ga
 The XLA pull-back of the dense scores materialises the per-tile anchored copies of k and a_x and
 their gradients in float32 (about 4.5 copies of k each way); this kernel builds them in SMEM.
 
-One program per (chunk, batch*head, 64 key channels). Per row tile i, the anchored column
-operand Ka_i = k exp(a_i - G) (zero past tile i) goes through one wgmma with N = 16:
-P^T[:, tile i] += Ka_i^T dA_x[tile i, :]^T; per column tile j, the anchored row operand
-Ab_x,j = a_x exp(G - b_j) (zero before tile j): Q^T[:, tile j] += Ab_x,j^T dA_x^T[tile j, :]^T.
-Both operands are split into bf16 hi + lo parts and multiplied hi*hi + hi*lo + lo*hi (about
-float32 accuracy, which the gate gradient needs). The kernel writes P^T and Q^T ([K, C] per chunk,
-float32); `dense_scores`' VJP applies the outer factors and forms dG in XLA, where they fuse
-with the transposes back to the token layout.
+One program per (chunk, batch*head, 64 key channels, row operand x), about 100 KiB of SMEM so
+two share an SM. Per tile i, the anchored column operand Ka_i = k exp(a_i - G) (zero past tile
+i) goes through wgmmas with N = 16: P_x^T[:, tile i] += Ka_i^T dA_x[tile i, :]^T; and the
+anchored row operand Ab_x,i = a_x exp(G - b_i) (zero before tile i):
+Q_x^T[:, tile i] += Ab_x,i^T dA_x^T[tile i, :]^T. Both operands are split into bf16 hi + lo
+parts and multiplied hi*hi + hi*lo + lo*hi against the cotangents' hi + lo parts (split by XLA),
+about float32 accuracy, which the gate gradient needs. The tile anchors come from XLA too (no
+cross-warp reductions in the kernel). The kernel writes P_x^T and Q_x^T ([K, C] per chunk,
+float32); `dense_scores`' VJP sums Q over x, applies the outer factors and forms dG in XLA,
+where they fuse with the transposes back to the token layout.
 """
 
 from __future__ import annotations
@@ -45,30 +47,27 @@ NB = C // TILE  # 16-row tiles per chunk
 _W = plgpu.Layout.WGMMA
 
 
-def _body(q_ref, k_ref, G_ref, dA_ref, dAT_ref, p_ref, qc_ref, *scratch, X, scale, dt):
-    q_s, k_s, G_s, dAs_s, dATs_s, stage, bars = scratch
-    (dA_f, dAT_f), (op_s, op2_s), out_s = stage
-    n, bh, kh = lax.axis_index("n"), lax.axis_index("bh"), lax.axis_index("kh")
+def _body(q_ref, k_ref, G_ref, an_ref, dA_ref, dAT_ref, p_ref, qc_ref, *scratch, X, scale, dt):
+    a_s, k_s, G_s, an_s, ops, stage, bars = scratch
+    (dAs_s, dATs_s), out_s = stage
+    op_s, op2_s = ops
+    n, bh, kx = lax.axis_index("n"), lax.axis_index("bh"), lax.axis_index("kx")
+    kh, x = lax.div(kx, X), lax.rem(kx, X)
     ks = pl.ds(kh * KB, KB)
-    srcs = ((q_ref.at[n, bh, :, ks], q_s), (k_ref.at[n, bh, :, ks], k_s), (G_ref.at[n, bh, :, ks], G_s))
-    srcs += tuple((ref.at[n, bh, x], dst.at[x]) for x in range(X) for ref, dst in ((dA_ref, dA_f), (dAT_ref, dAT_f)))
-    for i, (src, dst) in enumerate(srcs):  # one copy per tile: TMA strides at most 5 dimensions
+    srcs = [(k_ref.at[n, bh, :, ks], k_s), (G_ref.at[n, bh, :, ks], G_s), (an_ref.at[n, bh, :, ks], an_s)]
+    srcs += [(ref.at[n, bh, x, part], dst.at[part]) for part in range(2) for ref, dst in ((dA_ref, dAs_s),
+                                                                                       (dAT_ref, dATs_s))]
+    srcs += [(q_ref.at[n, bh, :, ks], a_s)]
+    for i, (src, dst) in enumerate(srcs):  # one 2D tile per copy
         plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
     f32 = jnp.float32
+    for i in range(len(srcs)):
+        plgpu.barrier_wait(bars.at[i])
 
-    # The cotangents as bf16 hi + lo tiles (their float32 staging is then free for the operands).
-    for i in range(3, len(srcs)):
-        plgpu.barrier_wait(bars.at[i])
-    for x in range(X):
-        _split_store(plgpu.load(dA_f.at[x], layout=_W), dAs_s.at[x, 0], dAs_s.at[x, 1], dt)
-        _split_store(plgpu.load(dAT_f.at[x], layout=_W), dATs_s.at[x, 0], dATs_s.at[x, 1], dt)
-    for i in range(3):
-        plgpu.barrier_wait(bars.at[i])
-    G = plgpu.load(G_s, layout=_W)  # [C, KB]
     rows = plgpu.broadcasted_iota(jnp.int32, (C, KB), 0, layout=_W)
-    row_of = lambda r: jnp.sum(jnp.where(rows == r, G, 0.0), axis=0)  # [KB]: G at row r
-    first = [row_of(TILE * i) for i in range(NB)]
-    last = [row_of(TILE * i + TILE - 1) for i in range(NB)]
+    vec = lambda i: plgpu.load(an_s.at[i], layout=_W.reduce(0))  # [KB]: G at tile i's first (i < NB) or last row
+    first = [vec(i) for i in range(NB)]
+    last = [vec(NB + i) for i in range(NB)]
 
     def per_block(fn):
         """[C, KB] array whose rows in tile I hold the vector fn(I) (None: zeros)."""
@@ -79,11 +78,11 @@ def _body(q_ref, k_ref, G_ref, dA_ref, dAT_ref, p_ref, qc_ref, *scratch, X, scal
             out = v if out is None else jnp.where(rows < (I + 1) * TILE, v, out)
         return out
 
-    Ea = jnp.exp(per_block(lambda I: first[I]) - G)  # exp(G_{a(c)} - G_c), in [1, e^75]
-    Eb = jnp.exp(G - per_block(lambda I: last[I]))  # exp(G_r - G_{b(r)}), in [1, e^75]
+    G = plgpu.load(G_s, layout=_W)  # [C, KB]
     kf = plgpu.load(k_s, layout=_W).astype(f32)
-    a = [plgpu.load(q_s, layout=_W).astype(f32) * scale, kf][:X]
-    plgpu.commit_smem()  # the split cotangents are visible to the tensor cores
+    # The row operand a_x: scale q (x = 0) or k (x = 1), blended by a 0/1 weight.
+    w = lax.broadcast_in_dim((x == 0).astype(f32), (C, KB), ())
+    a = plgpu.load(a_s, layout=_W).astype(f32) * scale * w + kf * (1.0 - w)
 
     def split_products(acc, op, cot, blk):
         """acc[:, blk] += op^T cot[blk]^T with both operands as hi + lo parts (three wgmmas)."""
@@ -93,78 +92,72 @@ def _body(q_ref, k_ref, G_ref, dA_ref, dAT_ref, p_ref, qc_ref, *scratch, X, scal
         plgpu.wgmma(acc.at[:, blk], opT[0], cotT[1])
         plgpu.wgmma(acc.at[:, blk], opT[1], cotT[0])
 
-    def row_side(*accs):
+    def products(acc_p, acc_q):
+        Ea = kf * jnp.exp(per_block(lambda I: first[I]) - G)  # k_c exp(G_{a(c)} - G_c), factor in [1, e^75]
+        Eb = a * jnp.exp(G - per_block(lambda I: last[I]))  # a_r exp(G_r - G_{b(r)}), factor in [1, e^75]
         for i in range(NB):
             if i:
-                plgpu.wgmma_wait(0)  # the previous tile's products have read op_s
-            Ka = kf * Ea * per_block(lambda J: None if J > i else jnp.exp(first[i] - first[J]))
-            _split_store(Ka, op_s.at[0], op_s.at[1], dt)
+                plgpu.wgmma_wait(0)  # the previous tile's products have read op_s and op2_s
+            blk = pl.ds(i * TILE, TILE)
+            # Row tile i: k_c exp(G_{a_i} - G_c) for c up to tile i's end.
+            _split_store(Ea * per_block(lambda J: None if J > i else jnp.exp(first[i] - first[J])),
+                         op_s.at[0], op_s.at[1], dt)
+            # Column tile i: a_r exp(G_r - G_{b_i}) for r from tile i's start.
+            _split_store(Eb * per_block(lambda I: None if I < i else jnp.exp(last[I] - last[i])),
+                         op2_s.at[0], op2_s.at[1], dt)
             plgpu.commit_smem()
-            for x in range(X):
-                split_products(accs[x], op_s, dAs_s.at[x], pl.ds(i * TILE, TILE))
-        return tuple(acc[...] for acc in accs)
+            split_products(acc_p, op_s, dAs_s, blk)
+            split_products(acc_q, op2_s, dATs_s, blk)
+        plgpu.wgmma_wait(0)
+        return acc_p[...], acc_q[...]
 
-    def col_side(acc):
-        for j in range(NB):
-            if j:
-                plgpu.wgmma_wait(0)
-            fac = Eb * per_block(lambda I: None if I < j else jnp.exp(last[I] - last[j]))
-            for x in range(X):
-                _split_store(a[x] * fac, op2_s.at[x, 0], op2_s.at[x, 1], dt)
-            plgpu.commit_smem()
-            for x in range(X):
-                split_products(acc, op2_s.at[x], dATs_s.at[x], pl.ds(j * TILE, TILE))
-        return acc[...]
-
-    P = pl.run_scoped(row_side, *[plgpu.ACC((KB, C), f32)] * X)
-    Q = pl.run_scoped(col_side, plgpu.ACC((KB, C), f32))
-    for x in range(X):
-        out_s.at[x][...] = P[x]
-    out_s.at[X][...] = Q
+    P, Q = pl.run_scoped(products, plgpu.ACC((KB, C), f32), plgpu.ACC((KB, C), f32))
+    out_s.at[0][...] = P  # the cotangent tiles are dead: their SMEM takes the results
+    out_s.at[1][...] = Q
     plgpu.commit_smem()
-    for x in range(X):
-        plgpu.copy_smem_to_gmem(out_s.at[x], p_ref.at[n, bh, x, ks])
-    plgpu.copy_smem_to_gmem(out_s.at[X], qc_ref.at[n, bh, ks])
+    plgpu.copy_smem_to_gmem(out_s.at[0], p_ref.at[n, bh, x, ks])
+    plgpu.copy_smem_to_gmem(out_s.at[1], qc_ref.at[n, bh, x, ks])
     plgpu.wait_smem_to_gmem(0)
 
 
-def scores_bwd_kernel(q, k, G, dA, dAT, *, scale, interpret=False):
-    """The kernel's inner sums. q, k [N, BH, C, K] (bf16); G [N, BH, C, K] float32; dA, dAT
-    [N, BH, X, C, C] float32 (dA_x and its transpose; zero above the diagonal).
-    Returns (P^T [N, BH, X, K, C], Q^T [N, BH, K, C]) float32: P_x[r] = sum_c dA_x[r, c] k_c
-    exp(G_{a(r)} - G_c), Q[c] = sum_x sum_r dA_x[r, c] a_x,r exp(G_r - G_{b(c)})."""
+def scores_bwd_kernel(q, k, G, anchors, dA, dAT, *, scale, interpret=False):
+    """The kernel's inner sums. q, k [N, BH, C, K] (bf16); G [N, BH, C, K] float32; anchors
+    [N, BH, 2 NB, K] float32 (G at each tile's first row, then at each tile's last row); dA, dAT
+    [N, BH, X, 2, C, C] bf16: dA_x (zero above the diagonal) and its transpose as hi + lo parts.
+    Returns (P^T, Q^T), both [N, BH, X, K, C] float32: P_x[r] = sum_c dA_x[r, c] k_c
+    exp(G_{a(r)} - G_c), Q_x[c] = sum_r dA_x[r, c] a_x,r exp(G_r - G_{b(c)}). One program per
+    (chunk, batch*head, 64 channels, x): about 100 KiB of SMEM, so two share an SM."""
     N, BH, Cc, K = q.shape
     X = dA.shape[2]
-    if Cc != C or K % KB or q.dtype != jnp.bfloat16 or X not in (1, 2):
-        raise ValueError(f"scores_bwd_kernel needs C={C}, K a multiple of {KB}, bf16 q/k and X in (1, 2); "
-                         f"got C={Cc}, K={K}, {q.dtype}, X={X}")
+    if Cc != C or K % KB or q.dtype != jnp.bfloat16 or X not in (1, 2) or dA.dtype != jnp.bfloat16:
+        raise ValueError(f"scores_bwd_kernel needs C={C}, K a multiple of {KB}, bf16 q/k/dA and X in (1, 2); "
+                         f"got C={Cc}, K={K}, {q.dtype}, {dA.dtype}, X={X}")
     dt = q.dtype
     f32 = jnp.float32
     stage = plgpu.RefUnion(
-        (_smem((X, C, C), f32), _smem((X, C, C), f32)),  # the cotangents as loaded
-        (_smem((2, C, KB), dt), _smem((X, 2, C, KB), dt)),  # the anchored operands, hi + lo
-        _smem((X + 1, KB, C), f32),  # the results on their way out
+        (_smem((2, C, C), dt), _smem((2, C, C), dt)),  # dA_x, dA_x^T as hi + lo
+        _smem((2, KB, C), f32),  # P^T, Q^T on their way out
     )
     scratch = [
-        _smem((C, KB), dt),
-        _smem((C, KB), dt),
-        _smem((C, KB), f32),
-        _smem((X, 2, C, C), dt),  # dA_x hi, lo
-        _smem((X, 2, C, C), dt),  # dA_x^T hi, lo
+        _smem((C, KB), dt),  # q
+        _smem((C, KB), dt),  # k
+        _smem((C, KB), f32),  # G
+        plgpu.SMEM((2 * NB, KB), f32),  # anchors
+        (_smem((2, C, KB), dt), _smem((2, C, KB), dt)),  # the anchored operands, hi + lo
         stage,
-        plgpu.Barrier(num_barriers=3 + 2 * X),
+        plgpu.Barrier(num_barriers=8),
     ]
-    out_type = (jax.ShapeDtypeStruct((N, BH, X, K, C), f32), jax.ShapeDtypeStruct((N, BH, K, C), f32))
+    out_type = (jax.ShapeDtypeStruct((N, BH, X, K, C), f32),) * 2
     body = functools.partial(_body, X=X, scale=float(scale), dt=dt)
     return plgpu.kernel(
         body,
         out_type=out_type,
         scratch_types=scratch,
-        grid=(N, BH, K // KB),
-        grid_names=("n", "bh", "kh"),
-        compiler_params=plgpu.CompilerParams(approx_math=False),
+        grid=(N, BH, (K // KB) * X),
+        grid_names=("n", "bh", "kx"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q, k, G, dA, dAT)
+    )(q, k, G, anchors, dA, dAT)
 
 
 def supported(K: int, cd) -> bool:
@@ -187,16 +180,23 @@ def _fwd(qf, kf, G, scale, delta, mm, interpret):
     return dense_scores(qf, kf, G, scale, delta, mm, interpret), (qf.astype(jnp.bfloat16), kf.astype(jnp.bfloat16), G)
 
 
+def _split(x):
+    """float32 [..., C, C] -> bf16 [..., 2, C, C]: hi and lo parts (about 16 mantissa bits)."""
+    hi = x.astype(jnp.bfloat16)
+    return jnp.stack([hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)], axis=-3)
+
+
 def _bwd(scale, delta, mm, interpret, res, dAs):
     q, k, G = res
     *lead, _, K = G.shape
     flat = lambda x: x.reshape(lead[0], -1, *x.shape[len(lead):])  # [N, ..., C, K] -> [N, BH, C, K]
     dA = jnp.stack(dAs, axis=-3).astype(jnp.float32)  # [..., X, C, C]
-    P, Q = scores_bwd_kernel(flat(q), flat(k), flat(G), flat(dA), flat(jnp.swapaxes(dA, -1, -2)),
-                             scale=scale, interpret=interpret)
-    P = jnp.swapaxes(P, -1, -2).reshape(*lead, len(dAs), C, K)
-    Q = jnp.swapaxes(Q, -1, -2).reshape(*lead, C, K)
     Gt = G.reshape(*lead, NB, TILE, K)
+    anchors = jnp.concatenate([Gt[..., 0, :], Gt[..., -1, :]], axis=-2)  # [..., 2 NB, K]
+    P, Q = scores_bwd_kernel(flat(q), flat(k), flat(G), flat(anchors), flat(_split(dA)),
+                             flat(_split(jnp.swapaxes(dA, -1, -2))), scale=scale, interpret=interpret)
+    P = jnp.swapaxes(P, -1, -2).reshape(*lead, len(dAs), C, K)
+    Q = jnp.swapaxes(jnp.sum(Q, axis=2), -1, -2).reshape(*lead, C, K)
     row_decay = jnp.exp(Gt - Gt[..., :1, :]).reshape(G.shape)  # exp(G_r - G_{a(r)})
     col_decay = jnp.exp(Gt[..., -1:, :] - Gt).reshape(G.shape)  # exp(G_{b(c)} - G_c)
     qf, kf = q.astype(jnp.float32), k.astype(jnp.float32)

@@ -154,11 +154,13 @@ def _chunk_stages(rec, q, k, v, g, beta, scale):
 
     rec("chunk.bwd piece: prep recompute + vjp, scores_bwd kernel", prep_vjp_kernel, *args)
     flat = lambda x: x.reshape(x.shape[0], B * H, *x.shape[3:])
-    dA = jnp.tril(jnp.ones((cq.shape[0], B * H, 2, cq.shape[-2], cq.shape[-2]), jnp.float32))
+    C = cq.shape[-2]
+    dA = jnp.broadcast_to(jnp.tril(jnp.ones((C, C), jnp.bfloat16)), (cq.shape[0], B * H, 2, 2, C, C))
+    G = flat(chunk_intra.chunk_cumsum(cg))
+    anchors = jnp.concatenate([G[..., ::16, :], G[..., 15::16, :]], axis=-2)
     rec("mosaic_scores_bwd kernel alone",
-        lambda q, k, g, dA: mosaic_scores_bwd.scores_bwd_kernel(q, k, chunk_intra.chunk_cumsum(g), dA, dA, scale=scale,
-                                                                interpret=kernel_mode == "interpret"),
-        flat(cq), flat(ck), flat(cg), dA)
+        lambda *a: mosaic_scores_bwd.scores_bwd_kernel(*a, scale=scale, interpret=kernel_mode == "interpret"),
+        flat(cq), flat(ck), G, anchors, dA, dA)
     rec("chunk.prep (new) recompute + vjp (tiled scores)", lambda *a: prep_vjp(*a, scores="tiled"), *args)
     dvi = jnp.ones(vn.shape, nm.sdt)
     rec("chunk.bwd piece: reverse state scan",

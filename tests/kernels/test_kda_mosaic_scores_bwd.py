@@ -73,16 +73,21 @@ def test_kernel_lowers_for_cuda():
     N, BH, C, K = 2, 3, 64, 128
     for X in (1, 2):
         lowered = jax.jit(functools.partial(mosaic_scores_bwd.scores_bwd_kernel, scale=0.1)).trace(
-            bf(N, BH, C, K), bf(N, BH, C, K), f32(N, BH, C, K), f32(N, BH, X, C, C), f32(N, BH, X, C, C)
-        ).lower(lowering_platforms=("cuda",))
+            bf(N, BH, C, K), bf(N, BH, C, K), f32(N, BH, C, K), f32(N, BH, 8, K), bf(N, BH, X, 2, C, C),
+            bf(N, BH, X, 2, C, C)).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()[:4000]
 
 
 def test_kernel_rejects_unsupported_inputs():
     x = jnp.zeros((1, 1, 64, 96), jnp.bfloat16)
-    dA = jnp.zeros((1, 1, 2, 64, 64), jnp.float32)
+    anchors = jnp.zeros((1, 1, 8, 96), jnp.float32)
+    dA = jnp.zeros((1, 1, 2, 2, 64, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="multiple of 64"):
-        mosaic_scores_bwd.scores_bwd_kernel(x, x, x.astype(jnp.float32), dA, dA, scale=1.0, interpret=True)
+        mosaic_scores_bwd.scores_bwd_kernel(x, x, x.astype(jnp.float32), anchors, dA, dA, scale=1.0, interpret=True)
+    x = jnp.zeros((1, 1, 64, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="bf16"):
+        mosaic_scores_bwd.scores_bwd_kernel(x, x, x.astype(jnp.float32), anchors[..., :64], dA.astype(jnp.float32),
+                                            dA, scale=1.0, interpret=True)
 
 
 @pytest.mark.gpu
