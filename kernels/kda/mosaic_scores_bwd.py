@@ -16,8 +16,8 @@ the outer factors is <= 0, and the inner ones are <= 15 * 5 = 75 (the bounded-ga
 The XLA pull-back of the dense scores materialises the per-tile anchored copies of k and a_x and
 their gradients in float32 (about 4.5 copies of k each way); this kernel builds them in SMEM.
 
-One program per (chunk, batch*head, 64 key channels, row operand x), about 100 KiB of SMEM so
-two share an SM. Per tile i, the anchored column operand Ka_i = k exp(a_i - G) (zero past tile
+One program per (chunk, batch*head, 64 key channels, row operand x), 66 KiB of SMEM so three
+can share an SM. Per tile i, the anchored column operand Ka_i = k exp(a_i - G) (zero past tile
 i) goes through wgmmas with N = 16: P_x^T[:, tile i] += Ka_i^T dA_x[tile i, :]^T; and the
 anchored row operand Ab_x,i = a_x exp(G - b_i) (zero before tile i):
 Q_x^T[:, tile i] += Ab_x,i^T dA_x^T[tile i, :]^T. Both operands are split into bf16 hi + lo
@@ -48,9 +48,9 @@ _W = plgpu.Layout.WGMMA
 
 
 def _body(q_ref, k_ref, G_ref, an_ref, dA_ref, dAT_ref, p_ref, qc_ref, *scratch, X, scale, dt):
-    a_s, k_s, G_s, an_s, ops, stage, bars = scratch
+    an_s, inputs, stage, bars = scratch
+    (a_s, k_s, G_s), (op_s, op2_s) = inputs
     (dAs_s, dATs_s), out_s = stage
-    op_s, op2_s = ops
     n, bh, kx = lax.axis_index("n"), lax.axis_index("bh"), lax.axis_index("kx")
     kh, x = lax.div(kx, X), lax.rem(kx, X)
     ks = pl.ds(kh * KB, KB)
@@ -83,6 +83,7 @@ def _body(q_ref, k_ref, G_ref, an_ref, dA_ref, dAT_ref, p_ref, qc_ref, *scratch,
     # The row operand a_x: scale q (x = 0) or k (x = 1), blended by a 0/1 weight.
     w = lax.broadcast_in_dim((x == 0).astype(f32), (C, KB), ())
     a = plgpu.load(a_s, layout=_W).astype(f32) * scale * w + kf * (1.0 - w)
+    plgpu.commit_smem()  # every thread has read q, k and G before the operands reuse their SMEM
 
     def split_products(acc, op, cot, blk):
         """acc[:, blk] += op^T cot[blk]^T with both operands as hi + lo parts (three wgmmas)."""
@@ -126,7 +127,7 @@ def scores_bwd_kernel(q, k, G, anchors, dA, dAT, *, scale, interpret=False):
     [N, BH, X, 2, C, C] bf16: dA_x (zero above the diagonal) and its transpose as hi + lo parts.
     Returns (P^T, Q^T), both [N, BH, X, K, C] float32: P_x[r] = sum_c dA_x[r, c] k_c
     exp(G_{a(r)} - G_c), Q_x[c] = sum_r dA_x[r, c] a_x,r exp(G_r - G_{b(c)}). One program per
-    (chunk, batch*head, 64 channels, x): about 100 KiB of SMEM, so two share an SM."""
+    (chunk, batch*head, 64 channels, x)."""
     N, BH, Cc, K = q.shape
     X = dA.shape[2]
     if Cc != C or K % KB or q.dtype != jnp.bfloat16 or X not in (1, 2) or dA.dtype != jnp.bfloat16:
@@ -134,19 +135,17 @@ def scores_bwd_kernel(q, k, G, anchors, dA, dAT, *, scale, interpret=False):
                          f"got C={Cc}, K={K}, {q.dtype}, {dA.dtype}, X={X}")
     dt = q.dtype
     f32 = jnp.float32
+    # SMEM phases that never overlap share memory: the inputs (read into registers first) and
+    # the anchored operands; the cotangents (dead after the last product) and the results.
+    inputs = plgpu.RefUnion(
+        (_smem((C, KB), dt), _smem((C, KB), dt), _smem((C, KB), f32)),  # q, k, G
+        (_smem((2, C, KB), dt), _smem((2, C, KB), dt)),  # the anchored operands, hi + lo
+    )
     stage = plgpu.RefUnion(
         (_smem((2, C, C), dt), _smem((2, C, C), dt)),  # dA_x, dA_x^T as hi + lo
         _smem((2, KB, C), f32),  # P^T, Q^T on their way out
     )
-    scratch = [
-        _smem((C, KB), dt),  # q
-        _smem((C, KB), dt),  # k
-        _smem((C, KB), f32),  # G
-        plgpu.SMEM((2 * NB, KB), f32),  # anchors
-        (_smem((2, C, KB), dt), _smem((2, C, KB), dt)),  # the anchored operands, hi + lo
-        stage,
-        plgpu.Barrier(num_barriers=8),
-    ]
+    scratch = [plgpu.SMEM((2 * NB, KB), f32), inputs, stage, plgpu.Barrier(num_barriers=8)]
     out_type = (jax.ShapeDtypeStruct((N, BH, X, K, C), f32),) * 2
     body = functools.partial(_body, X=X, scale=float(scale), dt=dt)
     return plgpu.kernel(
