@@ -278,24 +278,33 @@ def test_tiled_scores_match_dense(rng, lb, g_fill, seg):
         assert_close(name, a, b, 1e-5)
 
 
+def relative_errors(inputs, **settings):
+    """Relative RMS errors of impl="chunk" (bf16, lower_bound=-5) against naive: o, S and every
+    gradient, traced under the KDA module `settings` (`chunk.settings`); `compare` asserts the
+    bf16 tolerances too."""
+    from kernels.kda import chunk
+
+    with chunk.settings(**settings):
+        ref, out = compare(np.random.default_rng(1), inputs, BF16_TOL, lower_bound=-5.0, dtype=jnp.bfloat16)
+    rel = lambda r, x: float(np.sqrt(np.mean((np.asarray(r, np.float64) - np.asarray(x, np.float64)) ** 2)) /
+                             np.sqrt(np.mean(np.asarray(r, np.float64) ** 2)))
+    return [rel(r, x) for r, x in zip((ref[0], ref[1], *ref[2]), (out[0], out[1], *out[2])) if r is not None]
+
+
+def assert_as_accurate(base, got):
+    """Every error in `got` at most 10% (plus 2e-4) above its counterpart in `base`."""
+    for b, g in zip(base, got):
+        assert g <= 1.1 * b + 2e-4, (base, got)
+
+
 @pytest.mark.parametrize("scores", ["dense", "tiled"])
-def test_split_diagonal_tiles_keep_float32_accuracy(rng, monkeypatch, scores):
+def test_split_diagonal_tiles_keep_float32_accuracy(rng, scores):
     """chunk_intra.DIAG_MODE="split" (bounded diagonal tiles by three bf16 products, forward and
     backward): every output and gradient as close to the reference as the float32 tiles (plain
     bf16 operands would roughly 8x dg's error)."""
-    from kernels.kda import chunk, chunk_intra
-
-    monkeypatch.setattr(chunk, "DEFAULT_SCORES", scores)
     inputs = make_inputs(rng, 1, 256, 2, 64, 64, "channel", lower=-5.0, seg="random")
-    errs = {}
-    for mode in ("f32", "split"):
-        monkeypatch.setattr(chunk_intra, "DIAG_MODE", mode)
-        ref, out = compare(np.random.default_rng(1), inputs, BF16_TOL, lower_bound=-5.0, dtype=jnp.bfloat16)
-        errs[mode] = [float(np.sqrt(np.mean((np.asarray(r, np.float64) - np.asarray(x, np.float64)) ** 2)) /
-                            np.sqrt(np.mean(np.asarray(r, np.float64) ** 2)))
-                      for r, x in zip((ref[0], ref[1], *ref[2]), (out[0], out[1], *out[2])) if r is not None]
-    for f32_err, split_err in zip(errs["f32"], errs["split"]):
-        assert split_err <= 1.1 * f32_err + 2e-4, errs
+    assert_as_accurate(relative_errors(inputs, scores=scores, diag="f32"),
+                       relative_errors(inputs, scores=scores, diag="split"))
 
 
 def test_unknown_diag_mode_is_an_error(monkeypatch):
@@ -418,15 +427,5 @@ def test_gpu_tensor_core_algorithms_keep_float32_accuracy(rng, setting):
     runs them as float32 products): bf16 inputs, K = V = 128, resets, every output and gradient
     within the bf16 tolerances and as close to the reference as with float32 diagonal tiles and
     cumsum (HIGHEST-precision products)."""
-    from kernels.kda import chunk
-
     inputs = make_inputs(rng, 1, 1024, 4, 128, 128, "channel", lower=-5.0, seg="random")
-    errs = {}
-    for name, values in (("default", dict(diag="f32", cumsum="matmul")), ("setting", setting)):
-        with chunk.settings(**values):
-            ref, out = compare(np.random.default_rng(1), inputs, BF16_TOL, lower_bound=-5.0, dtype=jnp.bfloat16)
-        errs[name] = [float(np.sqrt(np.mean((np.asarray(r, np.float64) - np.asarray(x, np.float64)) ** 2)) /
-                            np.sqrt(np.mean(np.asarray(r, np.float64) ** 2)))
-                      for r, x in zip((ref[0], ref[1], *ref[2]), (out[0], out[1], *out[2])) if r is not None]
-    for base, got in zip(errs["default"], errs["setting"]):
-        assert got <= 1.1 * base + 2e-4, errs
+    assert_as_accurate(relative_errors(inputs, diag="f32", cumsum="matmul"), relative_errors(inputs, **setting))
