@@ -47,7 +47,7 @@ NB = C // TILE  # 16-row tiles per chunk
 _W = plgpu.Layout.WGMMA
 
 
-def _body(q_ref, k_ref, G_ref, an_ref, dA_ref, dAT_ref, p_ref, qc_ref, *scratch, X, scale, dt):
+def _body(q_ref, k_ref, G_ref, an_ref, dA_ref, dAT_ref, p_ref, qc_ref, *scratch, X, scale, dt, operands):
     an_s, inputs, stage, bars = scratch
     (a_s, k_s, G_s), (op_s, op2_s) = inputs
     (dAs_s, dATs_s), out_s = stage
@@ -93,19 +93,33 @@ def _body(q_ref, k_ref, G_ref, an_ref, dA_ref, dAT_ref, p_ref, qc_ref, *scratch,
         plgpu.wgmma(acc.at[:, blk], opT[0], cotT[1])
         plgpu.wgmma(acc.at[:, blk], opT[1], cotT[0])
 
-    def products(acc_p, acc_q):
+    def factored():
+        """Per tile i, (row operand, column operand): one [C, KB] exponential of each kind for all
+        tiles, times per-tile-block vector factors exp(a_i - a_J) <= 1 and exp(b_I - b_i) <= 1."""
         Ea = kf * jnp.exp(per_block(lambda I: first[I]) - G)  # k_c exp(G_{a(c)} - G_c), factor in [1, e^75]
         Eb = a * jnp.exp(G - per_block(lambda I: last[I]))  # a_r exp(G_r - G_{b(r)}), factor in [1, e^75]
         for i in range(NB):
+            yield (Ea * per_block(lambda J: None if J > i else jnp.exp(first[i] - first[J])),
+                   Eb * per_block(lambda I: None if I < i else jnp.exp(last[I] - last[i])))
+
+    def direct():
+        """Per tile i, (row operand, column operand), each from one [C, KB] exponential; the masked
+        entries' exponents may overflow, and the select drops them."""
+        for i in range(NB):
+            row = lax.broadcast_in_dim(first[i], (C, KB), [1])
+            col = lax.broadcast_in_dim(last[i], (C, KB), [1])
+            yield (jnp.where(rows < (i + 1) * TILE, kf * jnp.exp(row - G), 0.0),
+                   jnp.where(rows >= i * TILE, a * jnp.exp(G - col), 0.0))
+
+    def products(acc_p, acc_q):
+        for i, (Ka, Ab) in enumerate(factored() if operands == "factored" else direct()):
             if i:
                 plgpu.wgmma_wait(0)  # the previous tile's products have read op_s and op2_s
             blk = pl.ds(i * TILE, TILE)
             # Row tile i: k_c exp(G_{a_i} - G_c) for c up to tile i's end.
-            _split_store(Ea * per_block(lambda J: None if J > i else jnp.exp(first[i] - first[J])),
-                         op_s.at[0], op_s.at[1], dt)
+            _split_store(Ka, op_s.at[0], op_s.at[1], dt)
             # Column tile i: a_r exp(G_r - G_{b_i}) for r from tile i's start.
-            _split_store(Eb * per_block(lambda I: None if I < i else jnp.exp(last[I] - last[i])),
-                         op2_s.at[0], op2_s.at[1], dt)
+            _split_store(Ab, op2_s.at[0], op2_s.at[1], dt)
             plgpu.commit_smem()
             split_products(acc_p, op_s, dAs_s, blk)
             split_products(acc_q, op2_s, dATs_s, blk)
@@ -121,13 +135,20 @@ def _body(q_ref, k_ref, G_ref, an_ref, dA_ref, dAT_ref, p_ref, qc_ref, *scratch,
     plgpu.wait_smem_to_gmem(0)
 
 
-def scores_bwd_kernel(q, k, G, anchors, dA, dAT, *, scale, interpret=False):
+OPERANDS = ("factored", "direct")
+
+
+def scores_bwd_kernel(q, k, G, anchors, dA, dAT, *, scale, interpret=False, operands="factored"):
     """The kernel's inner sums. q, k [N, BH, C, K] (bf16); G [N, BH, C, K] float32; anchors
     [N, BH, 2 NB, K] float32 (G at each tile's first row, then at each tile's last row); dA, dAT
     [N, BH, X, 2, C, C] bf16: dA_x (zero above the diagonal) and its transpose as hi + lo parts.
     Returns (P^T, Q^T), both [N, BH, X, K, C] float32: P_x[r] = sum_c dA_x[r, c] k_c
     exp(G_{a(r)} - G_c), Q_x[c] = sum_r dA_x[r, c] a_x,r exp(G_r - G_{b(c)}). One program per
-    (chunk, batch*head, 64 channels, x)."""
+    (chunk, batch*head, 64 channels, x). `operands` (OPERANDS): how the anchored operands are
+    formed, "factored" (two [C, K] exponentials, then per-tile vector factors; the version timed
+    in the README) or "direct" (two [C, K] exponentials per tile, fewer instructions in all)."""
+    if operands not in OPERANDS:
+        raise ValueError(f"operands={operands!r}; expected one of {OPERANDS}")
     N, BH, Cc, K = q.shape
     X = dA.shape[2]
     if Cc != C or K % KB or q.dtype != jnp.bfloat16 or X not in (1, 2) or dA.dtype != jnp.bfloat16:
@@ -147,7 +168,7 @@ def scores_bwd_kernel(q, k, G, anchors, dA, dAT, *, scale, interpret=False):
     )
     scratch = [plgpu.SMEM((2 * NB, KB), f32), inputs, stage, plgpu.Barrier(num_barriers=8)]
     out_type = (jax.ShapeDtypeStruct((N, BH, X, K, C), f32),) * 2
-    body = functools.partial(_body, X=X, scale=float(scale), dt=dt)
+    body = functools.partial(_body, X=X, scale=float(scale), dt=dt, operands=operands)
     return plgpu.kernel(
         body,
         out_type=out_type,

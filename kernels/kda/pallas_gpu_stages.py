@@ -158,9 +158,11 @@ def _chunk_stages(rec, q, k, v, g, beta, scale):
     dA = jnp.broadcast_to(jnp.tril(jnp.ones((C, C), jnp.bfloat16)), (cq.shape[0], B * H, 2, 2, C, C))
     G = flat(chunk_intra.chunk_cumsum(cg))
     anchors = jnp.concatenate([G[..., ::16, :], G[..., 15::16, :]], axis=-2)
-    rec("mosaic_scores_bwd kernel alone",
-        lambda *a: mosaic_scores_bwd.scores_bwd_kernel(*a, scale=scale, interpret=kernel_mode == "interpret"),
-        flat(cq), flat(ck), G, anchors, dA, dA)
+    for operands in mosaic_scores_bwd.OPERANDS:
+        rec(f"mosaic_scores_bwd kernel alone, {operands} operands",
+            lambda *a, o=operands: mosaic_scores_bwd.scores_bwd_kernel(*a, scale=scale, operands=o,
+                                                                       interpret=kernel_mode == "interpret"),
+            flat(cq), flat(ck), G, anchors, dA, dA)
     rec("chunk.prep (new) recompute + vjp (tiled scores)", lambda *a: prep_vjp(*a, scores="tiled"), *args)
     dvi = jnp.ones(vn.shape, nm.sdt)
     rec("chunk.bwd piece: reverse state scan",

@@ -18,11 +18,13 @@ def _rel(want, got):
     return float(np.sqrt(np.mean((want - got) ** 2)) / np.sqrt(np.mean(want**2)))
 
 
-@pytest.mark.parametrize("delta", [True, False])
-def test_kernel_vjp_matches_float32_autodiff(rng, delta):
+@pytest.mark.parametrize("delta, operands", [(True, "factored"), (False, "factored"), (True, "direct")])
+def test_kernel_vjp_matches_float32_autodiff(rng, monkeypatch, delta, operands):
     """dq, dk, dG of the kernel's VJP (split-bf16 products) within 5e-5 of float32 autodiff, with
     the full bounded gate range (G falling by up to 5 per token) and two programs per chunk
-    (K = 128)."""
+    (K = 128), for both ways of forming the anchored operands."""
+    kernel = functools.partial(mosaic_scores_bwd.scores_bwd_kernel, operands=operands)
+    monkeypatch.setattr(mosaic_scores_bwd, "scores_bwd_kernel", kernel)
     N, B, H, C, K = 2, 1, 2, 64, 128
     bf_values = lambda x: jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)
     q = bf_values(rng.standard_normal((N, B, H, C, K)))
@@ -68,8 +70,9 @@ def test_kernel_lowers_for_cuda():
     bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
     N, BH, C, K = 2, 3, 64, 128
-    for X in (1, 2):
-        lowered = jax.jit(functools.partial(mosaic_scores_bwd.scores_bwd_kernel, scale=0.1)).trace(
+    for X, operands in ((1, "factored"), (2, "factored"), (2, "direct")):
+        kernel = functools.partial(mosaic_scores_bwd.scores_bwd_kernel, scale=0.1, operands=operands)
+        lowered = jax.jit(kernel).trace(
             bf(N, BH, C, K), bf(N, BH, C, K), f32(N, BH, C, K), f32(N, BH, 8, K), bf(N, BH, X, 2, C, C),
             bf(N, BH, X, 2, C, C)).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()[:4000]
@@ -82,6 +85,9 @@ def test_kernel_rejects_unsupported_inputs():
     with pytest.raises(ValueError, match="multiple of 64"):
         mosaic_scores_bwd.scores_bwd_kernel(x, x, x.astype(jnp.float32), anchors, dA, dA, scale=1.0, interpret=True)
     x = jnp.zeros((1, 1, 64, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="operands"):
+        mosaic_scores_bwd.scores_bwd_kernel(x, x, x.astype(jnp.float32), anchors[..., :64], dA, dA, scale=1.0,
+                                            interpret=True, operands="fused")
     with pytest.raises(ValueError, match="bf16"):
         mosaic_scores_bwd.scores_bwd_kernel(x, x, x.astype(jnp.float32), anchors[..., :64], dA.astype(jnp.float32),
                                             dA, scale=1.0, interpret=True)
