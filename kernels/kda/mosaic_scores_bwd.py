@@ -47,9 +47,10 @@ NB = C // TILE  # 16-row tiles per chunk
 _W = plgpu.Layout.WGMMA
 
 
-def _body(q_ref, k_ref, G_ref, an_ref, dA_ref, dAT_ref, p_ref, qc_ref, *scratch, X, scale, dt, operands):
-    an_s, inputs, stage, bars = scratch
-    (a_s, k_s, G_s), (op_s, op2_s) = inputs
+def _body(q_ref, k_ref, G_ref, an_ref, dA_ref, dAT_ref, p_ref, qc_ref, *scratch, X, scale, dt, operands, slots):
+    an_s, inputs, stage, bars, *more = scratch
+    (a_s, k_s, G_s), ops0 = inputs
+    ring = [ops0, *more]  # operand slots: (row operand, column operand), each hi + lo
     (dAs_s, dATs_s), out_s = stage
     n, bh, kx = lax.axis_index("n"), lax.axis_index("bh"), lax.axis_index("kx")
     kh, x = lax.div(kx, X), lax.rem(kx, X)
@@ -113,8 +114,11 @@ def _body(q_ref, k_ref, G_ref, an_ref, dA_ref, dAT_ref, p_ref, qc_ref, *scratch,
 
     def products(acc_p, acc_q):
         for i, (Ka, Ab) in enumerate(factored() if operands == "factored" else direct()):
-            if i:
-                plgpu.wgmma_wait(0)  # the previous tile's products have read op_s and op2_s
+            if i >= slots - 1 and i:
+                # The products that last read this slot (tile i - slots) are done; with two slots
+                # tile i - 1's six may still run while this tile's operands are built.
+                plgpu.wgmma_wait(6 * (slots - 1))
+            op_s, op2_s = ring[i % slots]
             blk = pl.ds(i * TILE, TILE)
             # Row tile i: k_c exp(G_{a_i} - G_c) for c up to tile i's end.
             _split_store(Ka, op_s.at[0], op_s.at[1], dt)
@@ -138,7 +142,7 @@ def _body(q_ref, k_ref, G_ref, an_ref, dA_ref, dAT_ref, p_ref, qc_ref, *scratch,
 OPERANDS = ("factored", "direct")
 
 
-def scores_bwd_kernel(q, k, G, anchors, dA, dAT, *, scale, interpret=False, operands="factored"):
+def scores_bwd_kernel(q, k, G, anchors, dA, dAT, *, scale, interpret=False, operands="factored", slots=1):
     """The kernel's inner sums. q, k [N, BH, C, K] (bf16); G [N, BH, C, K] float32; anchors
     [N, BH, 2 NB, K] float32 (G at each tile's first row, then at each tile's last row); dA, dAT
     [N, BH, X, 2, C, C] bf16: dA_x (zero above the diagonal) and its transpose as hi + lo parts.
@@ -146,9 +150,13 @@ def scores_bwd_kernel(q, k, G, anchors, dA, dAT, *, scale, interpret=False, oper
     exp(G_{a(r)} - G_c), Q_x[c] = sum_r dA_x[r, c] a_x,r exp(G_r - G_{b(c)}). One program per
     (chunk, batch*head, 64 channels, x). `operands` (OPERANDS): how the anchored operands are
     formed, "factored" (two [C, K] exponentials, then per-tile vector factors; the version timed
-    in the README) or "direct" (two [C, K] exponentials per tile, fewer instructions in all)."""
+    in the README) or "direct" (two [C, K] exponentials per tile, fewer instructions in all).
+    `slots`: 1 (a tile's operands are built once the previous tile's products are done; the
+    version timed in the README) or 2 (built while they run, 32 KiB more SMEM)."""
     if operands not in OPERANDS:
         raise ValueError(f"operands={operands!r}; expected one of {OPERANDS}")
+    if slots not in (1, 2):
+        raise ValueError(f"slots={slots}; expected 1 or 2")
     N, BH, Cc, K = q.shape
     X = dA.shape[2]
     if Cc != C or K % KB or q.dtype != jnp.bfloat16 or X not in (1, 2) or dA.dtype != jnp.bfloat16:
@@ -160,15 +168,17 @@ def scores_bwd_kernel(q, k, G, anchors, dA, dAT, *, scale, interpret=False, oper
     # the anchored operands; the cotangents (dead after the last product) and the results.
     inputs = plgpu.RefUnion(
         (_smem((C, KB), dt), _smem((C, KB), dt), _smem((C, KB), f32)),  # q, k, G
-        (_smem((2, C, KB), dt), _smem((2, C, KB), dt)),  # the anchored operands, hi + lo
+        (_smem((2, C, KB), dt), _smem((2, C, KB), dt)),  # the anchored operands' first slot, hi + lo
     )
     stage = plgpu.RefUnion(
         (_smem((2, C, C), dt), _smem((2, C, C), dt)),  # dA_x, dA_x^T as hi + lo
         _smem((2, KB, C), f32),  # P^T, Q^T on their way out
     )
+    operand_slot = lambda: (_smem((2, C, KB), dt), _smem((2, C, KB), dt))
     scratch = [plgpu.SMEM((2 * NB, KB), f32), inputs, stage, plgpu.Barrier(num_barriers=8)]
+    scratch += [operand_slot() for _ in range(slots - 1)]
     out_type = (jax.ShapeDtypeStruct((N, BH, X, K, C), f32),) * 2
-    body = functools.partial(_body, X=X, scale=float(scale), dt=dt, operands=operands)
+    body = functools.partial(_body, X=X, scale=float(scale), dt=dt, operands=operands, slots=slots)
     return plgpu.kernel(
         body,
         out_type=out_type,

@@ -18,12 +18,12 @@ def _rel(want, got):
     return float(np.sqrt(np.mean((want - got) ** 2)) / np.sqrt(np.mean(want**2)))
 
 
-@pytest.mark.parametrize("delta, operands", [(True, "factored"), (False, "factored"), (True, "direct")])
-def test_kernel_vjp_matches_float32_autodiff(rng, monkeypatch, delta, operands):
+@pytest.mark.parametrize("delta, operands, slots", [(True, "factored", 1), (False, "factored", 1), (True, "direct", 2)])
+def test_kernel_vjp_matches_float32_autodiff(rng, monkeypatch, delta, operands, slots):
     """dq, dk, dG of the kernel's VJP (split-bf16 products) within 5e-5 of float32 autodiff, with
     the full bounded gate range (G falling by up to 5 per token) and two programs per chunk
-    (K = 128), for both ways of forming the anchored operands."""
-    kernel = functools.partial(mosaic_scores_bwd.scores_bwd_kernel, operands=operands)
+    (K = 128), for both ways of forming the anchored operands and one or two operand slots."""
+    kernel = functools.partial(mosaic_scores_bwd.scores_bwd_kernel, operands=operands, slots=slots)
     monkeypatch.setattr(mosaic_scores_bwd, "scores_bwd_kernel", kernel)
     N, B, H, C, K = 2, 1, 2, 64, 128
     bf_values = lambda x: jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)
@@ -70,8 +70,8 @@ def test_kernel_lowers_for_cuda():
     bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
     N, BH, C, K = 2, 3, 64, 128
-    for X, operands in ((1, "factored"), (2, "factored"), (2, "direct")):
-        kernel = functools.partial(mosaic_scores_bwd.scores_bwd_kernel, scale=0.1, operands=operands)
+    for X, operands, slots in ((1, "factored", 1), (2, "factored", 1), (2, "direct", 2)):
+        kernel = functools.partial(mosaic_scores_bwd.scores_bwd_kernel, scale=0.1, operands=operands, slots=slots)
         lowered = jax.jit(kernel).trace(
             bf(N, BH, C, K), bf(N, BH, C, K), f32(N, BH, C, K), f32(N, BH, 8, K), bf(N, BH, X, 2, C, C),
             bf(N, BH, X, 2, C, C)).lower(lowering_platforms=("cuda",))
@@ -88,6 +88,9 @@ def test_kernel_rejects_unsupported_inputs():
     with pytest.raises(ValueError, match="operands"):
         mosaic_scores_bwd.scores_bwd_kernel(x, x, x.astype(jnp.float32), anchors[..., :64], dA, dA, scale=1.0,
                                             interpret=True, operands="fused")
+    with pytest.raises(ValueError, match="slots"):
+        mosaic_scores_bwd.scores_bwd_kernel(x, x, x.astype(jnp.float32), anchors[..., :64], dA, dA, scale=1.0,
+                                            interpret=True, slots=3)
     with pytest.raises(ValueError, match="bf16"):
         mosaic_scores_bwd.scores_bwd_kernel(x, x, x.astype(jnp.float32), anchors[..., :64], dA.astype(jnp.float32),
                                             dA, scale=1.0, interpret=True)
