@@ -219,7 +219,7 @@ def run_chunked(q, k, v, g, beta, *, scale, initial_state, segment_ids, bounded,
     run `chunk_core`, un-chunk. Canonical-form inputs; returns (o [B, T, H, V] in v's dtype, S).
     `scores` ("tiled" or "dense") picks the intra-chunk score formulation (`chunk_intra.prep`)."""
     # Module settings read while tracing are part of the jit cache key: a program traced under
-    # one DIAG_MODE, ROW_MODE or CUMSUM_MODE is never reused under another (an unknown value raises here).
+    # one DIAG_MODE, ROW_MODE, CUMSUM_MODE or SCORES_BWD is never reused under another (an unknown value raises here).
     return _run_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids,
                         bounded=bounded, delta=delta, state_pass=state_pass, scores=scores,
                         traced_settings=chunk_intra.traced_settings())

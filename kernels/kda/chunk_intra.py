@@ -274,7 +274,8 @@ def prep(q, k, v, g, beta, counts, *, scale: float, bounded: bool, delta: bool, 
     `scores` picks how Aqk and L are formed: "tiled" (`chunk_scores.tiled_scores`: lower tile pairs
     only, operands in the compute dtype `cd` (default q's) at matmul precision `prec`, a
     hand-written VJP) or "dense" (`decayed_scores`: every row tile against a masked float32 copy
-    of k, through `mm`; differentiated by autodiff).
+    of k, through `mm`; differentiated by autodiff, or on the bounded bf16 path by the Mosaic GPU
+    kernel of `mosaic_scores_bwd` when `SCORES_BWD` says so).
 
     q, k, g [N, B, H, C, K]; v [N, B, H, C, V]; beta [N, B, H, C]; counts [N, B, 1, C] or None.
     Returns a dict (state dtype):
@@ -334,7 +335,11 @@ def prep(q, k, v, g, beta, counts, *, scale: float, bounded: bool, delta: bool, 
 
 def _kernel_scores_bwd(cd, K: int) -> bool:
     """Whether the dense scores' backward runs as the Mosaic GPU kernel (`SCORES_BWD`)."""
-    return traced_settings()[3] != "xla" and jnp.dtype(cd) == jnp.bfloat16 and K % 64 == 0
+    mode = traced_settings()[3]
+    if mode == "mosaic" and jax.default_backend() != "gpu":
+        raise ValueError(f"chunk_intra.SCORES_BWD='mosaic' compiles a Mosaic GPU kernel, but the backend is "
+                         f"{jax.default_backend()!r}; use 'interpret' (the Mosaic GPU interpreter) or 'xla'")
+    return mode != "xla" and jnp.dtype(cd) == jnp.bfloat16 and K % 64 == 0
 
 
 def unit_lower_inverse(L, precision):

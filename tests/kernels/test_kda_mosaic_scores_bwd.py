@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.kda import chunk_intra, mosaic_scores_bwd
+from kernels.kda import chunk, chunk_intra, kda, mosaic_scores_bwd
 from tests.kernels.test_kda_chunk import assert_as_accurate, make_inputs, relative_errors
 
 
@@ -76,6 +76,19 @@ def test_kernel_lowers_for_cuda():
             bf(N, BH, C, K), bf(N, BH, C, K), f32(N, BH, C, K), f32(N, BH, 8, K), bf(N, BH, X, 2, C, C),
             bf(N, BH, X, 2, C, C)).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()[:4000]
+
+
+def test_compiled_kernel_needs_a_gpu(rng):
+    """scores_bwd="mosaic" on a backend without a GPU is a clear error, not a Mosaic GPU compile
+    failure (the tests run the kernel as "interpret")."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU backend compiles the kernel")
+    q, k, v, g, beta, h0, _ = make_inputs(rng, 1, 64, 1, 64, 64, "channel", lower=-5.0)
+    loss = lambda q: jnp.sum(kda(q, jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16), g, beta,
+                                 lower_bound=-5.0, impl="chunk").astype(jnp.float32))
+    with chunk.settings(scores_bwd="mosaic"):
+        with pytest.raises(ValueError, match="interpret"):
+            jax.grad(loss)(jnp.asarray(q, jnp.bfloat16))
 
 
 def test_kernel_rejects_unsupported_inputs():
