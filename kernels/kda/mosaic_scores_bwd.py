@@ -58,12 +58,21 @@ def _body(q_ref, k_ref, G_ref, an_ref, dA_ref, dAT_ref, p_ref, qc_ref, *scratch,
     srcs = [(k_ref.at[n, bh, :, ks], k_s), (G_ref.at[n, bh, :, ks], G_s), (an_ref.at[n, bh, :, ks], an_s)]
     srcs += [(ref.at[n, bh, x, part], dst.at[part]) for part in range(2) for ref, dst in ((dA_ref, dAs_s),
                                                                                        (dAT_ref, dATs_s))]
-    srcs += [(q_ref.at[n, bh, :, ks], a_s)]
     for i, (src, dst) in enumerate(srcs):  # one 2D tile per copy
         plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+    is_q = x == 0  # the row operand is scale q (x = 0) or k (x = 1, which needs no q)
+
+    @pl.when(is_q)
+    def _():
+        plgpu.copy_gmem_to_smem(q_ref.at[n, bh, :, ks], a_s, bars.at[len(srcs)])
+
     f32 = jnp.float32
     for i in range(len(srcs)):
         plgpu.barrier_wait(bars.at[i])
+
+    @pl.when(is_q)
+    def _():
+        plgpu.barrier_wait(bars.at[len(srcs)])
 
     rows = plgpu.broadcasted_iota(jnp.int32, (C, KB), 0, layout=_W)
     vec = lambda i: plgpu.load(an_s.at[i], layout=_W.reduce(0))  # [KB]: G at tile i's first (i < NB) or last row
@@ -81,9 +90,8 @@ def _body(q_ref, k_ref, G_ref, an_ref, dA_ref, dAT_ref, p_ref, qc_ref, *scratch,
 
     G = plgpu.load(G_s, layout=_W)  # [C, KB]
     kf = plgpu.load(k_s, layout=_W).astype(f32)
-    # The row operand a_x: scale q (x = 0) or k (x = 1), blended by a 0/1 weight.
-    w = lax.broadcast_in_dim((x == 0).astype(f32), (C, KB), ())
-    a = plgpu.load(a_s, layout=_W).astype(f32) * scale * w + kf * (1.0 - w)
+    # The row operand a_x (a_s holds no data for x = 1: the select drops it).
+    a = jnp.where(lax.broadcast_in_dim(is_q, (C, KB), ()), plgpu.load(a_s, layout=_W).astype(f32) * scale, kf)
     plgpu.commit_smem()  # every thread has read q, k and G before the operands reuse their SMEM
 
     def split_products(acc, op, cot, blk):
