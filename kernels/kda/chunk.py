@@ -219,7 +219,7 @@ def run_chunked(q, k, v, g, beta, *, scale, initial_state, segment_ids, bounded,
     run `chunk_core`, un-chunk. Canonical-form inputs; returns (o [B, T, H, V] in v's dtype, S).
     `scores` ("tiled" or "dense") picks the intra-chunk score formulation (`chunk_intra.prep`)."""
     # Module settings read while tracing are part of the jit cache key: a program traced under
-    # one DIAG_MODE, ROW_MODE, CUMSUM_MODE or SCORES_BWD is never reused under another (an unknown value raises here).
+    # one setting of chunk_intra.traced_settings() is never reused under another (an unknown value raises here).
     return _run_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids,
                         bounded=bounded, delta=delta, state_pass=state_pass, scores=scores,
                         traced_settings=chunk_intra.traced_settings())
@@ -286,10 +286,11 @@ def _settings_table():
             "rows": (chunk_intra, "ROW_MODE", chunk_intra.ROW_MODES),
             "cumsum": (chunk_intra, "CUMSUM_MODE", chunk_intra.CUMSUM_MODES),
             "scores_bwd": (chunk_intra, "SCORES_BWD", chunk_intra.SCORES_BWD_MODES),
+            "inverse": (chunk_intra, "INVERSE_MODE", chunk_intra.INVERSE_MODES),
             "scores": (sys.modules[__name__], "DEFAULT_SCORES", SCORES)}
 
 
-SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd")
+SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse")
 
 
 def setting_values(key: str) -> tuple:
@@ -299,7 +300,7 @@ def setting_values(key: str) -> tuple:
 
 @contextlib.contextmanager
 def settings(**values):
-    """Within the block, trace with these module settings (diag=, rows=, scores=, cumsum=, scores_bwd=; see SETTINGS),
+    """Within the block, trace with these module settings (diag=, rows=, scores=, cumsum=, scores_bwd=, inverse=; see SETTINGS),
     restored afterwards; an unknown key or value raises."""
     table = _settings_table()
     for key, value in values.items():

@@ -72,17 +72,25 @@ CUMSUM_MODE = "matmul_bf16x6"
 # float16 inputs, unbounded gates, K not a multiple of 64, scores="tiled") always take "xla".
 SCORES_BWD_MODES = ("xla", "mosaic", "interpret")
 SCORES_BWD = "xla"
+# How `unit_lower_inverse` inverts the 16x16 diagonal blocks: "substitute" (forward substitution,
+# a 15-step loop: on an H200 about 30 small kernel launches per KDA forward+backward, 0.19 ms at
+# 4 x 4096 x 16 x 128, benchmarks/results/kda-profile-diagalg-h200-20261130.json) or "doubling"
+# ((I + L)^{-1} = (I - L)(I + L^2)(I + L^4)(I + L^8) for strictly lower L: six batched products,
+# as the TPU kernel does for whole chunks). Not yet timed on a GPU.
+INVERSE_MODES = ("substitute", "doubling")
+INVERSE_MODE = "substitute"
 
 
-def traced_settings() -> tuple[str, str, str, str]:
-    """(DIAG_MODE, ROW_MODE, CUMSUM_MODE, SCORES_BWD), the module settings read while tracing (a
-    jit cache key for the callers that jit); an unknown value raises."""
+def traced_settings() -> tuple[str, str, str, str, str]:
+    """(DIAG_MODE, ROW_MODE, CUMSUM_MODE, SCORES_BWD, INVERSE_MODE), the module settings read while
+    tracing (a jit cache key for the callers that jit); an unknown value raises."""
     for name, value, allowed in (("DIAG_MODE", DIAG_MODE, DIAG_MODES), ("ROW_MODE", ROW_MODE, ROW_MODES),
                                  ("CUMSUM_MODE", CUMSUM_MODE, CUMSUM_MODES),
-                                 ("SCORES_BWD", SCORES_BWD, SCORES_BWD_MODES)):
+                                 ("SCORES_BWD", SCORES_BWD, SCORES_BWD_MODES),
+                                 ("INVERSE_MODE", INVERSE_MODE, INVERSE_MODES)):
         if value not in allowed:
             raise ValueError(f"chunk_intra.{name}={value!r}; expected one of {allowed}")
-    return DIAG_MODE, ROW_MODE, CUMSUM_MODE, SCORES_BWD
+    return DIAG_MODE, ROW_MODE, CUMSUM_MODE, SCORES_BWD, INVERSE_MODE
 
 
 def chunk_cumsum(g):
@@ -345,20 +353,29 @@ def _kernel_scores_bwd(cd, K: int) -> bool:
 def unit_lower_inverse(L, precision):
     """(I + L)^{-1} for strictly lower-triangular L [..., C, C], C a multiple of 16.
 
-    Diagonal 16x16 tiles by forward substitution (full precision), then block rows merged with
-    matmuls at `precision`: Ai[i, :i] = -X_ii L[i, :i] Ai[:i, :i]. All in L's dtype."""
+    Diagonal 16x16 tiles at full precision (`INVERSE_MODE`: forward substitution or the doubling
+    product), then block rows merged with matmuls at `precision`:
+    Ai[i, :i] = -X_ii L[i, :i] Ai[:i, :i]. All in L's dtype."""
     *lead, C, _ = L.shape
     nt = C // TILE
     mm = functools.partial(jnp.einsum, precision=precision)
     mm_hi = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
     Lt = L.reshape(*lead, nt, TILE, nt, TILE)
     Ld = jnp.stack([Lt[..., i, :, i, :] for i in range(nt)], axis=-3)  # [..., nt, T, T]
+    eye = jnp.broadcast_to(jnp.eye(TILE, dtype=L.dtype), Ld.shape)
 
     def substitute(i, X):  # X[i] = e_i - L[i] X: rows m >= i of X are still e_m and L[i, m >= i] = 0
         row = jax.lax.dynamic_index_in_dim(Ld, i, axis=-2, keepdims=False)
         return X.at[..., i, :].add(-mm_hi("...m,...mj->...j", row, X))
 
-    X = jax.lax.fori_loop(1, TILE, substitute, jnp.broadcast_to(jnp.eye(TILE, dtype=L.dtype), Ld.shape))
+    if traced_settings()[4] == "doubling":  # N = -Ld is nilpotent (N^16 = 0): sum_k N^k
+        N = -Ld
+        X = eye + N
+        for _ in range(TILE.bit_length() - 2):  # X (I + N^2) (I + N^4) (I + N^8)
+            N = mm_hi("...rm,...mc->...rc", N, N)
+            X = X + mm_hi("...rm,...mc->...rc", X, N)
+    else:
+        X = jax.lax.fori_loop(1, TILE, substitute, eye)
     Ai = X[..., :1, :, :].reshape(*lead, TILE, TILE)
     for i in range(1, nt):
         n = i * TILE

@@ -348,7 +348,8 @@ def test_diag_mode_is_part_of_the_jit_cache_key(monkeypatch):
 @pytest.mark.parametrize("name, modes, lower", [("ROW_MODE", ("stacked", "separate"), -5.0),
                                                 ("ROW_MODE", ("stacked", "separate"), None),
                                                 ("CUMSUM_MODE", ("matmul", "scan"), -5.0),
-                                                ("CUMSUM_MODE", ("matmul_bf16x6", "scan"), -5.0)])
+                                                ("CUMSUM_MODE", ("matmul_bf16x6", "scan"), -5.0),
+                                                ("INVERSE_MODE", ("doubling", "substitute"), -5.0)])
 def test_traced_modes_give_the_same_values(rng, monkeypatch, name, modes, lower):
     """chunk_intra.ROW_MODE "stacked" (q and k row tiles in one product) gives the values and
     gradients of "separate" (float32: the same sums), on the bounded and the exact path; so does
@@ -373,7 +374,7 @@ def test_traced_modes_give_the_same_values(rng, monkeypatch, name, modes, lower)
     for a, b in zip(got[modes[0]], got[modes[1]]):
         if name == "ROW_MODE":  # the same sums
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
-        else:  # G summed in another order; each mode is within 1.5e-5 of float64 (max-normalised) here
+        else:  # sums in another order (G; the diagonal blocks' inverse); each mode is within 1.5e-5 of float64 here
             assert np.max(np.abs(np.asarray(a) - np.asarray(b))) <= 5e-5 * np.max(np.abs(np.asarray(b)))
     monkeypatch.setattr(chunk_intra, name, "paired")
     with pytest.raises(ValueError, match=name):
@@ -429,3 +430,18 @@ def test_gpu_tensor_core_algorithms_keep_float32_accuracy(rng, setting):
     cumsum (HIGHEST-precision products)."""
     inputs = make_inputs(rng, 1, 1024, 4, 128, 128, "channel", lower=-5.0, seg="random")
     assert_as_accurate(relative_errors(inputs, diag="f32", cumsum="matmul"), relative_errors(inputs, **setting))
+
+
+@pytest.mark.parametrize("mode", ["substitute", "doubling"])
+def test_unit_lower_inverse_matches_float64(monkeypatch, mode):
+    """(I + L)^{-1} for strictly lower L [.., 64, 64] with entries like the delta rule's (|L| < 1,
+    beta k . k decayed): both ways of inverting the 16x16 diagonal blocks within 1e-5 of NumPy's
+    float64 inverse, relative to its largest entry."""
+    from kernels.kda import chunk_intra
+
+    monkeypatch.setattr(chunk_intra, "INVERSE_MODE", mode)
+    r = np.random.default_rng(3)
+    L = np.tril(r.uniform(-1, 1, (3, 64, 64)), -1) * 0.5
+    got = np.asarray(chunk_intra.unit_lower_inverse(jnp.asarray(L, jnp.float32), jax.lax.Precision.HIGHEST))
+    want = np.linalg.inv(np.eye(64) + L)
+    assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
