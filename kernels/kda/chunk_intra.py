@@ -201,6 +201,12 @@ def diag_precision(cd, sdt):
     return jax.lax.Precision.HIGHEST
 
 
+def hi_lo(x, cd):
+    """x (state dtype) as hi + lo parts in the narrower dtype `cd` (about 16 mantissa bits for bf16)."""
+    hi = x.astype(cd)
+    return hi, (x - hi.astype(x.dtype)).astype(cd)
+
+
 def diag_product(spec, x, y, cd):
     """einsum(spec, x, y) of state-dtype operands: at `diag_precision`, or (`diag_split`) the sum
     xh yh + xh yl + xl yh of their hi/lo parts in the compute dtype `cd`, accumulated in x's dtype."""
@@ -208,8 +214,7 @@ def diag_product(spec, x, y, cd):
     if not diag_split(cd, sdt):
         return jnp.einsum(spec, x, y, precision=diag_precision(cd, sdt))
     mm = functools.partial(jnp.einsum, preferred_element_type=sdt)
-    xh, yh = x.astype(cd), y.astype(cd)
-    xl, yl = (x - xh.astype(sdt)).astype(cd), (y - yh.astype(sdt)).astype(cd)
+    (xh, xl), (yh, yl) = hi_lo(x, cd), hi_lo(y, cd)
     return mm(spec, xh, yh) + (mm(spec, xh, yl) + mm(spec, xl, yh))
 
 
@@ -364,10 +369,6 @@ def unit_lower_inverse(L, precision):
     Ld = jnp.stack([Lt[..., i, :, i, :] for i in range(nt)], axis=-3)  # [..., nt, T, T]
     eye = jnp.broadcast_to(jnp.eye(TILE, dtype=L.dtype), Ld.shape)
 
-    def substitute(i, X):  # X[i] = e_i - L[i] X: rows m >= i of X are still e_m and L[i, m >= i] = 0
-        row = jax.lax.dynamic_index_in_dim(Ld, i, axis=-2, keepdims=False)
-        return X.at[..., i, :].add(-mm_hi("...m,...mj->...j", row, X))
-
     if traced_settings()[4] == "doubling":  # N = -Ld is nilpotent (N^16 = 0): sum_k N^k
         N = -Ld
         X = eye + N
@@ -375,6 +376,10 @@ def unit_lower_inverse(L, precision):
             N = mm_hi("...rm,...mc->...rc", N, N)
             X = X + mm_hi("...rm,...mc->...rc", X, N)
     else:
+        def substitute(i, X):  # X[i] = e_i - L[i] X: rows m >= i of X are still e_m and L[i, m >= i] = 0
+            row = jax.lax.dynamic_index_in_dim(Ld, i, axis=-2, keepdims=False)
+            return X.at[..., i, :].add(-mm_hi("...m,...mj->...j", row, X))
+
         X = jax.lax.fori_loop(1, TILE, substitute, eye)
     Ai = X[..., :1, :, :].reshape(*lead, TILE, TILE)
     for i in range(1, nt):

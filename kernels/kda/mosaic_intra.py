@@ -132,6 +132,17 @@ def _body(q_ref, k_ref, v_ref, G_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
     plgpu.wait_smem_to_gmem(0)
 
 
+def per_block(rows, fn, nb: int, sub: int = SUB):
+    """[C, N] float32 array (shape and layout of the int32 row index `rows`) whose rows in block I
+    (rows sub I .. sub I + sub - 1) hold the vector fn(I) [N] (None: zeros), for I < nb."""
+    out = None
+    for I in reversed(range(nb)):
+        v = fn(I)
+        v = jnp.zeros(rows.shape, jnp.float32) if v is None else lax.broadcast_in_dim(v, rows.shape, [1])
+        out = v if out is None else jnp.where(rows < (I + 1) * sub, v, out)
+    return out
+
+
 def _split_store(X, hi_ref, lo_ref, dt):
     """Store f32 X as hi + lo in `dt` (about 16 mantissa bits for bf16) into two SMEM refs."""
     hi = X.astype(dt)

@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels.kda.mosaic_intra import MAX_EXP, _mm_split, _rows_in, _split_store
+from kernels.kda.mosaic_intra import MAX_EXP, _mm_split, _rows_in, _split_store, per_block as _per_block
 from kernels.kda.mosaic_state import C, _smem
 
 SUB = 16
@@ -58,14 +58,7 @@ def _body(q_ref, k_ref, v_ref, G_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
     rows_k = plgpu.broadcasted_iota(jnp.int32, (C, K), 0, layout=_W)
     vec = lambda i: plgpu.load(an_s.at[i], layout=_W.reduce(0))  # [K]
 
-    def per_block(fn, shape):
-        """[C, K] array whose rows in block I hold the vector fn(I) (None: zeros)."""
-        out = None
-        for I in reversed(range(NB)):
-            x = fn(I)
-            x = jnp.zeros(shape, f32) if x is None else lax.broadcast_in_dim(x, shape, [1])
-            out = x if out is None else jnp.where(rows_k < (I + 1) * SUB, x, out)
-        return out
+    per_block = lambda fn: _per_block(rows_k, fn, NB)  # noqa: E731 - [C, K] rows of block I: fn(I)
 
     for i in range(len(srcs)):
         if i != 4:  # v is needed only at the end
@@ -82,7 +75,7 @@ def _body(q_ref, k_ref, v_ref, G_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
         G = plgpu.load(G_s, layout=_W)
 
     # Row side: Rq, Rk, Kl in place of q, k (G is dead afterwards).
-    D = G - per_block(vec, (C, K))  # G - a_I <= 0
+    D = G - per_block(vec)  # G - a_I <= 0
     qf = plgpu.load(q_s, layout=_W).astype(f32)
     q_s[...] = (qf * jnp.exp(D)).astype(dt)
     kf = plgpu.load(k_s, layout=_W).astype(f32)
@@ -106,7 +99,7 @@ def _body(q_ref, k_ref, v_ref, G_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
             slot = I % 2
             if I >= 2:
                 plgpu.wgmma_wait(2)  # the products of block I - 2 (the last readers of this slot) are done
-            kc_s.at[slot][...] = (Kl * per_block(functools.partial(col_factor, I), (C, K))).astype(dt)
+            kc_s.at[slot][...] = (Kl * per_block(functools.partial(col_factor, I))).astype(dt)
             plgpu.commit_smem()
             blk = pl.ds(I * SUB, SUB)
             plgpu.wgmma(acc_q.at[:, blk], kc_s.at[slot], q_s.at[blk].transpose((1, 0)))
@@ -122,7 +115,7 @@ def _body(q_ref, k_ref, v_ref, G_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
 
     # Elementwise outputs from the row-side tiles, in place (each tile's last use was the scores).
     g_last = vec(NB)
-    rescale = lambda ref, fn: (plgpu.load(ref, layout=_W).astype(f32) * per_block(fn, (C, K))).astype(dt)
+    rescale = lambda ref, fn: (plgpu.load(ref, layout=_W).astype(f32) * per_block(fn)).astype(dt)
     q_s[...] = rescale(q_s, lambda I: jnp.exp(vec(I)) * scale)  # qg = scale q exp(G)
     kl_s[...] = rescale(kl_s, lambda I: jnp.exp(g_last - vec(I)))  # kg = k exp(G_last - G)
     k_s[...] = rescale(k_s, lambda I: jnp.exp(vec(I)))  # k exp(G)

@@ -38,8 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels.kda.chunk_intra import TILE, decayed_scores
-from kernels.kda.mosaic_intra import _split_store
+from kernels.kda.chunk_intra import TILE, decayed_scores, hi_lo
+from kernels.kda.mosaic_intra import _split_store, per_block as _per_block
 from kernels.kda.mosaic_state import C, _smem
 
 KB = 64  # key channels per program
@@ -79,14 +79,7 @@ def _body(q_ref, k_ref, G_ref, an_ref, dA_ref, dAT_ref, p_ref, qc_ref, *scratch,
     first = [vec(i) for i in range(NB)]
     last = [vec(NB + i) for i in range(NB)]
 
-    def per_block(fn):
-        """[C, KB] array whose rows in tile I hold the vector fn(I) (None: zeros)."""
-        out = None
-        for I in reversed(range(NB)):
-            v = fn(I)
-            v = jnp.zeros((C, KB), f32) if v is None else lax.broadcast_in_dim(v, (C, KB), [1])
-            out = v if out is None else jnp.where(rows < (I + 1) * TILE, v, out)
-        return out
+    per_block = lambda fn: _per_block(rows, fn, NB)  # noqa: E731 - [C, KB] rows of tile I: fn(I)
 
     G = plgpu.load(G_s, layout=_W)  # [C, KB]
     kf = plgpu.load(k_s, layout=_W).astype(f32)
@@ -220,8 +213,14 @@ def _fwd(qf, kf, G, scale, delta, mm, interpret):
 
 def _split(x):
     """float32 [..., C, C] -> bf16 [..., 2, C, C]: hi and lo parts (about 16 mantissa bits)."""
-    hi = x.astype(jnp.bfloat16)
-    return jnp.stack([hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)], axis=-3)
+    return jnp.stack(hi_lo(x, jnp.bfloat16), axis=-3)
+
+
+def tile_anchors(G):
+    """G [..., C, K] -> [..., 2 NB, K]: G at each tile's first row, then at each tile's last row
+    (the kernel's `anchors`)."""
+    Gt = G.reshape(*G.shape[:-2], NB, TILE, G.shape[-1])
+    return jnp.concatenate([Gt[..., 0, :], Gt[..., -1, :]], axis=-2)
 
 
 def _bwd(scale, delta, mm, interpret, res, dAs):
@@ -229,12 +228,11 @@ def _bwd(scale, delta, mm, interpret, res, dAs):
     *lead, _, K = G.shape
     flat = lambda x: x.reshape(lead[0], -1, *x.shape[len(lead):])  # [N, ..., C, K] -> [N, BH, C, K]
     dA = jnp.stack(dAs, axis=-3).astype(jnp.float32)  # [..., X, C, C]
-    Gt = G.reshape(*lead, NB, TILE, K)
-    anchors = jnp.concatenate([Gt[..., 0, :], Gt[..., -1, :]], axis=-2)  # [..., 2 NB, K]
-    P, Q = scores_bwd_kernel(flat(q), flat(k), flat(G), flat(anchors), flat(_split(dA)),
+    P, Q = scores_bwd_kernel(flat(q), flat(k), flat(G), flat(tile_anchors(G)), flat(_split(dA)),
                              flat(_split(jnp.swapaxes(dA, -1, -2))), scale=scale, interpret=interpret)
     P = jnp.swapaxes(P, -1, -2).reshape(*lead, len(dAs), C, K)
     Q = jnp.swapaxes(jnp.sum(Q, axis=2), -1, -2).reshape(*lead, C, K)
+    Gt = G.reshape(*lead, NB, TILE, K)
     row_decay = jnp.exp(Gt - Gt[..., :1, :]).reshape(G.shape)  # exp(G_r - G_{a(r)})
     col_decay = jnp.exp(Gt[..., -1:, :] - Gt).reshape(G.shape)  # exp(G_{b(c)} - G_c)
     qf, kf = q.astype(jnp.float32), k.astype(jnp.float32)

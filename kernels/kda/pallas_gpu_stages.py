@@ -157,7 +157,7 @@ def _chunk_stages(rec, q, k, v, g, beta, scale):
     C = cq.shape[-2]
     dA = jnp.broadcast_to(jnp.tril(jnp.ones((C, C), jnp.bfloat16)), (cq.shape[0], B * H, 2, 2, C, C))
     G = flat(chunk_intra.chunk_cumsum(cg))
-    anchors = jnp.concatenate([G[..., ::16, :], G[..., 15::16, :]], axis=-2)
+    anchors = mosaic_scores_bwd.tile_anchors(G)
     for operands in mosaic_scores_bwd.OPERANDS:
         for slots in (1, 2):
             rec(f"mosaic_scores_bwd kernel alone, {operands} operands, {slots} slot(s)",
