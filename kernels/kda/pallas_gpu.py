@@ -104,9 +104,8 @@ def _bounded_operands(q, k, v, g, beta, scale, interpret, kernel="mosaic"):
     NT = -(-T // C)
     pad = lambda x: jnp.pad(x, [(0, 0), (0, NT * C - T)] + [(0, 0)] * (x.ndim - 2))
     q, k, v, g, beta = (pad(x) for x in (q, k, v, g, beta))
-    if kernel == "mosaic_bf16":  # the kernel sums the gates itself and returns the chunk decays
-        return mosaic_intra_bf16.intra_bf16(q, k, v, g, jnp.moveaxis(beta, 1, 2), scale=scale, interpret=interpret,
-                                            cumsum=True)
+    if kernel == "mosaic_bf16":  # the kernel takes the gates themselves and returns the chunk decays
+        return mosaic_intra_bf16.intra_bf16(q, k, v, g, jnp.moveaxis(beta, 1, 2), scale=scale, interpret=interpret)
     G = jnp.cumsum(g.reshape(B, NT, C, H, K), axis=2)
     d = jnp.moveaxis(jnp.exp(G[:, :, -1]), 2, 1).reshape(B * H, NT, K)
     G = G.reshape(B, NT * C, H, K)

@@ -26,25 +26,41 @@ def _inputs(rng, B, T, H, K, V):
     return q, k, v, g, beta
 
 
-@pytest.mark.parametrize("cumsum", [False, True])
-def test_operands_match_exact_stage(rng, cumsum):
-    """Every output against the float32 XLA stage, to bf16 rounding (K != V, two heads; the
-    kernel writes Aqk transposed)."""
-    B, T, H, K, V, C = 1, 128, 2, 128, 64, 64
+@pytest.mark.parametrize("K, V", [(128, 64), (64, 128)])
+def test_operands_match_exact_stage(rng, K, V):
+    """Every output against the float32 XLA stage, to bf16 rounding (K != V, both column-half
+    counts, two heads; the kernel writes Aqk transposed)."""
+    B, T, H, C = 1, 128, 2, 64
     q, k, v, g, beta = _inputs(rng, B, T, H, K, V)
-    G = jnp.cumsum(g.reshape(B, T // C, C, H, K), axis=2).reshape(B, T, H, K)
     bt = jnp.moveaxis(beta, 1, 2)
-    outs = mosaic_intra_bf16.intra_bf16(q, k, v, g if cumsum else G, bt, scale=K**-0.5, interpret=True, cumsum=cumsum)
+    outs = mosaic_intra_bf16.intra_bf16(q, k, v, g, bt, scale=K**-0.5, interpret=True)
     p = pallas_gpu_prep.prepare(q, k, v, g, beta, scale=K**-0.5, segment_ids=None)
     flat = lambda x: x.reshape(B * H, T // C, *x.shape[3:])
     aT = jnp.swapaxes(flat(p["a"]), -1, -2)
     refs = dict(qg=flat(p["qg"]), wn=-flat(p["w"]), kg=flat(p["kg"]), u=flat(p["u"]), aT=aT)
-    assert len(outs) == len(refs) + cumsum
+    assert len(outs) == len(refs) + 1
     for (name, ref), out in zip(refs.items(), outs):
         assert out.dtype == jnp.bfloat16 and out.shape == ref.shape
         assert_close(name, ref, out.astype(jnp.float32), 0.005)
-    if cumsum:  # the chunk decays exp(G_last), from the in-kernel cumsum
-        assert_close("d", flat(p["d"]), outs[-1], 1e-5)
+    assert_close("d", flat(p["d"]), outs[-1], 1e-5)  # the chunk decays exp(G_last)
+
+
+def test_gate_anchors_are_the_chunk_cumsum_at_block_starts(rng):
+    """gate_anchors: G at rows 0, 16, 32, 48 and 63 of every chunk, [B, H, NT, 5, K]."""
+    B, T, H, K, C = 2, 128, 3, 8, 64
+    g = jnp.asarray(-5.0 * rng.random((B, T, H, K)), jnp.float32)
+    G = jnp.cumsum(g.reshape(B, T // C, C, H, K), axis=2)
+    want = jnp.moveaxis(G[:, :, jnp.array([0, 16, 32, 48, 63])], 3, 1)
+    got = mosaic_intra_bf16.gate_anchors(g)
+    assert got.shape == (B, H, T // C, 5, K)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+
+
+def test_rejects_unsupported_sizes():
+    bf = lambda *s: jnp.zeros(s, jnp.bfloat16)
+    with pytest.raises(ValueError, match="K, V in"):
+        mosaic_intra_bf16.intra_bf16(bf(1, 64, 1, 96), bf(1, 64, 1, 96), bf(1, 64, 1, 64),
+                                     jnp.zeros((1, 64, 1, 96)), jnp.zeros((1, 1, 64)), scale=1.0, interpret=True)
 
 
 def test_end_to_end_parity(rng, monkeypatch):
@@ -78,8 +94,8 @@ def test_end_to_end_parity(rng, monkeypatch):
         assert_close(name, a, b, BF16_TOL[name])
 
 
-@pytest.mark.parametrize("K, V, cumsum", [(128, 128, True), (64, 128, False)])
-def test_lowers_for_cuda_within_two_programs_per_sm(monkeypatch, K, V, cumsum):
+@pytest.mark.parametrize("K, V", [(128, 128), (64, 128)])
+def test_lowers_for_cuda_within_two_programs_per_sm(monkeypatch, K, V):
     """Lowering for CUDA on CPU catches layout / wgmma / TMA errors; SMEM must leave room for two
     programs per H200 SM (228 KiB, 1 KiB reserved per program)."""
     import jax.experimental.mosaic.gpu.core as mgpu_core
@@ -90,7 +106,7 @@ def test_lowers_for_cuda_within_two_programs_per_sm(monkeypatch, K, V, cumsum):
     B, T, H = 2, 256, 2
     bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
-    f = jax.jit(lambda *a: mosaic_intra_bf16.intra_bf16(*a, scale=K**-0.5, cumsum=cumsum))
+    f = jax.jit(lambda *a: mosaic_intra_bf16.intra_bf16(*a, scale=K**-0.5))
     args = (bf(B, T, H, K), bf(B, T, H, K), bf(B, T, H, V), f32(B, T, H, K), f32(B, H, T))
     assert "mosaic_gpu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()[:4000]
     assert sizes and max(sizes) <= 113 * 1024
