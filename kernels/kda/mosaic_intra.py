@@ -132,14 +132,16 @@ def _body(q_ref, k_ref, v_ref, G_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
     plgpu.wait_smem_to_gmem(0)
 
 
-def per_block(rows, fn, nb: int, sub: int = SUB):
-    """[C, N] float32 array (shape and layout of the int32 row index `rows`) whose rows in block I
-    (rows sub I .. sub I + sub - 1) hold the vector fn(I) [N] (None: zeros), for I < nb."""
+def per_block(shape, fn, nb: int, sub: int = SUB):
+    """[C, N] float32 array (WGMMA layout) whose rows in block I (rows sub I .. sub I + sub - 1)
+    hold the vector fn(I) [N] (None: zeros), for I < nb. The block test runs on a row vector
+    (two rows per thread) and is broadcast, so each element costs one select per block."""
+    r = plgpu.broadcasted_iota(jnp.int32, (shape[0],), 0, layout=_W.reduce(1))
     out = None
     for I in reversed(range(nb)):
         v = fn(I)
-        v = jnp.zeros(rows.shape, jnp.float32) if v is None else lax.broadcast_in_dim(v, rows.shape, [1])
-        out = v if out is None else jnp.where(rows < (I + 1) * sub, v, out)
+        v = jnp.zeros(shape, jnp.float32) if v is None else lax.broadcast_in_dim(v, shape, [1])
+        out = v if out is None else jnp.where(lax.broadcast_in_dim(r < (I + 1) * sub, shape, [0]), v, out)
     return out
 
 

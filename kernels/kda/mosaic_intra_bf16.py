@@ -17,7 +17,8 @@ so no phase holds more than a few (the whole-width version spilled at 255 regist
   * (I + L^T)^{-1} = Ai^T in split-bf16 products, two independent products per round trip:
     Dg = (I - Ud)(I + Ud^2)(I + Ud^4)(I + Ud^8) for the 16x16 diagonal blocks Ud, then with
     N = Dg Uo (N^4 = 0): Ai^T = (I - N)(I + N^2) Dg.
-  * qg = scale Rq exp(a_I), kg = Kl exp(G_last - a_I), k exp(G) = Rk exp(a_I) in place, then
+  * qg = scale Rq exp(a_I) and kg = Kl exp(G_last - a_I) from the row side's registers, staged
+    in the scores' free memory; after the scores k exp(G) = Rk exp(a_I) in place, then
     w = (Ai diag beta)(k exp G), u = (Ai diag beta) v with Ai diag(beta) as hi + lo bf16.
 """
 
@@ -113,7 +114,7 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
     f32 = jnp.float32
     rows = plgpu.broadcasted_iota(jnp.int32, (C, HW), 0, layout=_W)  # HW == C: also the [C, C] index
     cols = plgpu.broadcasted_iota(jnp.int32, (C, HW), 1, layout=_W)
-    blocks = lambda fn: _per_block(rows, fn, NB)  # noqa: E731 - rows of block I hold fn(I) [HW]
+    blocks = lambda fn: _per_block(rows.shape, fn, NB)  # noqa: E731 - rows of block I hold fn(I) [HW]
     anchor = lambda i, j: plgpu.load(an_s.at[i, half(j)], layout=_W.reduce(0))  # noqa: E731 - [HW]
 
     # D = G - a_I, the block-local cumsum: BlockTri (g_hi + g_lo), BlockTri[r, s] = 1 for s in
@@ -137,14 +138,25 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
 
     Ds = pl.run_scoped(block_cumsum, *[plgpu.ACC((C, HW), f32) for _ in range(KH)])
 
-    # Row side, half by half: Rq, Rk in place of q, k; Kl.
+    # Row side, half by half: Rq, Rk in place of q, k; Kl; and from the same registers the outputs
+    # qg = scale Rq exp(a_I), kg = Kl exp(G_last - a_I), staged in the scores' column-operand
+    # memory (free until the scores start).
+    qg_o, kg_o = kc_s.at[0], kc_s.at[1]
     for j, D in enumerate(Ds):
         e = jnp.exp(D)
-        q_s.at[j][...] = (plgpu.load(q_s.at[j], layout=_W).astype(f32) * e).astype(dt)
+        rq = plgpu.load(q_s.at[j], layout=_W).astype(f32) * e
+        q_s.at[j][...] = rq.astype(dt)
+        qg_o.at[j][...] = (rq * blocks(lambda I: jnp.exp(anchor(I, j)) * scale)).astype(dt)
         kf = plgpu.load(k_s.at[j], layout=_W).astype(f32)
         k_s.at[j][...] = (kf * e).astype(dt)
-        kl_s.at[j][...] = (kf * jnp.exp(jnp.minimum(-D, MAX_EXP))).astype(dt)
+        kl = kf * jnp.exp(jnp.minimum(-D, MAX_EXP))
+        kl_s.at[j][...] = kl.astype(dt)
+        kg_o.at[j][...] = (kl * blocks(lambda I: jnp.exp(anchor(NB, j) - anchor(I, j)))).astype(dt)
     plgpu.commit_smem()
+    for j in range(KH):
+        plgpu.copy_smem_to_gmem(qg_o.at[j], qg_ref.at[bh, n, :, half(j)])
+        plgpu.copy_smem_to_gmem(kg_o.at[j], kg_ref.at[bh, n, :, half(j)])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staged outputs read before the scores reuse it
 
     def col_factor(I, J, j):
         """Column block J's factor for row block I: exp(a_I - a_J) <= 1, 1 on the diagonal, 0 above."""
@@ -176,16 +188,12 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
     a_o[...] = (jnp.where(cols >= rows, AT, 0.0) * scale).astype(dt)  # Aqk^T
     U = jnp.where(cols > rows, LT * beta_r, 0.0)  # L^T
 
-    # Elementwise outputs from the row-side tiles, in place (their last reads were the scores).
+    # k exp(G) = Rk exp(a_I) in place for w (Rk's last reads were the scores).
     for j in range(KH):
-        scaled = lambda ref, fn: (plgpu.load(ref, layout=_W).astype(f32) * blocks(fn)).astype(dt)  # noqa: E731
-        q_s.at[j][...] = scaled(q_s.at[j], lambda I: jnp.exp(anchor(I, j)) * scale)  # qg
-        kl_s.at[j][...] = scaled(kl_s.at[j], lambda I: jnp.exp(anchor(NB, j) - anchor(I, j)))  # kg
-        k_s.at[j][...] = scaled(k_s.at[j], lambda I: jnp.exp(anchor(I, j)))  # k exp(G)
+        rk = plgpu.load(k_s.at[j], layout=_W).astype(f32)
+        k_s.at[j][...] = (rk * blocks(lambda I: jnp.exp(anchor(I, j)))).astype(dt)
     plgpu.commit_smem()
-    for src, dst in ((a_o, a_ref.at[bh, n]),) + tuple(
-            (s.at[j], r.at[bh, n, :, half(j)]) for j in range(KH) for s, r in ((q_s, qg_ref), (kl_s, kg_ref))):
-        plgpu.copy_smem_to_gmem(src, dst)
+    plgpu.copy_smem_to_gmem(a_o, a_ref.at[bh, n])
 
     # (I + U)^{-1} = Ai^T, U = L^T strictly upper: diagonal blocks Dg = (I + Ud)^{-1}, then
     # I + U = (I + Ud)(I + Dg Uo) with N = Dg Uo block-nilpotent (N^4 = 0).

@@ -79,7 +79,7 @@ def _body(q_ref, k_ref, G_ref, an_ref, dA_ref, dAT_ref, p_ref, qc_ref, *scratch,
     first = [vec(i) for i in range(NB)]
     last = [vec(NB + i) for i in range(NB)]
 
-    per_block = lambda fn: _per_block(rows, fn, NB)  # noqa: E731 - [C, KB] rows of tile I: fn(I)
+    per_block = lambda fn: _per_block(rows.shape, fn, NB)  # noqa: E731 - [C, KB] rows of tile I: fn(I)
 
     G = plgpu.load(G_s, layout=_W)  # [C, KB]
     kf = plgpu.load(k_s, layout=_W).astype(f32)
