@@ -273,22 +273,6 @@ def grad_scan_chunks(dS, w, kg, qg, do, dvn_intra, decay, *, cd, interpret=False
 
 
 _warned: set = set()
-# Calls that are not differentiated (evaluation, inference) with a bounded gate (lower_bound >= -5)
-# and no segment resets run `pallas_gpu.bounded_forward` ("pallas_gpu": the bf16 Mosaic intra
-# kernel and the state kernel), on an H200 1.24x (8,4096,16,128) and 1.34x (4,4096,16,128) faster
-# than this impl's own forward (benchmarks/results/kda-intrabf16-h200-20261130T1551.json, measured as pallas_gpu:mosaic_bf16). Under
-# differentiation the custom VJP of `_forward_only` runs this impl's forward and backward, whose
-# shared XLA intra pieces make it the faster for training. "chunk": always this impl's forward.
-FORWARD_ONLY = "pallas_gpu"
-FORWARD_ONLY_CHOICES = ("pallas_gpu", "chunk")
-
-
-def _forward_only(fast, slow):
-    """A function that runs `fast` when it is not differentiated and `slow`'s forward and VJP
-    when it is (both map the same arguments to equal outputs)."""
-    f = jax.custom_vjp(fast)
-    f.defvjp(lambda *args: jax.vjp(slow, *args), lambda pull, ct: pull(ct))
-    return f
 
 
 def kda_impl(
@@ -312,14 +296,4 @@ def kda_impl(
 
     if reason:  # plain XLA: the partitioner shards it like any other computation
         return run(q, k, v, g, beta, initial_state, segment_ids)
-    if FORWARD_ONLY not in FORWARD_ONLY_CHOICES:
-        raise ValueError(f"mosaic_scan.FORWARD_ONLY={FORWARD_ONLY!r}; expected one of {FORWARD_ONLY_CHOICES}")
-    from kernels.kda import pallas_gpu
-
-    if FORWARD_ONLY == "pallas_gpu" and pallas_gpu.resolve_intra("mosaic_bf16", lower_bound, segment_ids) == "mosaic_bf16":
-        def fast(q, k, v, g, beta, initial_state, segment_ids):
-            del segment_ids  # None here
-            return pallas_gpu.bounded_forward(q, k, v, g, beta, initial_state, scale=scale, interpret=interpret)
-
-        run = _forward_only(fast, run)
     return per_shard(run, q, k, v, g, beta, initial_state, segment_ids)

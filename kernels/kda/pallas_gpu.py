@@ -186,16 +186,6 @@ def _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, inte
     return res + ((out[2].reshape(NT, B, H, K, V),) if with_states else ())
 
 
-def bounded_forward(q, k, v, g, beta, h0, *, scale, interpret):
-    """The all-kernel forward (no autodiff rule): the bf16 Mosaic intra kernel ("mosaic_bf16"),
-    then the state kernel. Needs what `resolve_intra` asks of that kernel (every g >= -5, no
-    segment resets) and what `unsupported_reason` allows. q, k, g [B, T, H, K], v [B, T, H, V],
-    beta [B, T, H], h0 [B, H, K, V] or None -> (o [B, T, H, V] in v's dtype, S f32 [B, H, K, V])."""
-    if h0 is None:
-        h0 = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-    return _kernel_forward(q, k, v, g, beta, h0.astype(jnp.float32), None, scale, "mosaic_bf16", True, interpret)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
 def _kda(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret):
     return _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret)
