@@ -273,6 +273,14 @@ def grad_scan_chunks(dS, w, kg, qg, do, dvn_intra, decay, *, cd, interpret=False
 
 
 _warned: set = set()
+# Calls with a bounded gate (lower_bound >= -5) and no segment resets go through impl="pallas_gpu"
+# with its bf16 intra kernel ("pallas_gpu"): calls that are not differentiated (evaluation,
+# inference) run its all-kernel forward, on an H200 1.24x (8,4096,16,128) and 1.34x
+# (4,4096,16,128) faster than this impl's own forward (benchmarks/results/kda-intrabf16-h200-
+# 20261130T1551.json, as pallas_gpu:mosaic_bf16); under differentiation its custom VJP runs this
+# impl's forward and backward (pallas_gpu train_forward="chunk"). "chunk": always this impl.
+FORWARD_ONLY = "pallas_gpu"
+FORWARD_ONLY_CHOICES = ("pallas_gpu", "chunk")
 
 
 def kda_impl(
@@ -296,4 +304,11 @@ def kda_impl(
 
     if reason:  # plain XLA: the partitioner shards it like any other computation
         return run(q, k, v, g, beta, initial_state, segment_ids)
+    if FORWARD_ONLY not in FORWARD_ONLY_CHOICES:
+        raise ValueError(f"mosaic_scan.FORWARD_ONLY={FORWARD_ONLY!r}; expected one of {FORWARD_ONLY_CHOICES}")
+    from kernels.kda import pallas_gpu
+
+    if FORWARD_ONLY == "pallas_gpu" and pallas_gpu.resolve_intra("mosaic_bf16", lower_bound, segment_ids) == "mosaic_bf16":
+        run = functools.partial(pallas_gpu._run, scale=scale, intra="mosaic_bf16", interpret=interpret,
+                                chunk_bounded=chunk.use_bounded_path(lower_bound, q.dtype), train_forward="chunk")
     return per_shard(run, q, k, v, g, beta, initial_state, segment_ids)

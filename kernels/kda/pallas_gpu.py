@@ -186,8 +186,16 @@ def _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, inte
     return res + ((out[2].reshape(NT, B, H, K, V),) if with_states else ())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _kda(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret):
+# The forward that runs under differentiation (`train_forward`): "kernels", the primal's own
+# kernels writing every chunk's state; or "chunk", `chunk.py`'s forward with its Mosaic serial
+# pass (what impl="chunk_mosaic" runs): its XLA intra pieces equal the ones the backward
+# recomputes, so XLA computes them once and the training step costs what chunk_mosaic's does,
+# while calls that are not differentiated keep the faster kernel forward.
+TRAIN_FORWARDS = ("kernels", "chunk")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _kda(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret, train_forward):
     return _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret)
 
 
@@ -217,21 +225,31 @@ def _core_defaults(ck, interpret=False) -> tuple:
     return tuple(out)
 
 
-def _kda_fwd(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret):
-    keep = _chunk_module() is not None
-    o, S, *states = _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret,
-                                    with_states=keep)
+def _kda_fwd(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret, train_forward):
+    ck = _chunk_module()
+    if ck is None:
+        o, S = _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret)
+        return (o, S), (q, k, v, g, beta, h0, seg, None)
+    if train_forward == "chunk":
+        from kernels.kda.chunk_intra import from_chunks
+
+        args, counts, _ = _chunked_inputs(q, k, v, g, beta, seg)
+        o, S, states = ck._forward(*args, h0, counts, scale, chunk_bounded, True, *_core_defaults(ck, interpret))
+        o = from_chunks(o)[:, : q.shape[1]].astype(v.dtype)
+    else:
+        o, S, states = _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret,
+                                       with_states=True)
     # Named: saved, not recomputed, by a remat policy that keeps the name (kimi_jax.remat's dots16).
-    states = checkpoint_name(states[0], _chunk_module().STATES_NAME) if keep else None
+    states = checkpoint_name(states, ck.STATES_NAME)
     return (o, S), (q, k, v, g, beta, h0, seg, states)
 
 
-def _kda_bwd(scale, intra, chunk_bounded, interpret, res, cts):
+def _kda_bwd(scale, intra, chunk_bounded, interpret, train_forward, res, cts):
     """impl="chunk"'s hand-written backward (`chunk._core_bwd`) fed with the per-chunk states
     that the forward kernel wrote, so no forward pass is recomputed; its bounded intra path
     when `chunk_bounded` (lower_bound >= -5). Without `kernels.kda.chunk`: recompute through this
     module's float32 plain-JAX path under `jax.vjp`."""
-    del intra
+    del intra, train_forward
     q, k, v, g, beta, h0, seg, states = res
     do, dS = cts
     ck = _chunk_module()
@@ -258,10 +276,12 @@ def _kda_bwd(scale, intra, chunk_bounded, interpret, res, cts):
 _kda.defvjp(_kda_fwd, _kda_bwd)
 
 
-def _run(q, k, v, g, beta, h0, seg, *, scale, intra, interpret, chunk_bounded=False):
+def _run(q, k, v, g, beta, h0, seg, *, scale, intra, interpret, chunk_bounded=False, train_forward="kernels"):
+    if train_forward not in TRAIN_FORWARDS:
+        raise ValueError(f"train_forward={train_forward!r}; expected one of {TRAIN_FORWARDS}")
     if h0 is None:
         h0 = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-    return _kda(q, k, v, g, beta, h0.astype(jnp.float32), seg, scale, intra, chunk_bounded, interpret)
+    return _kda(q, k, v, g, beta, h0.astype(jnp.float32), seg, scale, intra, chunk_bounded, interpret, train_forward)
 
 
 def kda_impl(

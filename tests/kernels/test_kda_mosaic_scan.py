@@ -75,6 +75,45 @@ def test_chunk_mosaic_bfloat16(rng):
     _compare(rng, inputs, BF16_TOL, -5.0, jnp.bfloat16)
 
 
+def test_forward_only_calls_run_the_bounded_kernel_forward(rng, monkeypatch):
+    """Without a gradient, a bounded, reset-free bf16 call runs pallas_gpu's all-kernel forward
+    (the intra kernel runs) and matches naive; under jax.grad chunk's forward runs instead (no
+    intra kernel), and resets or an unbounded gate keep the chunk path forward too."""
+    from kernels.kda import kda, mosaic_intra_bf16
+
+    calls, kernel = [], mosaic_intra_bf16.intra_bf16
+    monkeypatch.setattr(mosaic_intra_bf16, "intra_bf16", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    q, k, v, g, beta, h0, seg = make_inputs(rng, 1, 100, 1, 64, 64, "channel", lower=-5.0, seg="random")
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    args = (bf(q), bf(k), bf(v), jnp.asarray(g), jnp.asarray(beta))
+
+    def run(impl, lower_bound=-5.0, segment_ids=None):
+        return kda(*args, initial_state=jnp.asarray(h0), output_final_state=True, lower_bound=lower_bound,
+                   segment_ids=segment_ids, impl=impl)
+
+    o_ref, S_ref = run("naive")
+    o, S = jax.jit(lambda: run("chunk_mosaic"))()
+    assert calls == [1]
+    assert o.dtype == o_ref.dtype and S.dtype == S_ref.dtype
+    assert_close("o", o_ref.astype(jnp.float32), o.astype(jnp.float32), BF16_TOL["o"])
+    assert_close("S", S_ref, S, BF16_TOL["S"])
+
+    loss = lambda impl: lambda q: jnp.sum(kda(q, *args[1:], lower_bound=-5.0, impl=impl)[0].astype(jnp.float32))  # noqa: E731
+    dq_ref, dq = jax.grad(loss("naive"))(args[0]), jax.jit(jax.grad(loss("chunk_mosaic")))(args[0])
+    assert calls == [1]
+    assert_close("dq", dq_ref.astype(jnp.float32), dq.astype(jnp.float32), BF16_TOL["dq"])
+
+    jax.jit(lambda: run("chunk_mosaic", segment_ids=jnp.asarray(seg)))()
+    jax.jit(lambda: run("chunk_mosaic", lower_bound=None))()
+    assert calls == [1]
+    monkeypatch.setattr(mosaic_scan, "FORWARD_ONLY", "chunk")
+    jax.jit(lambda: run("chunk_mosaic"))()
+    assert calls == [1]
+    monkeypatch.setattr(mosaic_scan, "FORWARD_ONLY", "pallas")
+    with pytest.raises(ValueError, match="FORWARD_ONLY"):
+        run("chunk_mosaic")
+
+
 def test_linear_attention_state_passes(rng):
     """delta=False (w = 0, v' = v): the kernels' linear-attention variant against the XLA passes."""
     q, k, v, g, _, h0, seg = make_inputs(rng, 1, 100, 2, 64, 64, "channel", seg="random")
@@ -128,6 +167,36 @@ def test_forward_backward_lowers_for_cuda(B, T, H, K):
     assert module.count("mosaic_gpu") >= 2
 
 
+def test_forward_only_lowers_for_cuda(monkeypatch):
+    """A forward-only bounded bf16 chunk_mosaic call, as on a Hopper GPU, lowers for CUDA with
+    pallas_gpu's intra and state kernels."""
+    from kernels.kda import hopper, kda
+
+    monkeypatch.setattr(mosaic_scan, "_device_kind", lambda: "hopper")
+    monkeypatch.setattr(hopper, "device_kind", lambda: "hopper")
+    B, T, H, K = 2, 256, 2, 128
+    sd = jax.ShapeDtypeStruct
+    args = [sd((B, T, H, K), jnp.bfloat16)] * 3 + [sd((B, T, H, K), jnp.float32), sd((B, T, H), jnp.float32)]
+    fn = jax.jit(lambda *a: kda(*a, lower_bound=-5.0, impl="chunk_mosaic")[0])
+    module = jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+    assert module.count("mosaic_gpu") >= 2
+
+
+@pytest.mark.gpu
+def test_forward_only_on_gpu(rng):
+    """The forward-only route (pallas_gpu's kernels) at a training shape against naive."""
+    from kernels.kda import kda
+
+    q, k, v, g, beta, h0, _ = make_inputs(rng, 2, 4096, 16, 128, 128, "channel", lower=-5.0)
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    args = (bf(q), bf(k), bf(v), jnp.asarray(g), jnp.asarray(beta))
+    run = lambda impl: jax.jit(lambda: kda(*args, initial_state=jnp.asarray(h0), output_final_state=True,  # noqa: E731
+                                           lower_bound=-5.0, impl=impl))()
+    (o_ref, S_ref), (o, S) = run("naive"), run("chunk_mosaic")
+    assert_close("o", o_ref.astype(jnp.float32), o.astype(jnp.float32), BF16_TOL["o"])
+    assert_close("S", S_ref, S, BF16_TOL["S"])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seg", [None, "random"])
 def test_chunk_mosaic_on_gpu(rng, seg):
@@ -157,3 +226,32 @@ def test_chunk_mosaic_runs_per_shard_under_a_mesh(rng, monkeypatch):
     assert calls == [((1, 40, 2, 64), "mosaic_interpret")]  # one shard: batch / 2, heads / 2
     assert_close("o", o_ref, o, F32_TOL)
     assert_close("S", S_ref, S, F32_TOL)
+
+
+def test_forward_only_route_differentiates_per_shard_under_a_mesh(rng, monkeypatch):
+    """Under a mesh, the gradient of a bounded call goes through pallas_gpu's custom VJP with
+    train_forward="chunk" (chunk's forward and backward) inside shard_map and matches the
+    unsharded chunk gradient. The interpreter cannot run 8 devices, so the serial passes are
+    the XLA ones (BACKWARD_STATE_PASS="xla"); what is tested is the wiring."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from kernels.kda import kda, pallas_gpu
+    from kimi_jax.sharding import make_mesh
+
+    monkeypatch.setattr(pallas_gpu, "BACKWARD_STATE_PASS", "xla")
+    calls, real = [], chunk._forward
+    monkeypatch.setattr(chunk, "_forward", lambda q, *a: calls.append(q.shape) or real(q, *a))
+    q, k, v, g, beta, _, _ = make_inputs(rng, 2, 40, 4, 64, 64, lower=-5.0)
+    mesh = make_mesh({"data": 2, "tensor": 2, "fsdp": 2})
+    x4 = P("data", None, "tensor", None)
+    put = lambda x, s: jax.device_put(jnp.asarray(x), NamedSharding(mesh, s))  # noqa: E731
+
+    def loss(impl):
+        return lambda q, k, g: jnp.sum(kda(q, k, v, g, beta, lower_bound=-5.0, impl=impl)[0] ** 2)
+
+    with jax.set_mesh(mesh):
+        grads = jax.jit(jax.grad(loss("chunk_mosaic"), argnums=(0, 1, 2)))(put(q, x4), put(k, x4), put(g, x4))
+    assert calls == [(1, 1, 2, 64, 64)]  # chunk's forward on one shard's chunks: batch / 2, heads / 2
+    ref = jax.grad(loss("chunk"), argnums=(0, 1, 2))(q, k, g)
+    for name, a, b in zip(("dq", "dk", "dg"), ref, grads):
+        assert_close(name, a, b, F32_TOL[name])
