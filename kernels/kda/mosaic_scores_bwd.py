@@ -143,17 +143,18 @@ def _body(q_ref, k_ref, G_ref, an_ref, dA_ref, dAT_ref, p_ref, qc_ref, *scratch,
 OPERANDS = ("factored", "direct")
 
 
-def scores_bwd_kernel(q, k, G, anchors, dA, dAT, *, scale, interpret=False, operands="factored", slots=1):
+def scores_bwd_kernel(q, k, G, anchors, dA, dAT, *, scale, interpret=False, operands="direct", slots=1):
     """The kernel's inner sums. q, k [N, BH, C, K] (bf16); G [N, BH, C, K] float32; anchors
     [N, BH, 2 NB, K] float32 (G at each tile's first row, then at each tile's last row); dA, dAT
     [N, BH, X, 2, C, C] bf16: dA_x (zero above the diagonal) and its transpose as hi + lo parts.
     Returns (P^T, Q^T), both [N, BH, X, K, C] float32: P_x[r] = sum_c dA_x[r, c] k_c
     exp(G_{a(r)} - G_c), Q_x[c] = sum_r dA_x[r, c] a_x,r exp(G_r - G_{b(c)}). One program per
     (chunk, batch*head, 64 channels, x). `operands` (OPERANDS): how the anchored operands are
-    formed, "factored" (two [C, K] exponentials, then per-tile vector factors; the version timed
-    in the README) or "direct" (two [C, K] exponentials per tile, fewer instructions in all).
-    `slots`: 1 (a tile's operands are built once the previous tile's products are done; the
-    version timed in the README) or 2 (built while they run, 32 KiB more SMEM)."""
+    formed, "direct" (two [C, K] exponentials per tile, fewer instructions in all) or "factored"
+    (two [C, K] exponentials, then per-tile vector factors). `slots`: 1 (a tile's operands are
+    built once the previous tile's products are done) or 2 (built while they run, 32 KiB more
+    SMEM). On an H200 at 8,4096,16,128: direct 1.37 ms (1 slot) / 1.57 (2), factored 1.97 / 2.15
+    (benchmarks/results/kda-stages-h200-20261130T1528.json)."""
     if operands not in OPERANDS:
         raise ValueError(f"operands={operands!r}; expected one of {OPERANDS}")
     if slots not in (1, 2):

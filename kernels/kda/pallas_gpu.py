@@ -6,9 +6,10 @@ its all-matmul path when lower_bound >= -5), "xla" (`pallas_gpu_prep.prepare`, f
 for any gate g <= 0 and with segment resets), or with `lower_bound >= -5` and no resets a
 Mosaic GPU kernel on the tensor cores: "mosaic" (`mosaic_intra.intra_bounded`, split-bf16
 products, one program per SM; slower than XLA on an H200) or "mosaic_bf16"
-(`mosaic_intra_bf16.intra_bf16`: bf16 operands like flash-linear-attention's, ~108 KiB of SMEM
-so two programs share an SM; on an H200 at (8, 4096, 16, 128) 4.79 ms forward against 4.15 for
-the default path, benchmarks/results/kda-stages-h200-20261130T0350.json). The inter-chunk stage (state
+(`mosaic_intra_bf16.intra_bf16`: bf16 operands like flash-linear-attention's, ~107 KiB of SMEM
+so two programs share an SM; on an H200 the fastest forward: 2.95 ms at (8, 4096, 16, 128)
+against 3.42 for the default path, benchmarks/results/kda-intrabf16-h200-20261130T1551.json and
+kda-routed-h200-20261130T1616.json). The inter-chunk stage (state
 recurrence + output, the serial part) is a Mosaic GPU kernel (`mosaic_state.state_output`: TMA
 double-buffering, three wgmma products per chunk, the state in f32 registers). The state
 kernel's grid is (B*H, V/64) and it loops over chunks inside, so any T runs (1,048,576 tokens
@@ -17,8 +18,11 @@ and more) with no grid limit.
 Backward: no Pallas backward kernel yet. The state kernel also writes the incoming state of
 every chunk (bf16, O(T K V / 64) per head), and impl="chunk"'s hand-written backward
 (`chunk._core_bwd`, on its bounded path when lower_bound >= -5) runs from those states, so the
-forward is not recomputed. Without `kernels.kda.chunk`, the backward recomputes through this
-module's float32 plain-JAX chunked path (`prepare` + `scan_state_output`) under `jax.vjp`.
+forward is not recomputed. With train_forward="chunk" (what impl="chunk_mosaic" asks for) the
+forward under differentiation is chunk's own instead (see TRAIN_FORWARDS); calls that are not
+differentiated still run the kernels. Without `kernels.kda.chunk`, the backward recomputes
+through this module's float32 plain-JAX chunked path (`prepare` + `scan_state_output`) under
+`jax.vjp`.
 
 Decode: `kda_step_impl` runs `mosaic_decode.decode_step_pipelined` (state read once, written
 once; persistent programs keep several tile loads in flight).
@@ -51,9 +55,11 @@ log = logging.getLogger(__name__)
 
 BOUNDED_GATE = -5.0  # lower_bound at or above this may take the Mosaic GPU intra-chunk kernel
 INTRA_STAGES = ("xla", "chunk", "mosaic", "mosaic_bf16")
-# Measured on one H200 at (8, 4096, 16, 128) bf16, lower_bound=-5: chunk.py's intra pieces (prep
-# 2.7 ms + WY 0.8 ms) beat this module's exact XLA stage (6.0 ms) and the split-bf16 Mosaic GPU
-# intra kernel (about 9 ms); the lean "mosaic_bf16" whole forward is 4.79 ms against 4.15.
+# Measured on one H200 at (8, 4096, 16, 128) bf16, lower_bound=-5: chunk.py's intra pieces beat
+# this module's exact XLA stage (6.0 ms) and the split-bf16 Mosaic GPU intra kernel (about 9 ms).
+# The lean "mosaic_bf16" kernel gives the fastest forward (3.07 ms against 3.42), but its
+# forward+backward (13.40 ms against 10.98) pays for a backward that recomputes chunk's XLA
+# intra pieces alone; impl="chunk_mosaic" pairs it with train_forward="chunk" instead.
 DEFAULT_INTRA = "chunk"
 # The backward's reverse state pass: "mosaic" takes chunk's Mosaic GPU serial-pass kernels when
 # `kernels.kda.chunk` offers them (its STATE_PASSES), "xla" its lax.scan.
