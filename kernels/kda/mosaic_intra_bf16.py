@@ -37,7 +37,8 @@ from kernels.kda.mosaic_state import C, _smem
 
 SUB = 16
 NB = C // SUB  # row blocks per chunk
-HW = 64  # column half width (== C)
+HW = 64  # column half width
+assert HW == C, "one [C, HW] row/column index serves the [C, C] score tiles too"
 _W = plgpu.Layout.WGMMA
 
 

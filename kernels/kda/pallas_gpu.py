@@ -7,9 +7,9 @@ for any gate g <= 0 and with segment resets), or with `lower_bound >= -5` and no
 Mosaic GPU kernel on the tensor cores: "mosaic" (`mosaic_intra.intra_bounded`, split-bf16
 products, one program per SM; slower than XLA on an H200) or "mosaic_bf16"
 (`mosaic_intra_bf16.intra_bf16`: bf16 operands like flash-linear-attention's, ~107 KiB of SMEM
-so two programs share an SM; on an H200 the fastest forward: 2.95 ms at (8, 4096, 16, 128)
-against 3.42 for the default path, benchmarks/results/kda-intrabf16-h200-20261130T1551.json and
-kda-routed-h200-20261130T1616.json). The inter-chunk stage (state
+so two programs share an SM; on an H200 the fastest forward: 3.07 ms at (8, 4096, 16, 128)
+against 3.42 for the default path, benchmarks/results/kda-intrabf16-h200-20261130T1551.json).
+The inter-chunk stage (state
 recurrence + output, the serial part) is a Mosaic GPU kernel (`mosaic_state.state_output`: TMA
 double-buffering, three wgmma products per chunk, the state in f32 registers). The state
 kernel's grid is (B*H, V/64) and it loops over chunks inside, so any T runs (1,048,576 tokens
