@@ -309,6 +309,6 @@ def kda_impl(
     from kernels.kda import pallas_gpu
 
     if FORWARD_ONLY == "pallas_gpu" and pallas_gpu.resolve_intra("mosaic_bf16", lower_bound, segment_ids) == "mosaic_bf16":
-        run = functools.partial(pallas_gpu._run, scale=scale, intra="mosaic_bf16", interpret=interpret,
+        run = functools.partial(pallas_gpu.run, scale=scale, intra="mosaic_bf16", interpret=interpret,
                                 chunk_bounded=chunk.use_bounded_path(lower_bound, q.dtype), train_forward="chunk")
     return per_shard(run, q, k, v, g, beta, initial_state, segment_ids)

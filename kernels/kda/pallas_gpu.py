@@ -282,7 +282,9 @@ def _kda_bwd(scale, intra, chunk_bounded, interpret, train_forward, res, cts):
 _kda.defvjp(_kda_fwd, _kda_bwd)
 
 
-def _run(q, k, v, g, beta, h0, seg, *, scale, intra, interpret, chunk_bounded=False, train_forward="kernels"):
+def run(q, k, v, g, beta, h0, seg, *, scale, intra, interpret, chunk_bounded=False, train_forward="kernels"):
+    """The kernels on one shard's canonical-form inputs (`intra` a resolved stage, see
+    `resolve_intra`; `train_forward` in TRAIN_FORWARDS) -> (o [B, T, H, V], S [B, H, K, V])."""
     if train_forward not in TRAIN_FORWARDS:
         raise ValueError(f"train_forward={train_forward!r}; expected one of {TRAIN_FORWARDS}")
     if h0 is None:
@@ -312,11 +314,11 @@ def kda_impl(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids, lower_bound=lower_bound
         )
     stage = resolve_intra(intra, lower_bound, segment_ids)
-    run = functools.partial(_run, scale=scale, intra=stage, interpret=interpret)
+    run_shard = functools.partial(run, scale=scale, intra=stage, interpret=interpret)
     ck = _chunk_module()
     if ck is not None and ck.use_bounded_path(lower_bound, q.dtype):
-        run = functools.partial(run, chunk_bounded=True)
-    return per_shard(run, q, k, v, g, beta, initial_state, segment_ids)
+        run_shard = functools.partial(run_shard, chunk_bounded=True)
+    return per_shard(run_shard, q, k, v, g, beta, initial_state, segment_ids)
 
 
 def kda_step_impl(state, q, k, v, g, beta, scale, *, interpret=None):

@@ -157,7 +157,7 @@ def test_sharded_over_batch_and_heads(rng, monkeypatch):
         calls.append(q.shape)
         return chunked_reference(q, k, v, g, beta, scale=scale, initial_state=h0, segment_ids=seg)
 
-    monkeypatch.setattr(pallas_gpu, "_run", per_shard)
+    monkeypatch.setattr(pallas_gpu, "run", per_shard)
 
     q, k, v, g, beta, h0, seg = _inputs(rng, 2, 40, 4, 64, 64, "channel", jnp.float32, n_docs=2)
     (o, S), (o_ref, S_ref) = kda_on_mesh("pallas_gpu", q, k, v, g, beta, h0, seg)
