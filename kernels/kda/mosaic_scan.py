@@ -308,7 +308,8 @@ def kda_impl(
         raise ValueError(f"mosaic_scan.FORWARD_ONLY={FORWARD_ONLY!r}; expected one of {FORWARD_ONLY_CHOICES}")
     from kernels.kda import pallas_gpu
 
-    if FORWARD_ONLY == "pallas_gpu" and pallas_gpu.resolve_intra("mosaic_bf16", lower_bound, segment_ids) == "mosaic_bf16":
+    kernel_forward = pallas_gpu.resolve_intra("mosaic_bf16", lower_bound, segment_ids, q.dtype) == "mosaic_bf16"
+    if FORWARD_ONLY == "pallas_gpu" and kernel_forward:
         run = functools.partial(pallas_gpu.run, scale=scale, intra="mosaic_bf16", interpret=interpret,
                                 chunk_bounded=chunk.use_bounded_path(lower_bound, q.dtype), train_forward="chunk")
     return per_shard(run, q, k, v, g, beta, initial_state, segment_ids)

@@ -154,18 +154,20 @@ def _chunk_operands(q, k, v, g, beta, seg, scale, chunk_bounded, dt):
     return op(P["qg"]), op(-w), op(P["kg"]), op(u), op(P["Aqk"]), flat(P["decay"]).astype(jnp.float32)
 
 
-def resolve_intra(intra, lower_bound, segment_ids) -> str:
+def resolve_intra(intra, lower_bound, segment_ids, dtype) -> str:
     """The intra-chunk stage that runs: `intra` (default DEFAULT_INTRA) when it can take the call.
-    The Mosaic GPU kernels ("mosaic", "mosaic_bf16") need a bounded gate (lower_bound >= -5) and
-    no segment resets; otherwise, and for "chunk" without `kernels.kda.chunk`, the XLA stages
-    take over ("chunk" when available, else "xla")."""
+    The Mosaic GPU kernels ("mosaic", "mosaic_bf16") need a bounded gate (lower_bound >= -5), no
+    segment resets and q in bf16 or float32 (their anchored factors, up to e^75, overflow
+    float16); otherwise, and for "chunk" without `kernels.kda.chunk`, the XLA stages take over
+    ("chunk" when available, else "xla")."""
     intra = DEFAULT_INTRA if intra is None else intra
     if intra not in INTRA_STAGES:
         raise ValueError(f"Unknown intra={intra!r}; expected one of {list(INTRA_STAGES)}")
     bounded = lower_bound is not None and float(lower_bound) >= BOUNDED_GATE
     xla = "chunk" if _chunk_module() is not None else "xla"
     if intra in ("mosaic", "mosaic_bf16"):
-        return intra if bounded and segment_ids is None else xla
+        fits = bounded and segment_ids is None and jnp.dtype(dtype) != jnp.float16
+        return intra if fits else xla
     return xla if intra == "chunk" else intra
 
 
@@ -313,7 +315,7 @@ def kda_impl(
         return _fallback_impl()(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids, lower_bound=lower_bound
         )
-    stage = resolve_intra(intra, lower_bound, segment_ids)
+    stage = resolve_intra(intra, lower_bound, segment_ids, q.dtype)
     run_shard = functools.partial(run, scale=scale, intra=stage, interpret=interpret)
     ck = _chunk_module()
     if ck is not None and ck.use_bounded_path(lower_bound, q.dtype):

@@ -105,6 +105,8 @@ def test_forward_only_calls_run_the_bounded_kernel_forward(rng, monkeypatch):
 
     jax.jit(lambda: run("chunk_mosaic", segment_ids=jnp.asarray(seg)))()
     jax.jit(lambda: run("chunk_mosaic", lower_bound=None))()
+    f16 = tuple(jnp.asarray(x, jnp.float16) for x in (q, k, v))  # e^75 factors overflow float16
+    jax.jit(lambda: kda(*f16, *args[3:], lower_bound=-5.0, impl="chunk_mosaic"))()
     assert calls == [1]
     monkeypatch.setattr(mosaic_scan, "FORWARD_ONLY", "chunk")
     jax.jit(lambda: run("chunk_mosaic"))()

@@ -106,7 +106,12 @@ def test_interpret_bounded_intra_kernel(rng, monkeypatch):
     _check_parity(rng, 1, 100, 1, 128, 64, "channel", jnp.bfloat16, BF16_TOL, grads=False, lower_bound=-5.0)
     assert calls == [1]
     with pytest.raises(ValueError, match="Unknown intra"):
-        pallas_gpu.resolve_intra("cuda", -5.0, None)
+        pallas_gpu.resolve_intra("cuda", -5.0, None, jnp.bfloat16)
+    seg = jnp.zeros((1, 100), jnp.int32)
+    for args, want in (((-5.0, None, jnp.bfloat16), "mosaic"), ((-5.0, None, jnp.float16), "chunk"),
+                       ((-5.0, seg, jnp.bfloat16), "chunk"), ((None, None, jnp.bfloat16), "chunk"),
+                       ((-6.0, None, jnp.bfloat16), "chunk")):
+        assert pallas_gpu.resolve_intra("mosaic", *args) == want, args
 
 
 def test_fallback_logs_and_matches(rng, caplog):
