@@ -278,34 +278,47 @@ def use_bounded_path(lower_bound, dtype) -> bool:
 DEFAULT_SCORES = "dense"
 
 
-def _settings_table():
-    """Setting key -> (module, attribute, allowed values): the module settings read while tracing."""
+def _settings_table(keys=None):
+    """Setting key -> (module, attribute, allowed values): the module settings read while tracing
+    (only those in `keys`, if given: "forward_only", impl="chunk_mosaic"'s route for calls that
+    are not differentiated, imports the Mosaic GPU module only when asked for)."""
     import sys
 
-    return {"diag": (chunk_intra, "DIAG_MODE", chunk_intra.DIAG_MODES),
-            "rows": (chunk_intra, "ROW_MODE", chunk_intra.ROW_MODES),
-            "cumsum": (chunk_intra, "CUMSUM_MODE", chunk_intra.CUMSUM_MODES),
-            "scores_bwd": (chunk_intra, "SCORES_BWD", chunk_intra.SCORES_BWD_MODES),
-            "inverse": (chunk_intra, "INVERSE_MODE", chunk_intra.INVERSE_MODES),
-            "scores": (sys.modules[__name__], "DEFAULT_SCORES", SCORES)}
+    table = {"diag": lambda: (chunk_intra, "DIAG_MODE", chunk_intra.DIAG_MODES),
+             "rows": lambda: (chunk_intra, "ROW_MODE", chunk_intra.ROW_MODES),
+             "cumsum": lambda: (chunk_intra, "CUMSUM_MODE", chunk_intra.CUMSUM_MODES),
+             "scores_bwd": lambda: (chunk_intra, "SCORES_BWD", chunk_intra.SCORES_BWD_MODES),
+             "inverse": lambda: (chunk_intra, "INVERSE_MODE", chunk_intra.INVERSE_MODES),
+             "scores": lambda: (sys.modules[__name__], "DEFAULT_SCORES", SCORES),
+             "forward_only": _forward_only_setting}
+    return {k: entry() for k, entry in table.items() if keys is None or k in keys}
 
 
-SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse")
+def _forward_only_setting():
+    ms = _mosaic_scan("mosaic")[0]
+    return ms, "FORWARD_ONLY", ms.FORWARD_ONLY_CHOICES
+
+
+SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse", "forward_only")
 
 
 def setting_values(key: str) -> tuple:
     """The values module setting `key` (one of SETTINGS) accepts."""
-    return _settings_table()[key][2]
+    if key not in SETTINGS:
+        raise ValueError(f"unknown KDA setting {key!r}; expected one of {SETTINGS}")
+    return _settings_table([key])[key][2]
 
 
 @contextlib.contextmanager
 def settings(**values):
-    """Within the block, trace with these module settings (diag=, rows=, scores=, cumsum=, scores_bwd=, inverse=; see SETTINGS),
-    restored afterwards; an unknown key or value raises."""
-    table = _settings_table()
-    for key, value in values.items():
-        if key not in table:
+    """Within the block, trace with these module settings (diag=, rows=, scores=, cumsum=,
+    scores_bwd=, inverse=, forward_only=; see SETTINGS), restored afterwards; an unknown key or
+    value raises."""
+    for key in values:
+        if key not in SETTINGS:
             raise ValueError(f"unknown KDA setting {key!r}; expected one of {SETTINGS}")
+    table = _settings_table(values)
+    for key, value in values.items():
         if value not in table[key][2]:
             raise ValueError(f"KDA setting {key}={value!r}; expected one of {table[key][2]}")
     old = {k: getattr(table[k][0], table[k][1]) for k in values}

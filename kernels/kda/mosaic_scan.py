@@ -278,7 +278,8 @@ _warned: set = set()
 # inference) run its all-kernel forward, on an H200 1.24x (8,4096,16,128) and 1.34x
 # (4,4096,16,128) faster than this impl's own forward (benchmarks/results/kda-intrabf16-h200-
 # 20261130T1551.json, as pallas_gpu:mosaic_bf16); under differentiation its custom VJP runs this
-# impl's forward and backward (pallas_gpu train_forward="chunk"). "chunk": always this impl.
+# impl's forward and backward (pallas_gpu train_forward="chunk"). "chunk": always this impl
+# (`chunk.settings(forward_only="chunk")`).
 FORWARD_ONLY = "pallas_gpu"
 FORWARD_ONLY_CHOICES = ("pallas_gpu", "chunk")
 

@@ -108,9 +108,12 @@ def test_forward_only_calls_run_the_bounded_kernel_forward(rng, monkeypatch):
     f16 = tuple(jnp.asarray(x, jnp.float16) for x in (q, k, v))  # e^75 factors overflow float16
     jax.jit(lambda: kda(*f16, *args[3:], lower_bound=-5.0, impl="chunk_mosaic"))()
     assert calls == [1]
-    monkeypatch.setattr(mosaic_scan, "FORWARD_ONLY", "chunk")
-    jax.jit(lambda: run("chunk_mosaic"))()
-    assert calls == [1]
+    with chunk.settings(forward_only="chunk"):
+        jax.jit(lambda: run("chunk_mosaic"))()
+    assert calls == [1] and mosaic_scan.FORWARD_ONLY == "pallas_gpu"
+    with pytest.raises(ValueError, match="forward_only"):
+        with chunk.settings(forward_only="pallas"):
+            pass
     monkeypatch.setattr(mosaic_scan, "FORWARD_ONLY", "pallas")
     with pytest.raises(ValueError, match="FORWARD_ONLY"):
         run("chunk_mosaic")
