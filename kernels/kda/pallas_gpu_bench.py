@@ -36,12 +36,16 @@ def timed(f, *args, n=10):
     return (time.perf_counter() - t) / n * 1e3
 
 
-def inputs(B, T, H, D, seed=0):
-    r = np.random.default_rng(seed)
-    nrm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+def inputs(B, T, H, D, seed=0, V=None, rng=None):
+    """bf16 q, k (unit rows) [B, T, H, D] and v [B, T, H, V] (V default D), the bounded gate
+    g = -5 sigmoid(N(0, 1)) f32 [B, T, H, D], beta = sigmoid(N(0, 1)) f32 [B, T, H]; from `rng`
+    if given, else a generator seeded with `seed`."""
+    r = np.random.default_rng(seed) if rng is None else rng
+    V = D if V is None else V
+    nrm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
     q = jnp.asarray(nrm(r.standard_normal((B, T, H, D))), jnp.bfloat16)
     k = jnp.asarray(nrm(r.standard_normal((B, T, H, D))), jnp.bfloat16)
-    v = jnp.asarray(r.standard_normal((B, T, H, D)), jnp.bfloat16)
+    v = jnp.asarray(r.standard_normal((B, T, H, V)), jnp.bfloat16)
     g = jnp.asarray(-5.0 / (1.0 + np.exp(-r.standard_normal((B, T, H, D)))), jnp.float32)
     beta = jnp.asarray(1.0 / (1.0 + np.exp(-r.standard_normal((B, T, H)))), jnp.float32)
     return q, k, v, g, beta

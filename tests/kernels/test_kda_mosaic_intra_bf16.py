@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kernels.kda import mosaic_intra_bf16, pallas_gpu, pallas_gpu_prep
+from kernels.kda.pallas_gpu_bench import inputs
 from kernels.testing import assert_close
 
 BF16_TOL = dict(o=0.005, S=0.005, dq=0.008, dk=0.008, dv=0.008, dg=0.02, dbeta=0.02, dh0=0.008)
@@ -17,13 +18,7 @@ GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
 def _inputs(rng, B, T, H, K, V):
-    nrm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
-    q = jnp.asarray(nrm(rng.standard_normal((B, T, H, K))), jnp.bfloat16)
-    k = jnp.asarray(nrm(rng.standard_normal((B, T, H, K))), jnp.bfloat16)
-    v = jnp.asarray(rng.standard_normal((B, T, H, V)), jnp.bfloat16)
-    g = jnp.asarray(-5.0 / (1.0 + np.exp(-rng.standard_normal((B, T, H, K)))), jnp.float32)
-    beta = jnp.asarray(1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, H)))), jnp.float32)
-    return q, k, v, g, beta
+    return inputs(B, T, H, K, V=V, rng=rng)
 
 
 @pytest.mark.parametrize("K, V", [(128, 64), (64, 128)])
