@@ -145,11 +145,15 @@ def per_block(shape, fn, nb: int, sub: int = SUB):
     return out
 
 
-def _split_store(X, hi_ref, lo_ref, dt):
-    """Store f32 X as hi + lo in `dt` (about 16 mantissa bits for bf16) into two SMEM refs."""
+def split_parts(X, dt):
+    """f32 X as (hi, lo) in `dt`, X ~ hi + lo (about 16 mantissa bits for bf16)."""
     hi = X.astype(dt)
-    hi_ref[...] = hi
-    lo_ref[...] = (X - hi.astype(jnp.float32)).astype(dt)
+    return hi, (X - hi.astype(jnp.float32)).astype(dt)
+
+
+def _split_store(X, hi_ref, lo_ref, dt):
+    """Store f32 X as hi + lo in `dt` (`split_parts`) into two SMEM refs."""
+    hi_ref[...], lo_ref[...] = split_parts(X, dt)
 
 
 def _mm_split(X, Y, *, m_s, dt):

@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels.kda.mosaic_intra import MAX_EXP, _rows_in, _split_store, per_block as _per_block
+from kernels.kda.mosaic_intra import MAX_EXP, _rows_in, _split_store, per_block as _per_block, split_parts
 from kernels.kda.mosaic_state import C, _smem
 
 SUB = 16
@@ -81,8 +81,7 @@ def _mm_pair(pairs, m_s, dt, a_s=None):
         if a_s is not None:
             i = 2 * index(xs, X)
             return a_s.at[i], a_s.at[i + 1]
-        hi = X.astype(dt)
-        return hi, (X - hi.astype(jnp.float32)).astype(dt)
+        return split_parts(X, dt)
 
     def prod(*accs):
         for acc, (X, Y) in zip(accs, pairs):
