@@ -291,6 +291,9 @@ def _settings_table(keys=None):
              "inverse": lambda: (chunk_intra, "INVERSE_MODE", chunk_intra.INVERSE_MODES),
              "scores": lambda: (sys.modules[__name__], "DEFAULT_SCORES", SCORES),
              "forward_only": _forward_only_setting}
+    for key in keys or ():
+        if key not in table:
+            raise ValueError(f"unknown KDA setting {key!r}; expected one of {SETTINGS}")
     return {k: entry() for k, entry in table.items() if keys is None or k in keys}
 
 
@@ -304,8 +307,6 @@ SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse", "forwar
 
 def setting_values(key: str) -> tuple:
     """The values module setting `key` (one of SETTINGS) accepts."""
-    if key not in SETTINGS:
-        raise ValueError(f"unknown KDA setting {key!r}; expected one of {SETTINGS}")
     return _settings_table([key])[key][2]
 
 
@@ -314,9 +315,6 @@ def settings(**values):
     """Within the block, trace with these module settings (diag=, rows=, scores=, cumsum=,
     scores_bwd=, inverse=, forward_only=; see SETTINGS), restored afterwards; an unknown key or
     value raises."""
-    for key in values:
-        if key not in SETTINGS:
-            raise ValueError(f"unknown KDA setting {key!r}; expected one of {SETTINGS}")
     table = _settings_table(values)
     for key, value in values.items():
         if value not in table[key][2]:
