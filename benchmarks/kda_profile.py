@@ -4,6 +4,12 @@ kernels by time, each XLA fusion with its output shape, its source line and the 
     python benchmarks/kda_profile.py --shape 4x4096x16x128 --impls chunk_mosaic
     python benchmarks/kda_profile.py --decode --impls pallas_gpu,naive   # one kda_step at 64x32x128x128
     python benchmarks/kda_profile.py --quick          # tiny shape (runs on CPU, checks the plumbing)
+    python benchmarks/kda_profile.py --mixer configs/k3_1b3_dense.py --shape 4x4096   # the whole layer
+
+With --mixer, the profiled call is the forward+backward of a config's KDA mixer with its pre-norm
+(as one layer of a train step: `benchmarks/train_parts.py`'s piece, one document per row), and the
+kernels are also summed by the mixer's named scopes (proj, conv, gate, recurrence, out, and the
+KDA op's backward rule, kda_bwd): where the layer's time goes beyond the KDA op itself.
 
 Same inputs and call as `benchmarks/kda.py` (lower_bound=-5, bf16 q, k, v). The JSON (default
 benchmarks/results/kda-profile-<time>.json) holds, per impl, the kernel time per call by HLO op
@@ -118,8 +124,9 @@ def describe(op: str, instrs: dict, comps: dict, frames: dict, body_lines: int) 
                 body=[b[:240] for b in body[:body_lines]])
 
 
-def profile_call(label: str, fn, args, calls: int, top: int, body_lines: int, folder: str) -> dict:
-    """Trace `calls` calls of jitted `fn(*args)` (after two untraced ones) and describe the top ops."""
+def profile_call(label: str, fn, args, calls: int, top: int, body_lines: int, folder: str, scopes=()) -> dict:
+    """Trace `calls` calls of jitted `fn(*args)` (after two untraced ones) and describe the top ops
+    (`scopes`: named scopes to sum the kernels by, see `profile_summary.summarize`)."""
     compiled = jax.jit(fn).lower(*args).compile()
     jax.block_until_ready(compiled(*args))
     jax.block_until_ready(compiled(*args))
@@ -129,7 +136,7 @@ def profile_call(label: str, fn, args, calls: int, top: int, body_lines: int, fo
     jax.block_until_ready(out)
     jax.profiler.stop_trace()
     hlo = compiled.as_text()
-    summary = profile_summary.summarize(folder, hlo, calls, top)
+    summary = profile_summary.summarize(folder, hlo, calls, top, scopes_in_part=scopes)
     instrs, comps = instructions(hlo)
     frames = stack_frames(hlo)
     for o in summary["top_ops"]:
@@ -164,12 +171,61 @@ def kda_call(impl: str, shape):
     return fwd_bwd, args
 
 
+# The KDA mixer's named scopes (kimi_jax/attention/linear.py) and the op's backward rule.
+MIXER_SCOPES = ("proj", "conv", "gate", "recurrence", "out", "kda_bwd")
+
+
+def mixer_call(config_path: str, impl: str, shape):
+    """(fn, args): forward+backward of the KDA mixer (pre-norm included) of the config at
+    shape B, T, with its KDA impl replaced by `impl` ("chunk[_mosaic]:<settings>" allowed) unless
+    `impl` is "config"."""
+    from benchmarks.train import load_config
+    from benchmarks.train_parts import PreNormMixer, fwd_bwd
+    from flax import nnx
+    from kimi_jax import train_lib
+    from kimi_jax.config import ModelConfig
+
+    config = load_config(config_path)
+    model = config.model.to_dict()
+    if "kda" not in model["mixers"]:
+        raise ValueError(f"{config_path} has no KDA mixer")
+    name, _, opt = impl.partition(":")
+    if impl != "config":
+        model["mixers"]["kda"]["impl"] = name
+    settings = chunk_settings(opt) if name in ("chunk", "chunk_mosaic") else {}
+    cfg = ModelConfig.from_config_dict(model)
+    B, T = shape
+    dtype = train_lib.COMPUTE_DTYPES[config.optim.compute_dtype]
+    module = PreNormMixer(cfg, "kda", dict(dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
+    x = jax.random.normal(jax.random.key(0), (B, T, cfg.d_model), jnp.float32).astype(dtype)
+    seg = jnp.ones((B, T), jnp.int32)  # as benchmarks/train.py feeds the step
+
+    def layer(m, x):
+        with jax.named_scope("mixer_kda"):  # the part name the model's train step gives it
+            return m(x, seg)
+
+    grad, params, x = fwd_bwd(layer, module, x, "none")
+
+    def f(params, x):
+        with chunk.settings(**settings):  # read while tracing
+            return grad(params, x)
+
+    return f, (params, x)
+
+
 def decode_call(impl: str, shape):
     """(fn, args): one `kda_step(..., impl)` at shape B, H, K, V on benchmarks/kda.py's inputs."""
     x = _decode_inputs(*shape)
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)
     args = (jnp.asarray(x["state"]), bf(x["q"]), bf(x["k"]), bf(x["v"]), jnp.asarray(x["g"]), jnp.asarray(x["beta"]))
     return (lambda *a: kda_step(*a, impl=impl)), args
+
+
+def _parse_mixer_shape(text: str) -> tuple[int, int]:
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--mixer takes --shape BxT (e.g. 4x4096); got {text!r}")
+    return int(parts[0]), int(parts[1])
 
 
 def report(result: dict) -> str:
@@ -179,6 +235,8 @@ def report(result: dict) -> str:
              "–" if o.get("gbps") is None else f"{o['gbps']:.0f} ({100 * o['gbps'] / (1e3 * PEAK_TBPS):.0f}%)",
              ", ".join(o.get("source", []))[:80]] for o in s["top_ops"]]
     head = f"{result['impl']} at {result['shape']}: {s['kernel_ms_per_step']:.2f} ms of kernels per call"
+    if "by_scope" in s:
+        head += "\n" + markdown_table(["part / scope", "ms/call"], [[k, f"{v:.3f}"] for k, v in s["by_scope"].items()])
     return head + "\n" + markdown_table(["ms/call", "launches", "op", "MB moved", "GB/s (% of 4.3 TB/s)", "source"],
                                         rows)
 
@@ -189,6 +247,8 @@ def main(argv=None):
     p.add_argument("--impls", default="", help="comma-separated, as benchmarks/kda.py takes them "
                                                 "(default chunk_mosaic; with --decode pallas_gpu,naive)")
     p.add_argument("--decode", action="store_true", help="profile one kda_step instead")
+    p.add_argument("--mixer", default="", help="a config file: profile its KDA mixer layer instead (--shape BxT, "
+                                               "default 4x4096; --impls default: the config's)")
     p.add_argument("--calls", type=int, default=3, help="traced calls")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--body_lines", type=int, default=40)
@@ -196,22 +256,33 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="a tiny shape (1x128x2x64 or 2x2x64x64), impl chunk / naive")
     p.add_argument("--out", help="JSON path (default benchmarks/results/kda-profile-<time>.json)")
     a = p.parse_args(argv)
+    if a.decode and a.mixer:
+        raise ValueError("--decode and --mixer profile different calls; pick one")
     default_shape, default_impls = ("64x32x128x128", "pallas_gpu,naive") if a.decode else ("4x4096x16x128", "chunk_mosaic")
+    if a.mixer:
+        default_shape, default_impls = "4x4096", "config"
     if a.quick:
         a.shape, a.impls = ("2x2x64x64", "naive") if a.decode else ("1x128x2x64", "chunk")
-    (shape,) = _parse_shapes(a.shape or default_shape)
+        if a.mixer:
+            a.shape = "1x128"
+    shape = _parse_mixer_shape(a.shape or default_shape) if a.mixer else _parse_shapes(a.shape or default_shape)[0]
     impls = [s for s in (a.impls or default_impls).split(",") if s]
     for impl in impls:
         if a.decode and impl not in STEP_IMPLS:
             raise ValueError(f"--decode impl {impl!r}; expected one of {STEP_IMPLS}")
-        if not a.decode:
+        if not a.decode and impl != "config":
             _check_impl(impl)
     results = []
     for impl in impls:
-        fn, args = (decode_call if a.decode else kda_call)(impl, shape)
-        label = f"kda_step {impl}" if a.decode else impl
+        if a.mixer:
+            fn, args = mixer_call(a.mixer, impl, shape)
+            label, scopes = f"{os.path.basename(a.mixer)} KDA mixer, impl {impl}", MIXER_SCOPES
+        else:
+            fn, args = (decode_call if a.decode else kda_call)(impl, shape)
+            label, scopes = (f"kda_step {impl}" if a.decode else impl), ()
         with tempfile.TemporaryDirectory() as folder:
-            results.append(dict(profile_call(label, fn, args, a.calls, a.top, a.body_lines, folder), shape=list(shape)))
+            results.append(dict(profile_call(label, fn, args, a.calls, a.top, a.body_lines, folder, scopes),
+                                shape=list(shape)))
         print(report(results[-1]) + "\n", flush=True)
     hlos = [r.pop("hlo") for r in results]
     path = write_json(dict(env=environment(), results=results), a.out, "kda-profile")

@@ -44,6 +44,13 @@ def part_of(op_name: str) -> str:
     return "other"
 
 
+def scope_of(op_name: str, names) -> str:
+    """The innermost of `names` (named scopes inside a part, e.g. a mixer's "proj", "conv", and a
+    backward rule's "kda_bwd" inside "recurrence") on an op's `op_name` path, else "-"."""
+    found = [t for t in re.findall(r"[A-Za-z_][\w]*", op_name or "") if t in names]
+    return found[-1] if found else "-"
+
+
 def kernel_kind(kernel: str, hlo_op: str) -> str:
     """matmul / collective / copy / custom call / fusion, from the kernel and HLO op names."""
     k, h = kernel.lower(), hlo_op.lower()
@@ -145,13 +152,14 @@ def kernel_scopes(stream: list[tuple[str, str, float]], scopes: dict[str, str]) 
     return out
 
 
-def summarize(trace_dir: str, hlo_text: str = "", steps: int = 1, top: int = 25) -> dict:
+def summarize(trace_dir: str, hlo_text: str = "", steps: int = 1, top: int = 25, scopes_in_part=()) -> dict:
     """Per-step milliseconds by model part, by kernel kind and by kernel / HLO op (the `top`
-    largest)."""
+    largest); with `scopes_in_part` (named scopes inside the parts), also by "part / scope"
+    ("by_scope") and each top op's scope."""
     scopes = op_scopes(hlo_text) if hlo_text else {}
     by_part, by_kind, by_op = collections.Counter(), collections.Counter(), collections.Counter()
     part_kind = collections.Counter()
-    op_part, count = {}, collections.Counter()
+    by_scope, op_part, op_scope, count = collections.Counter(), {}, {}, collections.Counter()
     for stream in device_events(trace_dir):
         for (kernel, hlo_op, ns), op_name in zip(stream, kernel_scopes(stream, scopes)):
             ms = ns / 1e6 / steps
@@ -164,13 +172,19 @@ def summarize(trace_dir: str, hlo_text: str = "", steps: int = 1, top: int = 25)
             by_op[key] += ms
             count[key] += 1
             op_part[key] = part
+            if scopes_in_part:
+                op_scope[key] = scope_of(op_name, scopes_in_part)
+                by_scope[f"{part} / {op_scope[key]}"] += ms
     total = sum(by_part.values())
     ops = [{"op": op, "part": op_part[op], "ms": ms, "launches_per_step": count[op] / steps}
-           for op, ms in by_op.most_common(top)]
+           | ({"scope": op_scope[op]} if scopes_in_part else {}) for op, ms in by_op.most_common(top)]
     rnd = lambda c: {k: round(v, 3) for k, v in c.most_common()}  # noqa: E731
-    return {"steps": steps, "kernel_ms_per_step": round(total, 3), "by_part": rnd(by_part),
-            "by_kind": rnd(by_kind), "by_part_and_kind": rnd(part_kind),
-            "kernels_per_step": sum(count.values()) / steps, "top_ops": ops}
+    out = {"steps": steps, "kernel_ms_per_step": round(total, 3), "by_part": rnd(by_part),
+           "by_kind": rnd(by_kind), "by_part_and_kind": rnd(part_kind),
+           "kernels_per_step": sum(count.values()) / steps, "top_ops": ops}
+    if scopes_in_part:
+        out["by_scope"] = rnd(by_scope)
+    return out
 
 
 def read_hlo(path: str) -> str:
@@ -197,6 +211,9 @@ def markdown(summary: dict) -> str:
     lines = [f"kernel time per step: {summary['kernel_ms_per_step']:.1f} ms in "
              f"{summary['kernels_per_step']:.0f} kernels", "", "| part | ms/step | share |", "|---|---|---|"]
     lines += [f"| {k} | {v:.2f} | {v / total:.1%} |" for k, v in summary["by_part"].items()]
+    if "by_scope" in summary:
+        lines += ["", "| part / scope | ms/step | share |", "|---|---|---|"]
+        lines += [f"| {k} | {v:.2f} | {v / total:.1%} |" for k, v in summary["by_scope"].items()]
     lines += ["", "| kind | ms/step | share |", "|---|---|---|"]
     lines += [f"| {k} | {v:.2f} | {v / total:.1%} |" for k, v in summary["by_kind"].items()]
     lines += ["", "| kernel or HLO op | part | ms/step | launches/step |", "|---|---|---|---|"]

@@ -2,6 +2,7 @@
 module's stack-frame tables, bytes moved, the fused body)."""
 
 import jax
+import pytest
 import jax.numpy as jnp
 
 from benchmarks import kda_profile as kp
@@ -46,3 +47,24 @@ def test_kda_call_traces_under_the_named_chunk_settings():
         fn, args = kp.kda_call(impl, (1, 64, 1, 16))
         texts[impl] = jax.jit(fn).lower(*args).as_text()
     assert "reduce_window" in texts["chunk:cumsum=scan"] and "reduce_window" not in texts["chunk"]
+
+
+def test_mixer_profile_sums_kernels_by_the_mixers_scopes(tmp_path):
+    """--mixer: the KDA layer's forward+backward, its kernels' time under the mixer part and split
+    over its named scopes (the op's backward rule apart from its forward)."""
+    fn, args = kp.mixer_call("configs/tiny.py", "chunk", (1, 64))
+    r = kp.profile_call("mixer", fn, args, calls=1, top=5, body_lines=2, folder=str(tmp_path),
+                        scopes=kp.MIXER_SCOPES)
+    s = r["summary"]
+    assert abs(sum(s["by_scope"].values()) - s["kernel_ms_per_step"]) < 0.01
+    scopes = {k.split(" / ")[1] for k in s["by_scope"]}
+    assert {"recurrence", "kda_bwd", "proj", "conv"} <= scopes, s["by_scope"]
+    in_mixer = sum(v for k, v in s["by_scope"].items() if k.startswith("mixer_kda /"))
+    assert in_mixer > 0.8 * s["kernel_ms_per_step"], s["by_scope"]  # all but the test's loss sum
+    assert all("scope" in o for o in s["top_ops"])
+
+
+def test_mixer_shape_is_b_by_t():
+    assert kp._parse_mixer_shape("4x4096") == (4, 4096)
+    with pytest.raises(ValueError, match="BxT"):
+        kp._parse_mixer_shape("4x4096x16x128")

@@ -77,3 +77,11 @@ def test_graph_kernels_map_by_fusion_name_and_library_kernels_by_neighbour():
     parts = [ps.part_of(n) for n in ps.kernel_scopes(stream, scopes)]
     assert parts == ["mixer_kda", "mixer_kda", "mixer_kda", "ffn_mlp"]
 
+
+
+def test_scope_of_takes_the_innermost_named_scope_inside_a_part():
+    names = ("proj", "conv", "recurrence", "kda_bwd")
+    assert ps.scope_of("jit(f)/transpose(jvp(mixer_kda))/conv/mul", names) == "conv"
+    assert ps.scope_of("jit(f)/mixer_kda/recurrence/proj_like/dot", names) == "recurrence"
+    assert ps.scope_of("jit(f)/transpose(jvp(mixer_kda))/recurrence/kda_bwd/dot", names) == "kda_bwd"
+    assert ps.scope_of("jit(f)/mixer_kda/projection/dot", names) == "-"  # whole tokens only
