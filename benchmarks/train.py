@@ -12,7 +12,8 @@ parameters (configs/k3_1b3_dense.py).
 Rows: device count x remat policy (kimi_jax/remat.py) x sequences per device, or --rows
 (`devices:remat:batch[:settings]`, the settings `key=value` joined by "/": `mesh=data|fsdp`, the
 mesh axis the devices form (data parallel, or FSDP: parameters and optimizer state sharded,
-gathered per use), and the KDA kernel module settings `diag`, `rows` and `scores`, read while the
+gathered per use), the KDA kernel module settings (`kernels.kda.chunk.SETTINGS`: `diag`, `rows`,
+`scores`, ...) and the short conv backward's tap sums `conv_dw=per_tap|stacked`, read while the
 row is traced). Every
 phase is timed apart and printed as it ends: step lowering and compile (`.lower(...).compile()`
 on abstract inputs; each row compiles in a thread while the next is traced, and nothing runs
@@ -59,7 +60,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kernels.kda import chunk, chunk_intra  # noqa: E402
-from kimi_jax import flops, logging_utils, optim, sharding, train_lib  # noqa: E402
+from kimi_jax import flops, layers, logging_utils, optim, sharding, train_lib  # noqa: E402
 from kimi_jax.remat import POLICIES  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -77,7 +78,8 @@ MESH_AXES = ("data", "fsdp")  # the axis a row's devices form
 
 def parse_settings(text: str) -> dict:
     """"mesh=fsdp/diag=split" -> {"mesh": "fsdp", "diag": "split"}; unknown keys or values raise."""
-    allowed = {k: chunk.setting_values(k) for k in chunk.SETTINGS} | {"mesh": MESH_AXES}
+    allowed = {k: chunk.setting_values(k) for k in chunk.SETTINGS} | {"mesh": MESH_AXES,
+                                                                       "conv_dw": layers.CONV_DW_MODES}
     out = {}
     for item in filter(None, text.split("/")):
         key, eq, value = item.partition("=")
@@ -90,8 +92,10 @@ def parse_settings(text: str) -> dict:
 
 
 def traced_with(settings: dict, f):
-    """f() with the KDA module settings among `settings` in place (`kernels.kda.chunk.settings`)."""
-    with chunk.settings(**{k: v for k, v in settings.items() if k in chunk.SETTINGS}):
+    """f() with the KDA module settings among `settings` (`kernels.kda.chunk.settings`) and the
+    short conv's `conv_dw` (`kimi_jax.layers.conv_dw`) in place."""
+    with chunk.settings(**{k: v for k, v in settings.items() if k in chunk.SETTINGS}), \
+            layers.conv_dw(settings.get("conv_dw")):
         return f()
 
 

@@ -8,6 +8,8 @@ in `param_dtype` and cast to `dtype` at use; norms and RoPE compute in float32.
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Sequence
 
 import jax
@@ -223,14 +225,38 @@ def _conv_pre(x, w, masks):
     return a
 
 
+# How the backward sums the tap gradients over B, T (read while the backward is traced).
+# "per_tap": one reduction per tap, which XLA fuses into the fusions that produce dy: in the
+# KDA layer, the transposes out of the chunked backward. "stacked": one reduction of the stacked
+# products, which XLA runs as a fusion of its own that recomputes the products per tap. On an
+# H200, the KDA layer of configs/k3_1b3_dense.py at 4 x 4096 (forward+backward) took 11.11 ms of
+# kernels with "stacked" and 10.54 with "per_tap" (`benchmarks/kda_profile.py --mixer`).
+CONV_DW_MODES = ("per_tap", "stacked")
+CONV_DW = "per_tap"
+
+
+@contextlib.contextmanager
+def conv_dw(mode: str | None):
+    """Within the block, trace the short conv's backward with tap sums `mode` (None: unchanged)."""
+    global CONV_DW
+    if mode is not None and mode not in CONV_DW_MODES:
+        raise ValueError(f"conv_dw={mode!r}; expected one of {CONV_DW_MODES}")
+    old = CONV_DW
+    CONV_DW = old if mode is None else mode
+    try:
+        yield
+    finally:
+        CONV_DW = old
+
+
 @jax.custom_vjp
 def causal_conv_silu(x, w, segment_ids=None):
     """SiLU of the causal depthwise conv: x [B, T, *C], w [W, *C] -> [B, T, *C] in x's dtype.
 
     Taps accumulate in float32; taps reaching before the start or into an earlier segment
     read zero. The custom VJP recomputes the pre-activation from x and returns dx and all W
-    tap gradients from one pass over (dy, x), instead of autodiff's per-tap padded copies and
-    per-tap reductions; dx accumulates its W taps in float32 before the one cast.
+    tap gradients from (dy, x) without autodiff's per-tap padded copies (the tap sums: see
+    CONV_DW); dx accumulates its W taps in float32 before the one cast.
     """
     a = _conv_pre(x, w, _tap_masks(segment_ids, w.shape[0], x.ndim))
     return jax.nn.silu(a).astype(x.dtype)
@@ -255,7 +281,12 @@ def _ccs_bwd(res, dy):
         prods.append(dai * _shift(x, s).astype(jnp.float32))
         c = _shift(dai, -s) * wf[i]  # dx[t] += w[i] * da[t + s] (masked at t + s)
         dx = c if dx is None else dx + c
-    dw = jnp.sum(jnp.stack(prods), axis=(1, 2))  # one reduction over B, T for all W taps
+    if CONV_DW not in CONV_DW_MODES:
+        raise ValueError(f"layers.CONV_DW={CONV_DW!r}; expected one of {CONV_DW_MODES}")
+    if CONV_DW == "per_tap":  # W sibling reductions over B, T
+        dw = jnp.stack([jnp.sum(p, axis=(0, 1)) for p in prods])
+    else:  # one reduction of the stacked [W, B, T, ...] products
+        dw = jnp.sum(jnp.stack(prods), axis=(1, 2))
     return dx.astype(x.dtype), dw.astype(w.dtype), None
 
 

@@ -136,11 +136,16 @@ def test_rows_carry_kda_settings_into_tracing_and_keys(bench):
     for bad in ("1:dots16", "1:dots16:4:diag", "1:dots16:4:diag=bf16", "1:dots16:4:tile=16", "2:dots16:4:mesh=tp"):
         with pytest.raises(ValueError):
             bench.parse_row(bad)
-    before = (chunk_intra.DIAG_MODE, chunk.DEFAULT_SCORES)
-    seen = bench.traced_with({"diag": "split", "scores": "tiled", "mesh": "fsdp"},
-                             lambda: (chunk_intra.DIAG_MODE, chunk.DEFAULT_SCORES))
-    assert seen == ("split", "tiled")
-    assert (chunk_intra.DIAG_MODE, chunk.DEFAULT_SCORES) == before  # restored
+    from kimi_jax import layers
+
+    assert bench.parse_row("1:none:4:conv_dw=stacked") == (1, "none", 4, {"conv_dw": "stacked"})
+    with pytest.raises(ValueError):
+        bench.parse_row("1:none:4:conv_dw=tree")
+    before = (chunk_intra.DIAG_MODE, chunk.DEFAULT_SCORES, layers.CONV_DW)
+    seen = bench.traced_with({"diag": "split", "scores": "tiled", "mesh": "fsdp", "conv_dw": "stacked"},
+                             lambda: (chunk_intra.DIAG_MODE, chunk.DEFAULT_SCORES, layers.CONV_DW))
+    assert seen == ("split", "tiled", "stacked")
+    assert (chunk_intra.DIAG_MODE, chunk.DEFAULT_SCORES, layers.CONV_DW) == before  # restored
     rows = [dict(devices=1, batch=4, remat="dots16", tokens_per_sec=100.0),
             dict(devices=1, batch=4, remat="dots16", settings={"diag": "split"}, tokens_per_sec=120.0),
             dict(devices=2, batch=8, remat="dots16", settings={"diag": "split"}, tokens_per_sec=216.0),

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from kimi_jax import layers
 from kimi_jax.layers import ShortConv, causal_conv_silu
 
 
@@ -40,10 +41,11 @@ def _grads(fn, x, w, seg, dy):
     return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
 
 
+@pytest.mark.parametrize("conv_dw", layers.CONV_DW_MODES)
 @pytest.mark.parametrize("W", [1, 2, 4])
 @pytest.mark.parametrize("segmented", [False, True])
 @pytest.mark.parametrize("channels", [(5,), (3, 4)])
-def test_vjp_matches_autodiff_f32(W, segmented, channels):
+def test_vjp_matches_autodiff_f32(W, segmented, channels, conv_dw):
     B, T = 2, 19
     kx, kw, kd = jax.random.split(jax.random.key(W * 10 + len(channels)), 3)
     x = jax.random.normal(kx, (B, T) + channels, jnp.float32)
@@ -51,7 +53,9 @@ def test_vjp_matches_autodiff_f32(W, segmented, channels):
     dy = jax.random.normal(kd, (B, T) + channels, jnp.float32)
     seg = _segments(B, T, W) if segmented else None
     np.testing.assert_allclose(causal_conv_silu(x, w, seg), plain_conv_silu(x, w, seg), rtol=1e-6, atol=1e-6)
-    (l1, (dx1, dw1)), (l2, (dx2, dw2)) = _grads(causal_conv_silu, x, w, seg, dy), _grads(plain_conv_silu, x, w, seg, dy)
+    with layers.conv_dw(conv_dw):  # the tap sums' formulation, read while the backward is traced
+        (l1, (dx1, dw1)) = _grads(causal_conv_silu, x, w, seg, dy)
+    (l2, (dx2, dw2)) = _grads(plain_conv_silu, x, w, seg, dy)
     np.testing.assert_allclose(l1, l2, rtol=1e-6)
     np.testing.assert_allclose(dx1, dx2, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dw1, dw2, rtol=1e-5, atol=1e-5)
@@ -102,3 +106,13 @@ def test_short_conv_module_grads_match_plain():
     np.testing.assert_array_equal(
         np.asarray(conv(x, seg), np.float32), np.asarray(plain_conv_silu(x, w.astype(jnp.bfloat16), seg), np.float32)
     )
+
+
+def test_conv_dw_setting_is_checked_and_restored():
+    with pytest.raises(ValueError, match="conv_dw"):
+        with layers.conv_dw("tree"):
+            pass
+    before = layers.CONV_DW
+    with layers.conv_dw("stacked"):
+        assert layers.CONV_DW == "stacked"
+    assert layers.CONV_DW == before
