@@ -226,13 +226,14 @@ def _conv_pre(x, w, masks):
 
 
 # How the backward sums the tap gradients over B, T (read while the backward is traced).
-# "per_tap": one reduction per tap, which XLA fuses into the fusions that produce dy: in the
-# KDA layer, the transposes out of the chunked backward. "stacked": one reduction of the stacked
-# products, which XLA runs as a fusion of its own that recomputes the products per tap. On an
-# H200, the KDA layer of configs/k3_1b3_dense.py at 4 x 4096 (forward+backward) took 11.11 ms of
-# kernels with "stacked" and 10.54 with "per_tap" (`benchmarks/kda_profile.py --mixer`).
-CONV_DW_MODES = ("per_tap", "stacked")
-CONV_DW = "per_tap"
+# "stacked": one reduction of the stacked [W, B, T, ...] products, a fusion of its own.
+# "per_tap": one reduction per tap, which XLA can fuse into the fusions that produce dy. On an
+# H200 the KDA layer of configs/k3_1b3_dense.py alone at 4 x 4096 (forward+backward) took 11.11 ms
+# of kernels with "stacked" and 10.54 with "per_tap" (`benchmarks/kda_profile.py --mixer`), but
+# the whole train step 406.1 against 412.2 ms (`benchmarks/train.py --rows 1:none:4[:conv_dw=...]`,
+# results train-convdw-*-h200-20261130T175*.json): "stacked" stays the default.
+CONV_DW_MODES = ("stacked", "per_tap")
+CONV_DW = "stacked"
 
 
 @contextlib.contextmanager

@@ -138,13 +138,13 @@ def test_rows_carry_kda_settings_into_tracing_and_keys(bench):
             bench.parse_row(bad)
     from kimi_jax import layers
 
-    assert bench.parse_row("1:none:4:conv_dw=stacked") == (1, "none", 4, {"conv_dw": "stacked"})
+    assert bench.parse_row("1:none:4:conv_dw=per_tap") == (1, "none", 4, {"conv_dw": "per_tap"})
     with pytest.raises(ValueError):
         bench.parse_row("1:none:4:conv_dw=tree")
     before = (chunk_intra.DIAG_MODE, chunk.DEFAULT_SCORES, layers.CONV_DW)
-    seen = bench.traced_with({"diag": "split", "scores": "tiled", "mesh": "fsdp", "conv_dw": "stacked"},
+    seen = bench.traced_with({"diag": "split", "scores": "tiled", "mesh": "fsdp", "conv_dw": "per_tap"},
                              lambda: (chunk_intra.DIAG_MODE, chunk.DEFAULT_SCORES, layers.CONV_DW))
-    assert seen == ("split", "tiled", "stacked")
+    assert seen == ("split", "tiled", "per_tap")
     assert (chunk_intra.DIAG_MODE, chunk.DEFAULT_SCORES, layers.CONV_DW) == before  # restored
     rows = [dict(devices=1, batch=4, remat="dots16", tokens_per_sec=100.0),
             dict(devices=1, batch=4, remat="dots16", settings={"diag": "split"}, tokens_per_sec=120.0),

@@ -113,6 +113,6 @@ def test_conv_dw_setting_is_checked_and_restored():
         with layers.conv_dw("tree"):
             pass
     before = layers.CONV_DW
-    with layers.conv_dw("stacked"):
-        assert layers.CONV_DW == "stacked"
+    with layers.conv_dw("per_tap"):
+        assert layers.CONV_DW == "per_tap"
     assert layers.CONV_DW == before
