@@ -55,11 +55,14 @@ reaches 0.48-0.52, so the budget is the cause:
 steps at the gpu batches, lr 3e-3: the lr at which attention solved (256, 16); one lr, so not
 Zoology's best-of-four), 48 trials; run it in pieces that fit a call, e.g. the 6 trials at
 (256, 16), d_model 64 (measured on two H200s: every mixer 0.996-1.000,
-benchmarks/results/mqar-gpu-long-h200x2-20261130.json) and the 12 at (512, 64):
+benchmarks/results/mqar-gpu-long-h200x2-20261130.json) and the 6 at (512, 64) per width
+(measured on two H200s, 3 trials per GPU, 342 s at d_model 64 and 481 s at 128: linear attention
+0.97 / 0.99, DeltaNet 0.98 / 0.95, Gated DeltaNet 0.00 / 0.94, KDA 0.14 / 0.31, the hybrid
+0.21 / 0.00, softmax attention 0.01 / 0.02; benchmarks/results/mqar-gpu-long512-*h200x2-20261130T18*.json):
     python sweep.py --config configs/sweeps/mqar.py:gpu_long,widths=64,settings=256x16 \
         --workdir /tmp/mqar_long --devices 0,1 --trials_per_device 3 --deadline_s 540
-    python sweep.py --config configs/sweeps/mqar.py:gpu_long,settings=512x64 \
-        --workdir /tmp/mqar_long --devices 0,1 --trials_per_device 6 --deadline_s 540
+    python sweep.py --config configs/sweeps/mqar.py:gpu_long,widths=128,settings=512x64 \
+        --workdir /tmp/mqar_long --devices 0,1 --trials_per_device 3 --deadline_s 540
 `mixers=softmax+linear` restricts any variant to those mixers, `widths=128` (or `64+128`) to
 those widths and `settings=512x64` (or `64x4+512x64`) to those (L, K) settings (same trial names,
 so the trials join a workdir of the full grid).
