@@ -3,6 +3,7 @@
     JAX_PLATFORMS=cuda python -m kernels.kda.pallas_gpu_bench
     python -m kernels.kda.pallas_gpu_bench --stages --out kda_stages.json   # where the time goes
     python -m kernels.kda.pallas_gpu_bench --stages --quick                 # tiny shape, CPU too
+    python -m kernels.kda.pallas_gpu_bench --roofline STAGES.json   # the kernel stages' rates (any machine)
 
 Default: parity (relative RMS vs impl="naive") at a small shape, then mean milliseconds of 10
 calls after 3 warm-ups: forward, forward+backward, the state kernel alone, and decode with its
@@ -102,13 +103,35 @@ def decode(B=64, H=32, D=128):
         print(f"decode {i:10s} B={B} H={H} D={D}: {ms * 1e3:8.1f} us  {nbytes / ms / 1e9:6.2f} TB/s", flush=True)
 
 
+def roofline_of(path: str) -> dict:
+    """Rates of the Mosaic kernel stages timed in stages JSON `path`, from their bytes and FLOPs
+    at its shape (`pallas_gpu_stages.kernel_stage_work`)."""
+    import json
+
+    from kernels.kda.pallas_gpu_stages import kernel_stage_work, roofline
+
+    with open(path) as f:
+        run = json.load(f)
+    work = kernel_stage_work(tuple(run["shape"]))
+    out = {}
+    for row in run["stages"]:
+        if row["stage"] in work and row.get("ms"):
+            out[row["stage"]] = r = dict(ms=row["ms"]) | roofline(*work[row["stage"]], row["ms"])
+            print(f"{row['stage']}: {r['ms']:.3f} ms, {r['bytes'] / 1e9:.2f} GB, {r['gbps']:.0f} GB/s "
+                  f"({r['pct_hbm']:.1f}% of 4.3 TB/s), {r['tflops']:.1f} TFLOP/s ({r['pct_tensor']:.1f}% of 790)")
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stages", action="store_true", help="time every stage separately")
     p.add_argument("--quick", action="store_true", help="with --stages: a tiny shape (runs on CPU)")
     p.add_argument("--out", help="with --stages: JSON path")
     p.add_argument("--only", help="with --stages: comma-separated substrings of the stage names to time")
+    p.add_argument("--roofline", help="a stages JSON: GB/s and TFLOP/s of its Mosaic kernel stages")
     a = p.parse_args(argv)
+    if a.roofline:
+        return roofline_of(a.roofline)
     if a.stages:
         from kernels.kda.pallas_gpu_stages import run_stages
 

@@ -28,6 +28,7 @@ import traceback
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels.kda import (chunk, chunk_intra, kda, mosaic_intra, mosaic_intra_bf16, mosaic_scores_bwd, mosaic_state,
                          pallas_gpu, pallas_gpu_prep)
@@ -48,6 +49,63 @@ def _time(f, args, warmup, iters):
         out = f(*args)
     jax.block_until_ready(out)
     return first, (time.perf_counter() - t0) / iters * 1e3
+
+
+PEAK_TBPS, PEAK_TFLOPS = 4.3, 790.0  # one H200: measured HBM bandwidth, dense bf16 matmuls
+
+
+def stage_bytes(args, out) -> int:
+    """Bytes of a stage's inputs and outputs (arrays, or anything with shape and dtype)."""
+    leaves = [x for x in jax.tree.leaves((args, out)) if hasattr(x, "shape") and hasattr(x, "dtype")]
+    return int(sum(np.prod(x.shape, dtype=np.int64) * jnp.dtype(x.dtype).itemsize for x in leaves))
+
+
+def roofline(nbytes: int, flops, ms: float) -> dict:
+    """Achieved rates of a stage that moved `nbytes` (and ran `flops`, if given) in `ms`."""
+    gbps = nbytes / (ms * 1e-3) / 1e9
+    out = dict(bytes=nbytes, gbps=gbps, pct_hbm=100 * gbps / (1e3 * PEAK_TBPS))
+    if flops:
+        tflops = flops / (ms * 1e-3) / 1e12
+        out.update(flops=int(flops), tflops=tflops, pct_tensor=100 * tflops / PEAK_TFLOPS)
+    return out
+
+
+def intra_flops(B, T, H, K, V, C=64) -> int:
+    """Products of the intra-chunk stage per chunk of C tokens: the scores Aqk and L (2 C K each
+    per token), w = Ai kgam (2 C K) and u = Ai bv (2 C V); `benchmarks/kda.py`'s forward model
+    less the state products and Aqk v'."""
+    return B * (-(-T // C) * C) * H * (6 * C * K + 2 * C * V)
+
+
+def state_flops(B, T, H, K, V, C=64) -> int:
+    """Products of the state recurrence with its output, per token: v' = u - w S, the state
+    update kg^T v' and q S (2 K V each), and Aqk v' (2 C V)."""
+    return B * (-(-T // C) * C) * H * (6 * K * V + 2 * C * V)
+
+
+INTRA_BF16_STAGE = "pallas_gpu.mosaic_intra_bf16 alone (with its XLA gate anchors)"
+STATE_STAGE = "pallas_gpu.mosaic_state alone"
+
+
+def kernel_stage_work(shape) -> dict:
+    """{stage name: (bytes, flops)} of the two Mosaic forward kernels' stages at (B, T, H, D),
+    from their shapes alone (`jax.eval_shape`, nothing runs): what `run_stages` records with
+    their times, for rates of a stage JSON written before it did."""
+    B, T, H, K = shape
+    V, scale = K, K**-0.5
+    sds = lambda s, dt: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
+    NT = -(-T // mosaic_state.C)
+    q = sds((B, NT * mosaic_state.C, H, K), jnp.bfloat16)
+    g = sds(q.shape, jnp.float32)
+    bt = sds((B, H, q.shape[1]), jnp.float32)
+    intra = jax.eval_shape(lambda *a: mosaic_intra_bf16.intra_bf16(*a, scale=scale, interpret=True), q, q, q, g, bt)
+    qt, gt = sds((B, T, H, K), jnp.bfloat16), sds((B, T, H, K), jnp.float32)
+    ops = jax.eval_shape(lambda *a: pallas_gpu._exact_operands(*a, None, scale, jnp.bfloat16),
+                         qt, qt, qt, gt, sds((B, T, H), jnp.float32))
+    h0 = sds((B * H, K, V), jnp.float32)
+    state = jax.eval_shape(lambda *a: mosaic_state.state_output(*a, out_dtype=jnp.bfloat16, interpret=True), *ops, h0)
+    return {INTRA_BF16_STAGE: (stage_bytes((q, q, q, g, bt), intra), intra_flops(B, T, H, K, V)),
+            STATE_STAGE: (stage_bytes((ops, h0), state), state_flops(B, T, H, K, V))}
 
 
 def _inputs(B, T, H, D):
@@ -79,17 +137,24 @@ class _Recorder:
                 return None
         return self(name, f, *args)
 
-    def __call__(self, name, f, *args, optional=False):
+    def __call__(self, name, f, *args, optional=False, flops=None):
         """Time jit(f)(*args), record it, return its output (None on failure or when `only`
-        (substrings of stage names) leaves it out; `optional` stages run only when named)."""
+        (substrings of stage names) leaves it out; `optional` stages run only when named).
+        The row also holds the stage's bytes (its inputs read once, its outputs written once:
+        the HBM floor of a fused stage) as GB/s against the H200's 4.3 TB/s, and, given the
+        stage's `flops` (its algorithm's products), TFLOP/s against 790."""
         if not self.wants(name, optional):
             return None
         fj = jax.jit(f)
         try:
             first, ms = _time(fj, args, self.warmup, self.iters)
             out = fj(*args)
-            self.rows.append(dict(stage=name, ms=ms, first_call_s=first, error=None))
-            print(f"{name:40s} {ms:9.3f} ms   (first call {first:6.1f} s)", flush=True)
+            row = dict(stage=name, ms=ms, first_call_s=first, error=None) | roofline(stage_bytes(args, out), flops, ms)
+            self.rows.append(row)
+            rates = f"  {row['gbps']:7.0f} GB/s ({row['pct_hbm']:.1f}% of HBM)"
+            if flops:
+                rates += f"  {row['tflops']:6.1f} TFLOP/s ({row['pct_tensor']:.1f}%)"
+            print(f"{name:40s} {ms:9.3f} ms   (first call {first:6.1f} s){rates}", flush=True)
         except Exception as e:  # noqa: BLE001 - one failing stage must not end the run
             err = traceback.format_exception_only(type(e), e)[-1].strip()[:300]
             self.rows.append(dict(stage=name, ms=None, first_call_s=None, error=err))
@@ -180,19 +245,21 @@ def _pallas_stages(rec, q, k, v, g, beta, scale):
     qp, kp, vp, gp, bp = (pad(x) for x in (q, k, v, g, beta))
     Gp = jnp.cumsum(gp.reshape(B, NT, C, H, K), axis=2).reshape(B, NT * C, H, K)
     bt = jnp.moveaxis(bp, 1, 2)
-    rec("pallas_gpu.mosaic_intra_bf16 alone (with its XLA gate anchors)",
-        lambda *a: mosaic_intra_bf16.intra_bf16(*a, scale=scale, interpret=interpret), qp, kp, vp, gp, bt)
+    rec(INTRA_BF16_STAGE,
+        lambda *a: mosaic_intra_bf16.intra_bf16(*a, scale=scale, interpret=interpret), qp, kp, vp, gp, bt,
+        flops=intra_flops(B, T, H, K, V))
     rec("pallas_gpu.prepare (exact XLA intra)",
         lambda *a: pallas_gpu_prep.prepare(*a, scale=scale, segment_ids=None), q, k, v, g, beta)
     ops = rec.feed("pallas_gpu.prepare + cast to operands",
               lambda *a: pallas_gpu._exact_operands(*a, None, scale, q.dtype), q, k, v, g, beta)
     h0 = jnp.zeros((B * H, K, V), jnp.float32)
     if ops is not None:
-        rec("pallas_gpu.mosaic_state alone",
-            lambda *a: mosaic_state.state_output(*a, out_dtype=v.dtype, interpret=interpret), *ops, h0)
+        rec(STATE_STAGE,
+            lambda *a: mosaic_state.state_output(*a, out_dtype=v.dtype, interpret=interpret), *ops, h0,
+            flops=state_flops(B, T, H, K, V))
         rec("pallas_gpu.mosaic_state alone, with chunk states",
             lambda *a: mosaic_state.state_output(*a, out_dtype=v.dtype, interpret=interpret, with_states=True),
-            *ops, h0)
+            *ops, h0, flops=state_flops(B, T, H, K, V))
     rec("pallas_gpu.cumsum + pad (bounded intra inputs)",
         lambda g, b: (jnp.cumsum(pad(g).reshape(B, NT, C, H, K), axis=2), jnp.moveaxis(pad(b), 1, 2)), g, beta)
     rec("pallas_gpu.mosaic_intra alone",
