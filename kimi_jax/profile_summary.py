@@ -11,7 +11,8 @@ Kernel events carry their HLO op's name (`hlo_op`); the optimized HLO text (`com
 maps that name to the op's `op_name` metadata, whose path holds the named scopes (a fusion without
 metadata takes the most common scope of the ops it fuses). Times are summed kernel durations per
 step: kernels on concurrent streams add up, so the total can exceed the step's wall time, and the
-gap between the two is host-side or launch-bound time.
+gap between the two is host-side or launch-bound time. With the HLO, each top op also gets what
+its instruction says (`describe`: bytes of its operands and result, GB/s, source lines, op names).
 """
 
 from __future__ import annotations
@@ -152,6 +153,106 @@ def kernel_scopes(stream: list[tuple[str, str, float]], scopes: dict[str, str]) 
     return out
 
 
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4,
+                "f64": 8, "s64": 8}
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
+_FRAME = re.compile(r"stack_frame_id=(\d+)")
+
+
+def array_bytes(text: str) -> int:
+    """Bytes of every array type (`f32[4,64,128]`) written in `text`."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(text):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _DTYPE_BYTES.get(dtype, 4)
+    return total
+
+
+def stack_frames(hlo_text: str) -> dict[int, list[str]]:
+    """stack_frame_id -> "file:line" of the frame and its callers, from the tables an HLO module's
+    text ends with (FileNames, FileLocations, StackFrames), innermost first."""
+    tables, section = {"FileNames": {}, "FileLocations": {}, "StackFrames": {}}, None
+    for line in hlo_text.splitlines():
+        if line.strip() in tables:
+            section = line.strip()
+        elif not line.strip() or line.startswith("%") or line.startswith("ENTRY"):
+            section = None
+        elif section:
+            num, _, rest = line.strip().partition(" ")
+            tables[section][int(num)] = rest
+    files = {i: v.strip('"') for i, v in tables["FileNames"].items()}
+    field = lambda text, key: int(re.search(key + r"=(\d+)", text).group(1))
+    locs = {i: f"{os.path.basename(files.get(field(v, 'file_name_id'), '?'))}:{field(v, 'line')}"
+            for i, v in tables["FileLocations"].items()}
+    out = {}
+    for i in tables["StackFrames"]:
+        chain, j = [], i
+        while j in tables["StackFrames"] and len(chain) < 12:
+            v = tables["StackFrames"][j]
+            loc = locs.get(field(v, "file_location_id"), "?")
+            if not chain or chain[-1] != loc:  # nested jits repeat their call site
+                chain.append(loc)
+            j = field(v, "parent_frame_id") - 1  # the table's parent ids are one past the parent's; 0: none
+        out[i] = chain
+    return out
+
+
+def instructions(hlo_text: str) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """(instruction name -> its line, computation name -> its lines) of an HLO module's text."""
+    instrs, comps = {}, {}
+    for comp, name, rest in hlo_instructions(hlo_text):
+        instrs[name] = line = f"{name} = {rest.strip()}"
+        comps.setdefault(comp, []).append(line)
+    return instrs, comps
+
+
+def _type_and_operands(line: str) -> tuple[str, list[str]]:
+    """(result type text, operand names) of one HLO instruction line."""
+    rhs = line.partition("=")[2].strip()
+    m = re.match(r"(\(.*?\)|\S+)\s+[\w\-]+\((.*?)\)", rhs)
+    if m is None:
+        return rhs.split(" ")[0], []
+    return m.group(1), [o.strip().lstrip("%") for o in m.group(2).split(",") if o.strip().startswith("%")]
+
+
+def describe(op: str, instrs: dict, comps: dict, frames: dict, body_lines: int) -> dict | None:
+    """Output/operand bytes, source lines, op names and fused body of HLO op `op` (None if not in
+    the HLO)."""
+    line = instrs.get(op) or instrs.get(re.sub(r"_(\d+)$", r".\1", op))
+    if line is None:
+        return None
+    out_type, operands = _type_and_operands(line)
+    called = re.search(r"calls=%?([\w.\-]+)", line)
+    body = comps.get(called.group(1), []) if called else []
+    texts = body + [line]  # producers first
+    ids = list(dict.fromkeys(int(i) for t in texts for i in _FRAME.findall(t)))
+    # Each distinct stack as its three innermost frames ("inner < caller < its caller").
+    source = list(dict.fromkeys(" < ".join(frames.get(i, ["?"])[:3]) for i in ids))
+    names = list(dict.fromkeys(n for t in texts for n in _OPNAME.findall(t)))
+    # Operands are printed by name: their types are on their own instructions' lines.
+    nbytes = array_bytes(out_type) + sum(array_bytes(_type_and_operands(instrs[o])[0]) for o in operands if o in instrs)
+    return dict(instruction=line[:400], bytes=nbytes, source=source[:8], op_names=names[:8],
+                body=[b[:240] for b in body[:body_lines]])
+
+
+def annotate(summary: dict, hlo_text: str, body_lines: int = 0) -> dict:
+    """Adds to each of `summary`'s top ops what its HLO instruction says (see `describe`) and its
+    GB/s per launch; returns `summary`."""
+    instrs, comps = instructions(hlo_text)
+    frames = stack_frames(hlo_text)
+    for o in summary["top_ops"]:
+        # Kernels inside a CUDA graph are keyed "<kernel name> [<part>]"; their fusion is the HLO
+        # instruction of that name ("loop_add_fusion_3" is "loop_add_fusion.3").
+        d = describe(o["op"].split(" [")[0], instrs, comps, frames, body_lines)
+        if d is not None:
+            o.update(d)
+            per_launch = o["ms"] / max(o["launches_per_step"], 1)
+            o["gbps"] = d["bytes"] / (per_launch * 1e-3) / 1e9 if per_launch else None
+    return summary
+
+
 def summarize(trace_dir: str, hlo_text: str = "", steps: int = 1, top: int = 25, scopes_in_part=()) -> dict:
     """Per-step milliseconds by model part, by kernel kind and by kernel / HLO op (the `top`
     largest); with `scopes_in_part` (named scopes inside the parts), also by "part / scope"
@@ -200,7 +301,7 @@ def write_profile(folder: str, hlo_text: str, steps: int) -> dict:
     `summary.json` there, returns the summary."""
     with gzip.open(os.path.join(folder, "step.hlo.txt.gz"), "wt") as f:
         f.write(hlo_text)
-    summary = summarize(folder, hlo_text, steps)
+    summary = annotate(summarize(folder, hlo_text, steps, top=40), hlo_text)
     with open(os.path.join(folder, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return summary
@@ -216,8 +317,10 @@ def markdown(summary: dict) -> str:
         lines += [f"| {k} | {v:.2f} | {v / total:.1%} |" for k, v in summary["by_scope"].items()]
     lines += ["", "| kind | ms/step | share |", "|---|---|---|"]
     lines += [f"| {k} | {v:.2f} | {v / total:.1%} |" for k, v in summary["by_kind"].items()]
-    lines += ["", "| kernel or HLO op | part | ms/step | launches/step |", "|---|---|---|---|"]
-    lines += [f"| {o['op']} | {o['part']} | {o['ms']:.2f} | {o['launches_per_step']:.0f} |" for o in summary["top_ops"]]
+    lines += ["", "| kernel or HLO op | part | ms/step | launches/step | GB/s | source |", "|---|---|---|---|---|---|"]
+    lines += [f"| {o['op']} | {o['part']} | {o['ms']:.2f} | {o['launches_per_step']:.0f} | "
+              f"{'' if o.get('gbps') is None else round(o['gbps'])} | {', '.join(o.get('source', []))[:80]} |"
+              for o in summary["top_ops"]]
     return "\n".join(lines)
 
 
@@ -231,6 +334,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     hlo = read_hlo(args.hlo) if args.hlo else ""
     summary = summarize(args.trace_dir, hlo, args.steps, args.top)
+    if hlo:
+        annotate(summary, hlo)
     print(markdown(summary))
     if args.out:
         with open(args.out, "w") as f:

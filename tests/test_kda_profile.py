@@ -1,11 +1,12 @@
-"""benchmarks/kda_profile.py: the HLO facts it attaches to a profiled fusion (source lines from the
-module's stack-frame tables, bytes moved, the fused body)."""
+"""benchmarks/kda_profile.py and the HLO facts `kimi_jax.profile_summary` attaches to a profiled
+fusion (source lines from the module's stack-frame tables, bytes moved, the fused body)."""
 
 import jax
 import pytest
 import jax.numpy as jnp
 
 from benchmarks import kda_profile as kp
+from kimi_jax import profile_summary as ps
 
 
 def _inner(x):
@@ -22,21 +23,21 @@ def _outer(x):
 
 def test_stack_frames_and_fusion_description():
     hlo = jax.jit(_outer).lower(jnp.ones((4, 8), jnp.float32)).compile().as_text()
-    frames = kp.stack_frames(hlo)
+    frames = ps.stack_frames(hlo)
     line = lambda f: f"test_kda_profile.py:{f.__code__.co_firstlineno + 1}"
     # The sine's stack, innermost first: _inner's line, then its callers' call sites.
     assert [line(_inner), line(_middle), line(_outer)] in [c[:3] for c in frames.values()]
-    instrs, comps = kp.instructions(hlo)
+    instrs, comps = ps.instructions(hlo)
     fusion = next(n for n, text in instrs.items() if " fusion(" in text and "calls=" in text)
-    d = kp.describe(fusion, instrs, comps, frames, body_lines=50)
+    d = ps.describe(fusion, instrs, comps, frames, body_lines=50)
     assert d["bytes"] == 2 * 4 * 8 * 4  # one f32[4,8] operand, one f32[4,8] result
     assert any("sine(" in b for b in d["body"]) and any("cosine(" in b for b in d["body"])
     assert any(src.startswith(f"{line(_inner)} < {line(_middle)}") for src in d["source"]), d["source"]
-    assert kp.describe("no_such_op", instrs, comps, frames, 5) is None
+    assert ps.describe("no_such_op", instrs, comps, frames, 5) is None
 
 
 def test_array_bytes():
-    assert kp.array_bytes("(bf16[2,3]{1,0}, f32[4]{0}) pred[]") == 2 * 3 * 2 + 4 * 4 + 1
+    assert ps.array_bytes("(bf16[2,3]{1,0}, f32[4]{0}) pred[]") == 2 * 3 * 2 + 4 * 4 + 1
 
 
 def test_kda_call_traces_under_the_named_chunk_settings():

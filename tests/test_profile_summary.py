@@ -85,3 +85,26 @@ def test_scope_of_takes_the_innermost_named_scope_inside_a_part():
     assert ps.scope_of("jit(f)/mixer_kda/recurrence/proj_like/dot", names) == "recurrence"
     assert ps.scope_of("jit(f)/transpose(jvp(mixer_kda))/recurrence/kda_bwd/dot", names) == "kda_bwd"
     assert ps.scope_of("jit(f)/mixer_kda/projection/dot", names) == "-"  # whole tokens only
+
+
+def test_write_profile_annotates_top_ops_with_their_source(tmp_path):
+    """write_profile (train.py's --config.profile_steps, benchmarks/train.py --profile_steps):
+    the top ops carry their bytes and the source lines of what they fuse."""
+    def f(a, b):
+        with jax.named_scope("ffn_mlp"):
+            return jnp.sum(jnp.tanh(a @ b) * 2.0)
+
+    step = jax.jit(jax.grad(f))
+    a = jnp.ones((256, 256), jnp.float32) / 256
+    hlo = step.lower(a, a).compile().as_text()
+    step(a, a).block_until_ready()
+    jax.profiler.start_trace(str(tmp_path))
+    step(a, a).block_until_ready()
+    jax.profiler.stop_trace()
+    s = ps.write_profile(str(tmp_path), hlo, steps=1)
+    described = [o for o in s["top_ops"] if o.get("bytes")]
+    assert described, s["top_ops"]
+    assert any("test_profile_summary.py" in src for o in described for src in o["source"])
+    assert all(o["gbps"] is None or o["gbps"] > 0 for o in described)
+    assert "| source |" in ps.markdown(s)
+    assert (tmp_path / "summary.json").exists() and (tmp_path / "step.hlo.txt.gz").exists()
