@@ -13,7 +13,7 @@ Rows: device count x remat policy (kimi_jax/remat.py) x sequences per device, or
 (`devices:remat:batch[:settings]`, the settings `key=value` joined by "/": `mesh=data|fsdp`, the
 mesh axis the devices form (data parallel, or FSDP: parameters and optimizer state sharded,
 gathered per use), the KDA kernel module settings (`kernels.kda.chunk.SETTINGS`: `diag`, `rows`,
-`scores`, ...) and the short conv backward's tap sums `conv_dw=stacked|per_tap`, read while the
+`scores`, ...) and the short conv backward's tap sums `conv_dw=stacked|per_tap|variadic`, read while the
 row is traced). Every
 phase is timed apart and printed as it ends: step lowering and compile (`.lower(...).compile()`
 on abstract inputs; each row compiles in a thread while the next is traced, and nothing runs

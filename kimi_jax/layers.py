@@ -231,8 +231,11 @@ def _conv_pre(x, w, masks):
 # H200 the KDA layer of configs/k3_1b3_dense.py alone at 4 x 4096 (forward+backward) took 11.11 ms
 # of kernels with "stacked" and 10.54 with "per_tap" (`benchmarks/kda_profile.py --mixer`), but
 # the whole train step 406.1 against 412.2 ms (`benchmarks/train.py --rows 1:none:4[:conv_dw=...]`,
-# results train-convdw-*-h200-20261130T175*.json): "stacked" stays the default.
-CONV_DW_MODES = ("stacked", "per_tap")
+# results train-convdw-*-h200-20261130T175*.json): "stacked" stays the default. Why "stacked" is
+# slow (16% of HBM bandwidth): in that profile's HLO, XLA reduces one row per (channel, tap), so
+# each tap reads the pre-activation gradient and x again. "variadic" (not yet timed) sums the W
+# taps as one variadic reduction: W accumulators in one pass over the inputs.
+CONV_DW_MODES = ("stacked", "per_tap", "variadic")
 CONV_DW = "stacked"
 
 
@@ -286,6 +289,9 @@ def _ccs_bwd(res, dy):
         raise ValueError(f"layers.CONV_DW={CONV_DW!r}; expected one of {CONV_DW_MODES}")
     if CONV_DW == "per_tap":  # W sibling reductions over B, T
         dw = jnp.stack([jnp.sum(p, axis=(0, 1)) for p in prods])
+    elif CONV_DW == "variadic":  # one reduction over B, T with W accumulators
+        zeros = tuple(jnp.zeros((), jnp.float32) for _ in prods)
+        dw = jnp.stack(jax.lax.reduce(tuple(prods), zeros, lambda a, b: tuple(x + y for x, y in zip(a, b)), (0, 1)))
     else:  # one reduction of the stacked [W, B, T, ...] products
         dw = jnp.sum(jnp.stack(prods), axis=(1, 2))
     return dx.astype(x.dtype), dw.astype(w.dtype), None
