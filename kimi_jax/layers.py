@@ -9,7 +9,6 @@ in `param_dtype` and cast to `dtype` at use; norms and RoPE compute in float32.
 from __future__ import annotations
 
 import contextlib
-
 from typing import Sequence
 
 import jax
