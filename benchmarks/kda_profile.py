@@ -81,11 +81,12 @@ def kda_call(impl: str, shape):
 MIXER_SCOPES = ("proj", "conv", "gate", "recurrence", "out", "kda_bwd")
 
 
-def mixer_call(config_path: str, impl: str, shape):
+def mixer_call(config_path: str, impl: str, shape, row_settings: str = ""):
     """(fn, args): forward+backward of the KDA mixer (pre-norm included) of the config at
     shape B, T, with its KDA impl replaced by `impl` ("chunk[_mosaic]:<settings>" allowed) unless
-    `impl` is "config"."""
-    from benchmarks.train import load_config
+    `impl` is "config", traced under `row_settings` (benchmarks/train.py's row settings, e.g.
+    "conv_dw=variadic/layout=row_major")."""
+    from benchmarks.train import load_config, parse_settings, traced_with
     from benchmarks.train_parts import PreNormMixer, fwd_bwd
     from flax import nnx
     from kimi_jax import train_lib
@@ -112,9 +113,11 @@ def mixer_call(config_path: str, impl: str, shape):
 
     grad, params, x = fwd_bwd(layer, module, x, "none")
 
+    row = parse_settings(row_settings)
+
     def f(params, x):
         with chunk.settings(**settings):  # read while tracing
-            return grad(params, x)
+            return traced_with(row, lambda: grad(params, x))
 
     return f, (params, x)
 
@@ -155,6 +158,8 @@ def main(argv=None):
     p.add_argument("--decode", action="store_true", help="profile one kda_step instead")
     p.add_argument("--mixer", default="", help="a config file: profile its KDA mixer layer instead (--shape BxT, "
                                                "default 4x4096; --impls default: the config's)")
+    p.add_argument("--settings", default="", help="with --mixer: benchmarks/train.py's row settings, e.g. "
+                                                  "conv_dw=variadic/layout=row_major")
     p.add_argument("--calls", type=int, default=3, help="traced calls")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--body_lines", type=int, default=40)
@@ -164,6 +169,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.decode and a.mixer:
         raise ValueError("--decode and --mixer profile different calls; pick one")
+    if a.settings and not a.mixer:
+        raise ValueError("--settings applies to --mixer profiles only")
     default_shape, default_impls = ("64x32x128x128", "pallas_gpu,naive") if a.decode else ("4x4096x16x128", "chunk_mosaic")
     if a.mixer:
         default_shape, default_impls = "4x4096", "config"
@@ -181,8 +188,9 @@ def main(argv=None):
     results = []
     for impl in impls:
         if a.mixer:
-            fn, args = mixer_call(a.mixer, impl, shape)
-            label, scopes = f"{os.path.basename(a.mixer)} KDA mixer, impl {impl}", MIXER_SCOPES
+            fn, args = mixer_call(a.mixer, impl, shape, a.settings)
+            label = f"{os.path.basename(a.mixer)} KDA mixer, impl {impl}" + (f", {a.settings}" if a.settings else "")
+            scopes = MIXER_SCOPES
         else:
             fn, args = (decode_call if a.decode else kda_call)(impl, shape)
             label, scopes = (f"kda_step {impl}" if a.decode else impl), ()

@@ -13,8 +13,8 @@ Rows: device count x remat policy (kimi_jax/remat.py) x sequences per device, or
 (`devices:remat:batch[:settings]`, the settings `key=value` joined by "/": `mesh=data|fsdp`, the
 mesh axis the devices form (data parallel, or FSDP: parameters and optimizer state sharded,
 gathered per use), the KDA kernel module settings (`kernels.kda.chunk.SETTINGS`: `diag`, `rows`,
-`scores`, ...) and the short conv backward's tap sums `conv_dw=stacked|per_tap|variadic`, read while the
-row is traced). Every
+`scores`, ...), the short conv backward's tap sums `conv_dw=stacked|per_tap|variadic` and the
+recurrent mixers' activation `layout=xla|row_major`, read while the row is traced). Every
 phase is timed apart and printed as it ends: step lowering and compile (`.lower(...).compile()`
 on abstract inputs; each row compiles in a thread while the next is traced, and nothing runs
 before all are compiled, so compiles do not disturb timings), the state's initialisation, the
@@ -61,6 +61,7 @@ import numpy as np  # noqa: E402
 
 from kernels.kda import chunk, chunk_intra  # noqa: E402
 from kimi_jax import flops, layers, logging_utils, optim, sharding, train_lib  # noqa: E402
+from kimi_jax.attention import common as attention_common  # noqa: E402
 from kimi_jax.remat import POLICIES  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -78,8 +79,8 @@ MESH_AXES = ("data", "fsdp")  # the axis a row's devices form
 
 def parse_settings(text: str) -> dict:
     """"mesh=fsdp/diag=split" -> {"mesh": "fsdp", "diag": "split"}; unknown keys or values raise."""
-    allowed = {k: chunk.setting_values(k) for k in chunk.SETTINGS} | {"mesh": MESH_AXES,
-                                                                       "conv_dw": layers.CONV_DW_MODES}
+    allowed = {k: chunk.setting_values(k) for k in chunk.SETTINGS} | {
+        "mesh": MESH_AXES, "conv_dw": layers.CONV_DW_MODES, "layout": attention_common.ACTIVATION_LAYOUTS}
     out = {}
     for item in filter(None, text.split("/")):
         key, eq, value = item.partition("=")
@@ -92,10 +93,11 @@ def parse_settings(text: str) -> dict:
 
 
 def traced_with(settings: dict, f):
-    """f() with the KDA module settings among `settings` (`kernels.kda.chunk.settings`) and the
-    short conv's `conv_dw` (`kimi_jax.layers.conv_dw`) in place."""
+    """f() with the KDA module settings among `settings` (`kernels.kda.chunk.settings`), the
+    short conv's `conv_dw` (`kimi_jax.layers.conv_dw`) and the recurrent mixers' activation
+    `layout` (`kimi_jax.attention.common.activation_layout`) in place."""
     with chunk.settings(**{k: v for k, v in settings.items() if k in chunk.SETTINGS}), \
-            layers.conv_dw(settings.get("conv_dw")):
+            layers.conv_dw(settings.get("conv_dw")), attention_common.activation_layout(settings.get("layout")):
         return f()
 
 

@@ -324,3 +324,18 @@ def test_blocked_xla_attention_matches_the_one_shot_form_in_less_memory(packed):
     one = temp(lambda q, k, v: xla_attention(q, k, v, causal_mask(seg, T, 1), 0.25))
     blk = temp(lambda q, k, v: blocked_xla_attention(q, k, v, seg, 0.25, block=256))
     assert one >= 2 * 2 * T * T * 4 and blk * 4 < one, (one, blk)
+
+
+def test_activation_layout_constraint_is_checked_and_value_preserving():
+    from kimi_jax.attention import common
+
+    x = jnp.arange(24.0).reshape(1, 2, 3, 4)
+    assert common.constrain_layout(None) is None and common.constrain_layout(x) is x  # "xla": untouched
+    with common.activation_layout("row_major"):
+        f = jax.jit(common.constrain_layout)
+        assert "LayoutConstraint" in f.lower(x).as_text()
+        np.testing.assert_array_equal(f(x), x)
+    assert common.ACTIVATION_LAYOUT == "xla"  # restored
+    with pytest.raises(ValueError, match="activation layout"):
+        with common.activation_layout("T_minor"):
+            pass

@@ -141,11 +141,17 @@ def test_rows_carry_kda_settings_into_tracing_and_keys(bench):
     assert bench.parse_row("1:none:4:conv_dw=per_tap") == (1, "none", 4, {"conv_dw": "per_tap"})
     with pytest.raises(ValueError):
         bench.parse_row("1:none:4:conv_dw=tree")
-    before = (chunk_intra.DIAG_MODE, chunk.DEFAULT_SCORES, layers.CONV_DW)
-    seen = bench.traced_with({"diag": "split", "scores": "tiled", "mesh": "fsdp", "conv_dw": "per_tap"},
-                             lambda: (chunk_intra.DIAG_MODE, chunk.DEFAULT_SCORES, layers.CONV_DW))
-    assert seen == ("split", "tiled", "per_tap")
-    assert (chunk_intra.DIAG_MODE, chunk.DEFAULT_SCORES, layers.CONV_DW) == before  # restored
+    assert bench.parse_row("1:none:4:layout=row_major")[3] == {"layout": "row_major"}
+    with pytest.raises(ValueError):
+        bench.parse_row("1:none:4:layout=T_minor")
+    from kimi_jax.attention import common
+
+    now = lambda: (chunk_intra.DIAG_MODE, chunk.DEFAULT_SCORES, layers.CONV_DW, common.ACTIVATION_LAYOUT)  # noqa: E731
+    before = now()
+    seen = bench.traced_with({"diag": "split", "scores": "tiled", "mesh": "fsdp", "conv_dw": "per_tap",
+                              "layout": "row_major"}, now)
+    assert seen == ("split", "tiled", "per_tap", "row_major")
+    assert now() == before  # restored
     rows = [dict(devices=1, batch=4, remat="dots16", tokens_per_sec=100.0),
             dict(devices=1, batch=4, remat="dots16", settings={"diag": "split"}, tokens_per_sec=120.0),
             dict(devices=2, batch=8, remat="dots16", settings={"diag": "split"}, tokens_per_sec=216.0),

@@ -2,6 +2,7 @@
 fusion (source lines from the module's stack-frame tables, bytes moved, the fused body)."""
 
 import jax
+import numpy as np
 import pytest
 import jax.numpy as jnp
 
@@ -69,3 +70,16 @@ def test_mixer_shape_is_b_by_t():
     assert kp._parse_mixer_shape("4x4096") == (4, 4096)
     with pytest.raises(ValueError, match="BxT"):
         kp._parse_mixer_shape("4x4096x16x128")
+
+
+def test_mixer_call_traces_under_row_settings():
+    """--settings: the layer is traced with benchmarks/train.py's row settings in place (the layout
+    constraints appear in the program) and computes the same gradients."""
+    plain_fn, args = kp.mixer_call("configs/tiny.py", "chunk", (1, 64))
+    fn, _ = kp.mixer_call("configs/tiny.py", "chunk", (1, 64), "conv_dw=variadic/layout=row_major")
+    assert "LayoutConstraint" in jax.jit(fn).lower(*args).as_text()
+    assert "LayoutConstraint" not in jax.jit(plain_fn).lower(*args).as_text()
+    for a, b in zip(jax.tree.leaves(jax.jit(fn)(*args)), jax.tree.leaves(jax.jit(plain_fn)(*args))):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-3)
+    with pytest.raises(ValueError, match="layout"):
+        kp.mixer_call("configs/tiny.py", "chunk", (1, 64), "layout=column_major")

@@ -3,11 +3,13 @@ activation constraints and the float32 XLA attention used by softmax attention a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Layout, with_layout_constraint
 
 from kimi_jax.sharding import constrain
 
@@ -48,6 +50,38 @@ class MixerConfig:
 
     def resolve_cache_dtype(self, compute_dtype):
         return jnp.dtype(self.cache_dtype) if self.cache_dtype else jnp.dtype(compute_dtype)
+
+
+# Physical layout of the recurrent mixers' [B, T, H, D] activations (read while tracing).
+# "xla": XLA's layout assignment chooses; in the optimized HLO of configs/k3_1b3_dense.py's KDA
+# layer on an H200 it made the projection outputs T-minor, so every step into or out of the
+# chunked [N, B, H, C, K] layout is a 2D transpose. "row_major" (not yet timed): layout
+# constraints keep D minor at the mixer's boundaries (projections, convolutions, gate, output).
+ACTIVATION_LAYOUTS = ("xla", "row_major")
+ACTIVATION_LAYOUT = "xla"
+
+
+@contextlib.contextmanager
+def activation_layout(mode: str | None):
+    """Within the block, trace the recurrent mixers with activation layout `mode` (None: unchanged)."""
+    global ACTIVATION_LAYOUT
+    if mode is not None and mode not in ACTIVATION_LAYOUTS:
+        raise ValueError(f"activation layout {mode!r}; expected one of {ACTIVATION_LAYOUTS}")
+    old = ACTIVATION_LAYOUT
+    ACTIVATION_LAYOUT = old if mode is None else mode
+    try:
+        yield
+    finally:
+        ACTIVATION_LAYOUT = old
+
+
+def constrain_layout(x):
+    """x with its last dim minor (row-major) when ACTIVATION_LAYOUT says "row_major", else x."""
+    if ACTIVATION_LAYOUT not in ACTIVATION_LAYOUTS:
+        raise ValueError(f"ACTIVATION_LAYOUT={ACTIVATION_LAYOUT!r}; expected one of {ACTIVATION_LAYOUTS}")
+    if ACTIVATION_LAYOUT == "xla" or x is None:
+        return x
+    return with_layout_constraint(x, Layout(tuple(range(x.ndim))))
 
 
 def constrain_btd(x):

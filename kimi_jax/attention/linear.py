@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels.kda import IMPLS, kda, kda_gate, kda_step, linear_attention
-from kimi_jax.attention.common import CACHE_DTYPES, MixerConfig, constrain_btd, constrain_heads
+from kimi_jax.attention.common import CACHE_DTYPES, MixerConfig, constrain_btd, constrain_heads, constrain_layout
 from kimi_jax.layers import GatedRMSNorm, Linear, ShortConv, l2_normalize, param
 
 CHUNK = 64  # the chunk size the FLOP count assumes
@@ -185,16 +185,16 @@ class LinearAttention(nnx.Module):
         # The named scopes split the mixer's time in a profile (they only extend op names).
         x = constrain_btd(x)
         with jax.named_scope("proj"):
-            q, k, v = (constrain_heads(p(x)) for p in (self.q_proj, self.k_proj, self.v_proj))
+            q, k, v = (constrain_layout(constrain_heads(p(x))) for p in (self.q_proj, self.k_proj, self.v_proj))
         with jax.named_scope("conv"):
             if self.config.conv_size:
                 q, k, v = (c(t, segment_ids) for c, t in ((self.q_conv, q), (self.k_conv, k), (self.v_conv, v)))
             else:
                 q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
-            q, k = l2_normalize(q), l2_normalize(k)
+            q, k, v = constrain_layout(l2_normalize(q)), constrain_layout(l2_normalize(k)), constrain_layout(v)
         if self.config.DELTA:
             with jax.named_scope("gate"):
-                g, beta = self._gate(x), self._beta(x)
+                g, beta = constrain_layout(self._gate(x)), self._beta(x)
             with jax.named_scope("recurrence"):
                 lb = getattr(self.config, "lower_bound", None)
                 o, _ = kda(q, k, v, g, beta, segment_ids=segment_ids, lower_bound=lb, impl=self.config.impl)
@@ -202,7 +202,7 @@ class LinearAttention(nnx.Module):
             with jax.named_scope("recurrence"):
                 o, _ = linear_attention(q, k, v, segment_ids=segment_ids, impl=self.config.impl)
         with jax.named_scope("out"):
-            return self._output(x, o)
+            return self._output(x, constrain_layout(o))
 
     def init_cache(self, batch_size: int, max_len: int):
         """{"state": [B, H, K, V] float32, "conv_q"/"conv_k"/"conv_v": [B, W-1, H, K|V]}; max_len unused."""
