@@ -9,6 +9,7 @@ in `param_dtype` and cast to `dtype` at use; norms and RoPE compute in float32.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Sequence
 
 import jax
@@ -239,17 +240,22 @@ CONV_DW = "stacked"
 
 
 @contextlib.contextmanager
-def conv_dw(mode: str | None):
-    """Within the block, trace the short conv's backward with tap sums `mode` (None: unchanged)."""
-    global CONV_DW
-    if mode is not None and mode not in CONV_DW_MODES:
-        raise ValueError(f"conv_dw={mode!r}; expected one of {CONV_DW_MODES}")
-    old = CONV_DW
-    CONV_DW = old if mode is None else mode
+def traced_setting(module, name: str, choices, value):
+    """Within the block, `module.<name>` is `value` (None: unchanged), restored afterwards; for
+    module settings read while tracing. A value outside `choices` raises."""
+    if value is not None and value not in choices:
+        raise ValueError(f"{module.__name__}.{name}={value!r}; expected one of {choices}")
+    old = getattr(module, name)
+    setattr(module, name, old if value is None else value)
     try:
         yield
     finally:
-        CONV_DW = old
+        setattr(module, name, old)
+
+
+def conv_dw(mode: str | None):
+    """Within the block, trace the short conv's backward with tap sums `mode` (None: unchanged)."""
+    return traced_setting(sys.modules[__name__], "CONV_DW", CONV_DW_MODES, mode)
 
 
 @jax.custom_vjp

@@ -336,6 +336,6 @@ def test_activation_layout_constraint_is_checked_and_value_preserving():
         assert "LayoutConstraint" in f.lower(x).as_text()
         np.testing.assert_array_equal(f(x), x)
     assert common.ACTIVATION_LAYOUT == "xla"  # restored
-    with pytest.raises(ValueError, match="activation layout"):
+    with pytest.raises(ValueError, match="ACTIVATION_LAYOUT"):
         with common.activation_layout("T_minor"):
             pass

@@ -109,7 +109,7 @@ def test_short_conv_module_grads_match_plain():
 
 
 def test_conv_dw_setting_is_checked_and_restored():
-    with pytest.raises(ValueError, match="conv_dw"):
+    with pytest.raises(ValueError, match="CONV_DW"):
         with layers.conv_dw("tree"):
             pass
     before = layers.CONV_DW

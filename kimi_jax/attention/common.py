@@ -3,14 +3,15 @@ activation constraints and the float32 XLA attention used by softmax attention a
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.layout import Layout, with_layout_constraint
 
+from kimi_jax.layers import traced_setting
 from kimi_jax.sharding import constrain
 
 BTD = ("act_batch", "act_len", "act_embed")
@@ -61,18 +62,9 @@ ACTIVATION_LAYOUTS = ("xla", "row_major")
 ACTIVATION_LAYOUT = "xla"
 
 
-@contextlib.contextmanager
 def activation_layout(mode: str | None):
     """Within the block, trace the recurrent mixers with activation layout `mode` (None: unchanged)."""
-    global ACTIVATION_LAYOUT
-    if mode is not None and mode not in ACTIVATION_LAYOUTS:
-        raise ValueError(f"activation layout {mode!r}; expected one of {ACTIVATION_LAYOUTS}")
-    old = ACTIVATION_LAYOUT
-    ACTIVATION_LAYOUT = old if mode is None else mode
-    try:
-        yield
-    finally:
-        ACTIVATION_LAYOUT = old
+    return traced_setting(sys.modules[__name__], "ACTIVATION_LAYOUT", ACTIVATION_LAYOUTS, mode)
 
 
 def constrain_layout(x):
