@@ -232,9 +232,10 @@ def _conv_pre(x, w, masks):
 # of kernels with "stacked" and 10.54 with "per_tap" (`benchmarks/kda_profile.py --mixer`), but
 # the whole train step 406.1 against 412.2 ms (`benchmarks/train.py --rows 1:none:4[:conv_dw=...]`,
 # results train-convdw-*-h200-20261130T175*.json): "stacked" stays the default. Why "stacked" is
-# slow (16% of HBM bandwidth): in that profile's HLO, XLA reduces one row per (channel, tap), so
-# each tap reads the pre-activation gradient and x again. "variadic" (not yet timed) sums the W
-# taps as one variadic reduction: W accumulators in one pass over the inputs.
+# slow (16% of HBM bandwidth): in the fused body the "stacked" profile's JSON holds, XLA reduces
+# one row per (channel, tap), so each tap reads the pre-activation gradient and x again.
+# "variadic" (not yet timed) sums the W taps as one variadic reduction: W accumulators in one
+# pass over the inputs.
 CONV_DW_MODES = ("stacked", "per_tap", "variadic")
 CONV_DW = "stacked"
 
