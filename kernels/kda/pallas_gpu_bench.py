@@ -108,6 +108,7 @@ def roofline_of(path: str) -> dict:
     at its shape (`pallas_gpu_stages.kernel_stage_work`)."""
     import json
 
+    from benchmarks.common import PEAK_TBPS, PEAK_TFLOPS
     from kernels.kda.pallas_gpu_stages import kernel_stage_work, roofline
 
     with open(path) as f:
@@ -118,7 +119,7 @@ def roofline_of(path: str) -> dict:
         if row["stage"] in work and row.get("ms"):
             out[row["stage"]] = r = dict(ms=row["ms"]) | roofline(*work[row["stage"]], row["ms"])
             print(f"{row['stage']}: {r['ms']:.3f} ms, {r['bytes'] / 1e9:.2f} GB, {r['gbps']:.0f} GB/s "
-                  f"({r['pct_hbm']:.1f}% of 4.3 TB/s), {r['tflops']:.1f} TFLOP/s ({r['pct_tensor']:.1f}% of 790)")
+                  f"({r['pct_hbm']:.1f}% of {PEAK_TBPS} TB/s), {r['tflops']:.1f} TFLOP/s ({r['pct_tensor']:.1f}% of {PEAK_TFLOPS:.0f})")
     return out
 
 

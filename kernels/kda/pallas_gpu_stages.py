@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import PEAK_TBPS, PEAK_TFLOPS
 from kernels.kda import (chunk, chunk_intra, kda, mosaic_intra, mosaic_intra_bf16, mosaic_scores_bwd, mosaic_state,
                          pallas_gpu, pallas_gpu_prep)
 from kernels.kda.chunk_intra import SCORES, to_chunks
@@ -49,9 +50,6 @@ def _time(f, args, warmup, iters):
         out = f(*args)
     jax.block_until_ready(out)
     return first, (time.perf_counter() - t0) / iters * 1e3
-
-
-PEAK_TBPS, PEAK_TFLOPS = 4.3, 790.0  # one H200: measured HBM bandwidth, dense bf16 matmuls
 
 
 def stage_bytes(args, out) -> int:
