@@ -1,10 +1,12 @@
 """benchmarks/kda_profile.py and the HLO facts `kimi_jax.profile_summary` attaches to a profiled
 fusion (source lines from the module's stack-frame tables, bytes moved, the fused body)."""
 
+import json
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-import jax.numpy as jnp
 
 from benchmarks import kda_profile as kp
 from kimi_jax import profile_summary as ps
@@ -83,3 +85,13 @@ def test_mixer_call_traces_under_row_settings():
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-3)
     with pytest.raises(ValueError, match="layout"):
         kp.mixer_call("configs/tiny.py", "chunk", (1, 64), "layout=column_major")
+
+
+def test_mixer_quick_command_writes_the_scopes(tmp_path):
+    out = tmp_path / "mixer.json"
+    (result,) = kp.main(["--mixer", "configs/tiny.py", "--quick", "--calls", "1", "--top", "3",
+                         "--settings", "conv_dw=variadic", "--out", str(out)])
+    assert result["shape"] == [1, 128] and "conv_dw=variadic" in result["impl"]
+    assert json.loads(out.read_text())["results"][0]["summary"]["by_scope"]
+    with pytest.raises(ValueError, match="--mixer"):
+        kp.main(["--settings", "layout=row_major", "--quick"])
