@@ -172,15 +172,15 @@ def prepare_row(config, n: int, batch_per_device: int, seq_len: int, settings: d
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     tx, schedule = optim.make_optimizer(config.optim, config.total_steps, train_lib.param_names(params))
     shardings = train_lib.state_shardings(tx, params, rest, mesh)
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     batch_spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(sharding.BATCH_AXES))
     batch_size = batch_per_device * n
     row = {"devices": n, "device_kind": devices[0].device_kind, "params": num_params, "batch": batch_size,
            "seq_len": seq_len, "remat": train_lib.remat_policy(config)}
     if settings:
         row["settings"] = dict(settings)
-    step_fn = jax.jit(train_lib.make_train_step(config, graphdef, tx, schedule), donate_argnums=(0,),
-                      out_shardings=(shardings, replicated))
+    if config.get("xla_options"):
+        row["xla_options"] = train_lib.xla_options(config.xla_options)
+    step_fn = train_lib.jit_train_step(config, graphdef, tx, schedule, shardings, mesh)
     with jax.set_mesh(mesh):
         t0 = time.perf_counter()
         abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -194,7 +194,9 @@ def prepare_row(config, n: int, batch_per_device: int, seq_len: int, settings: d
 
 def setting(row: dict, skip=()) -> str:
     """The row's remat policy and settings (less the keys in `skip`), e.g. "dots16 diag=split"."""
-    return " ".join([row["remat"]] + [f"{k}={v}" for k, v in sorted(row.get("settings", {}).items()) if k not in skip])
+    xla = [f"{k}={str(v).lower()}" for k, v in sorted(row.get("xla_options", {}).items())]
+    return " ".join([row["remat"]] + [f"{k}={v}" for k, v in sorted(row.get("settings", {}).items()) if k not in skip]
+                    + xla)
 
 
 def label(row: dict) -> str:
@@ -370,6 +372,8 @@ def main(argv=None) -> dict:
                              "one-device rows so the multi-device rows still run (0: no deadline)")
     parser.add_argument("--reserve_s", type=float, default=60.0)
     parser.add_argument("--compile_workers", type=int, default=4, help="rows compiled in parallel")
+    parser.add_argument("--xla_options", default=None,
+                        help="config.xla_options for every row, e.g. xla_allow_excess_precision=false")
     parser.add_argument("--kda_impl", default="", help="override config.model.mixers.kda.impl (kernels.kda.IMPLS)")
     parser.add_argument("--kda_diag_mode", default="", choices=("",) + chunk_intra.DIAG_MODES,
                         help="kernels.kda.chunk_intra.DIAG_MODE for the run (read while tracing)")
@@ -396,6 +400,9 @@ def main(argv=None) -> dict:
     config.peak_flops = args.peak_flops or config.peak_flops
     if args.kda_impl:
         config.model.mixers.kda.impl = args.kda_impl
+    if args.xla_options is not None:
+        train_lib.xla_options(args.xla_options)  # a malformed entry raises before anything compiles
+        config.xla_options = args.xla_options
     if args.kda_diag_mode:
         chunk_intra.DIAG_MODE = args.kda_diag_mode
     remats = args.remat.split(",") if args.remat else [train_lib.remat_policy(config)]

@@ -43,6 +43,9 @@ def training_defaults(config: ml_collections.ConfigDict) -> None:
     config.inject_nan_at_step = -1
     # Launch multi-host runs with jax.distributed when the environment describes several processes.
     config.distributed = True
+    # XLA compile options of the train step, "name=value,..." (e.g. "xla_allow_excess_precision=false":
+    # intermediates the model declares bf16 are stored in bf16, not kept in float32); "" = XLA's defaults.
+    config.xla_options = ""
 
 
 def data_defaults() -> ml_collections.ConfigDict:

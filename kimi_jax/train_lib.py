@@ -226,12 +226,38 @@ def make_train_step(config, graphdef, tx, schedule):
     return train_step
 
 
+def xla_options(text: str) -> dict:
+    """"xla_allow_excess_precision=false,xla_foo=3" -> {name: value} (true/false, ints and floats
+    parsed, anything else kept as a string) for `jax.jit(compiler_options=)`; XLA rejects unknown
+    names when the step compiles."""
+    out = {}
+    for item in filter(None, (s.strip() for s in str(text or "").split(","))):
+        name, eq, value = item.partition("=")
+        if not eq or not name.startswith("xla_"):
+            raise ValueError(f"xla_options entry {item!r}: expected xla_<name>=<value>")
+        lowered = value.lower()
+        if lowered in ("true", "false"):
+            out[name] = lowered == "true"
+            continue
+        for kind in (int, float):
+            try:
+                out[name] = kind(value)
+                break
+            except ValueError:
+                pass
+        else:
+            out[name] = value
+    return out
+
+
 def jit_train_step(config, graphdef, tx, schedule, state_sharding, mesh):
     """train.py's jitted train step: donates the old state, returns it in `state_sharding` and
-    the metrics replicated over `mesh`. Call it as (state, batch, step, lr)."""
+    the metrics replicated over `mesh`, compiled with `config.xla_options`. Call it as
+    (state, batch, step, lr)."""
     replicated = NamedSharding(mesh, P())
     return jax.jit(make_train_step(config, graphdef, tx, schedule), donate_argnums=(0,),
-                   out_shardings=(state_sharding, replicated))
+                   out_shardings=(state_sharding, replicated),
+                   compiler_options=xla_options(config.get("xla_options", "")) or None)
 
 
 def make_eval_step(config, graphdef):

@@ -166,3 +166,21 @@ def test_rows_run_one_device_first_then_largest_temporaries_first(bench):
             dict(devices=1, error="lowering failed"), dict(devices=1, memory={"temp_gib": 88.0}),
             dict(devices=2, memory={"temp_gib": 56.9})]
     assert bench.run_order(rows) == [3, 1, 2, 0, 4]
+
+
+def test_xla_options_reach_the_compiler(bench, tmp_path):
+    from kimi_jax import train_lib
+
+    assert train_lib.xla_options("") == {}
+    assert train_lib.xla_options("xla_allow_excess_precision=false, xla_a=3,xla_b=0.5,xla_c=x") == {
+        "xla_allow_excess_precision": False, "xla_a": 3, "xla_b": 0.5, "xla_c": "x"}
+    for bad in ("allow_excess_precision=false", "xla_allow_excess_precision"):
+        with pytest.raises(ValueError, match="xla_options entry"):
+            train_lib.xla_options(bad)
+    args = ["--quick", "--devices", "1", "--compile_only", "--remat", "none"]
+    (row,) = bench.main(args + ["--xla_options", "xla_allow_excess_precision=false",
+                                "--out", str(tmp_path / "a.json")])["rows"]
+    assert row["xla_options"] == {"xla_allow_excess_precision": False} and row["step_compile_s"] > 0
+    # an option XLA does not know fails the row's compile: the options are passed, not dropped
+    (row,) = bench.main(args + ["--xla_options", "xla_no_such_option=true", "--out", str(tmp_path / "b.json")])["rows"]
+    assert "No such compile option" in row["error"]
