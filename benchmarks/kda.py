@@ -21,7 +21,11 @@ B, T, H, D (`jax.nn.dot_product_attention(implementation="cudnn")`).
 fla's autotuning (minutes per new shape; on a fresh H200 it has outlasted 10-minute runs at
 4,8192,32,128) is cached by Triton on disk (fla sets `cache_results`): `--triton_cache DIR` points
 Triton's cache there, so a later run on the same GPU type and versions skips the tuning. The run
-records how many autotuning results the folder held before and after.
+records how many autotuning results the folder held before and after. The results of an H200 run
+(fla-core 0.6.0, torch 2.11; three of the four shapes, 4,8192,32,128 did not finish) are kept in
+`benchmarks/results/fla-triton-autotune-h200-20261130.tgz`: `mkdir -p .cache/triton && tar xzf
+benchmarks/results/fla-triton-autotune-h200-20261130.tgz -C .cache/triton` before a run with
+`--triton_cache .cache/triton`.
 
 Inputs (bf16 q, k, v): q and k l2-normalised, g = -5 * sigmoid(N(0, 1)) per channel (float32),
 beta = sigmoid(N(0, 1)). Times: median of `--iters` calls after `--warmup` calls.

@@ -59,6 +59,10 @@ benchmarks/results/mqar-gpu-long-h200x2-20261130.json) and the 6 at (512, 64) pe
 (measured on two H200s, 3 trials per GPU, 342 s at d_model 64 and 481 s at 128: linear attention
 0.97 / 0.99, DeltaNet 0.98 / 0.95, Gated DeltaNet 0.00 / 0.94, KDA 0.14 / 0.31, the hybrid
 0.21 / 0.00, softmax attention 0.01 / 0.02; benchmarks/results/mqar-gpu-long512-*h200x2-20261130T18*.json):
+At (64, 4) and (128, 8), d_model 64, 6 trials per GPU in one run on two H200s: a trial takes
+300 s (median; 450 s at most) and eval.py 17 s; every mixer 1.00 at (64, 4) and the three that
+finished within a 470 s deadline at (128, 8) 1.00 (benchmarks/results/mqar-gpu-long-short-h200x2-
+20261130T2003.json). Run the (128, 8) cell alone (3 trials per GPU) to finish it.
     python sweep.py --config configs/sweeps/mqar.py:gpu_long,widths=64,settings=256x16 \
         --workdir /tmp/mqar_long --devices 0,1 --trials_per_device 3 --deadline_s 540
     python sweep.py --config configs/sweeps/mqar.py:gpu_long,widths=128,settings=512x64 \
