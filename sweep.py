@@ -20,7 +20,9 @@ DIR resumes it from there (long trials can span several time-limited jobs). The 
 DIR/xla_cache by default (`--compile_cache PATH`, relative to DIR, or `off`; handed to each trial
 through JAX's JAX_COMPILATION_CACHE_DIR variables), and run in an order that puts the trials of one
 grid point (differing only in `select_over`) apart, so that a later one finds the programs an
-earlier one compiled instead of compiling them at the same time. A failed trial is recorded, with the tail of its log, in
+earlier one compiled instead of compiling them at the same time. A sweep config may set `cost`, a
+function of a trial's grid point (e.g. tokens per step): a starting trial then takes a slot on the
+device whose running trials cost least, so heavy and light points spread over the devices. A failed trial is recorded, with the tail of its log, in
 DIR/status.json and DIR/summary.md, and the sweep goes on. On a TPU pod slice or a multi-host GPU
 cluster every trial must run on the whole slice: `--launcher` is the same launch train.py uses
 there (a command prefix, or a template with {cmd}, e.g. gcloud's `--worker=all --command '{cmd}'`),
@@ -34,7 +36,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import queue
 import shlex
 import signal
 import subprocess
@@ -266,24 +267,51 @@ class SubprocessRunner:
         return True
 
 
+class SlotPool:
+    """Device slots (an id repeated for trials sharing it) handed to trials by cost: a trial takes
+    a free slot of the device whose running trials cost least in sum, so that trials of unequal
+    cost that start together (e.g. a grid whose heavy and light points alternate in step with
+    the devices) spread evenly instead of piling the heavy ones on one device."""
+
+    def __init__(self, slots):
+        self._free = list(slots)
+        self._load: dict = {}
+        self._cond = threading.Condition()
+
+    def take(self, cost: float):
+        with self._cond:
+            while not self._free:
+                self._cond.wait()
+            i = min(range(len(self._free)), key=lambda j: (self._load.get(self._free[j], 0.0), j))
+            device = self._free.pop(i)
+            self._load[device] = self._load.get(device, 0.0) + cost
+            return device
+
+    def give(self, device, cost: float) -> None:
+        with self._cond:
+            self._load[device] -= cost
+            self._free.append(device)
+            self._cond.notify()
+
+
 def run_trials(trials: list[Trial], runner, *, parallel: int = 1, devices=(), stop=None,
-               log=print) -> dict:
+               log=print, cost=None) -> dict:
     """Run the trials not yet done, `parallel` at a time, each holding one slot of `devices` (an
-    id repeated for trials sharing it) while it runs, with a progress line per finished trial.
-    Once `stop` is set no trial starts. Returns {name: "done" | "skipped" | "failed" | "stopped" |
-    "not_run"} ("stopped": ended by `stop` while running)."""
+    id repeated for trials sharing it; `SlotPool` picks it by `cost(point)`, default 1 per trial)
+    while it runs, with a progress line per finished trial. Once `stop` is set no trial starts.
+    Returns {name: "done" | "skipped" | "failed" | "stopped" | "not_run"} ("stopped": ended by
+    `stop` while running)."""
     stop = stop or threading.Event()
     status = {t.name: "skipped" for t in trials if t.done()}
     todo = [t for t in trials if not t.done()]
     if devices and parallel > len(devices):
         raise ValueError(f"--parallel {parallel} exceeds the {len(devices)} device slots given")
-    free: queue.Queue = queue.Queue()
-    for d in devices or [None] * parallel:
-        free.put(d)
+    slots = SlotPool(devices or [None] * parallel)
     lock, start, finished = threading.Lock(), time.time(), []
 
     def one(trial: Trial) -> tuple[str, str]:
-        device = free.get()
+        weight = float(cost(trial.point)) if cost is not None else 1.0
+        device = slots.take(weight)
         try:
             if stop.is_set():
                 return trial.name, "not_run"
@@ -302,7 +330,7 @@ def run_trials(trials: list[Trial], runner, *, parallel: int = 1, devices=(), st
                     f"{trial.name} {state} in {time.time() - begin:.0f}s on {device}: {extra}", flush=True)
             return trial.name, state
         finally:
-            free.put(device)
+            slots.give(device, weight)
 
     with ThreadPoolExecutor(max_workers=max(parallel, 1)) as pool:
         for name, state in pool.map(one, todo):
@@ -466,7 +494,7 @@ def main(argv):
     print(f"[sweep] {len(trials)} trials, {parallel} at a time on {slots or 'this machine'}; "
           f"compilation cache {cache or 'off'}", flush=True)
     order = run_order(trials, sweep.select_over) if cache else trials
-    status = run_trials(order, runner, parallel=parallel, devices=slots, stop=stop)
+    status = run_trials(order, runner, parallel=parallel, devices=slots, stop=stop, cost=sweep.get("cost"))
     rows = summarize(sweep, trials)
     write_summary(sweep, rows, root, trial_records(trials, status))
     counts = {s: list(status.values()).count(s) for s in ("done", "skipped", "failed", "stopped", "not_run")}

@@ -109,3 +109,35 @@ def test_stop_ends_running_trials_and_starts_no_more(tmp_path):
     stopped = [r for r in records.values() if r["status"] == "stopped"]
     assert all(r["reason"] == "trial.py stopped" for r in stopped)
     assert all(r["score"] is None and "times" not in r for r in records.values() if r["status"] == "not_run")
+
+
+def test_slot_pool_spreads_trials_by_cost():
+    """Heavy and light trials alternating in step with two devices: assigned round-robin, every
+    heavy one would land on device 1 (the aliasing of a grid whose last axis has two values);
+    by cost (greedy, in arrival order) the devices' loads differ by at most one trial's cost."""
+    pool = sw.SlotPool(sw.device_slots(["0", "1"], 6))
+    costs = [1.0, 2.0] * 6
+    taken = [pool.take(c) for c in costs]
+    load = {d: sum(c for c, t in zip(costs, taken) if t == d) for d in ("0", "1")}
+    assert taken.count("0") == taken.count("1") == 6 and sum(load.values()) == 18.0
+    assert abs(load["0"] - load["1"]) <= max(costs)  # round-robin: 6.0 against 12.0
+    pool.give(taken[1], costs[1])  # a heavy trial on its device finishes: the next goes there
+    assert pool.take(1.0) == taken[1]
+
+
+def test_run_trials_passes_each_point_to_cost(tmp_path):
+    trials = sw.make_trials(_sweep(), str(tmp_path))
+    seen = []
+    status = sw.run_trials(trials, lambda trial, device: True, parallel=2, devices=["0", "1"],
+                           log=lambda msg, **kw: None, cost=lambda point: seen.append(point) or 1.0)
+    assert list(status.values()).count("done") == len(trials)
+    assert sorted(map(str, seen)) == sorted(str(t.point) for t in trials)
+
+
+def test_mqar_sweep_cost_is_tokens_times_layers():
+    from configs.sweeps import mqar
+
+    s = mqar.get_config("gpu_long,widths=64,settings=64x4+128x8")
+    cost = {(p["mixer"], p["seq_len"]): s.cost(p) for p in sw.expand(s.axes)}
+    assert cost[("kda", 128)] == 2 * cost[("kda", 64)] == 128 * 256 * 12000 * 2  # batch 256 at L <= 128
+    assert cost[("hybrid", 64)] == 2 * cost[("kda", 64)]  # 4 layers against 2
