@@ -495,7 +495,8 @@ def use_triton_cache(folder: str) -> dict:
     os.environ.setdefault("FLA_CACHE_RESULTS", "1")
     found = count_autotune_results(folder)
     print(f"# Triton cache {folder}: {found} autotuning results", flush=True)
-    shown = os.path.relpath(folder) if folder.startswith(os.getcwd() + os.sep) else folder  # no host paths in results
+    # no host paths in results: the folder relative to the repo, or only its name
+    shown = os.path.relpath(folder) if folder.startswith(os.getcwd() + os.sep) else os.path.basename(folder)
     return dict(dir=shown, autotune_results_before=found, autotune_results_after=found)
 
 

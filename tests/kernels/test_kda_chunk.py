@@ -3,6 +3,7 @@ outputs, final states and all gradients, float32 and bfloat16, exact and bounded
 paths, packed-document resets, extreme gates, state continuity, and numerical gradient checks."""
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -446,3 +447,25 @@ def test_unit_lower_inverse_matches_float64(monkeypatch, mode):
     got = np.asarray(chunk_intra.unit_lower_inverse(jnp.asarray(L, jnp.float32), jax.lax.Precision.HIGHEST))
     want = np.linalg.inv(np.eye(64) + L)
     assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
+
+
+def test_benchmark_triton_cache_records_no_host_path(tmp_path, monkeypatch):
+    """--triton_cache points Triton at the folder, counts fla's autotuning results there, and
+    records the folder by name only when it lies outside the repository."""
+    import sys
+
+    from benchmarks import kda as bench
+
+    folder = tmp_path / "tc"
+    (folder / "HASH").mkdir(parents=True)
+    (folder / "HASH" / "chunk_kda_fwd.autotune.json").write_text("{}")
+    (folder / "HASH" / "chunk_kda_fwd.cubin").write_text("")
+    monkeypatch.delitem(sys.modules, "triton", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.delenv("FLA_CACHE_RESULTS", raising=False)
+    rec = bench.use_triton_cache(str(folder))
+    assert rec == {"dir": "tc", "autotune_results_before": 1, "autotune_results_after": 1}
+    assert os.environ["TRITON_CACHE_DIR"] == str(folder)
+    monkeypatch.setitem(sys.modules, "triton", object())
+    with pytest.raises(RuntimeError, match="before triton is imported"):
+        bench.use_triton_cache(str(folder))
