@@ -6,7 +6,8 @@
 Per shape (bf16, channel gate, lower_bound=-5): median ms of the forward and of the
 forward+backward of both impls, the relative RMS of chunk_mosaic against chunk (o and the five
 input gradients), and at the first shape the two serial passes alone (XLA scan vs kernel) on the
-chunk tensors of the real inputs. Every row is written to the JSON as soon as it is measured.
+chunk tensors of the real inputs, with their bytes, FLOPs and rates against the H200's limits
+(`pass_work`). Every row is written to the JSON as soon as it is measured.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kernels.kda import kda
 from kernels.kda.chunk import _Numerics, _grad_scan, _prep, _state_scan, _wy
 from kernels.kda.chunk_intra import to_chunks
 from kernels.kda.pallas_gpu_bench import inputs
+from kernels.kda.pallas_gpu_stages import roofline, stage_bytes
 from kernels.testing import rel_rms
 
 SHAPES = ((8, 4096, 16, 128), (1, 65536, 16, 128))
@@ -72,7 +74,22 @@ def pass_fns(args, interpret):
         "grad_scan mosaic": lambda t: mosaic_scan.grad_scan_chunks(
             h0, t["w"], t["kg"], t["qg"], t["do"], t["dvi"], t["decay"], **kw),
     }
-    return t, {n: jax.jit(f) for n, f in fns.items()}
+    return t, h0, {n: jax.jit(f) for n, f in fns.items()}
+
+
+# The chunk tensors each serial pass reads (both forms of a pass do the same work).
+PASS_INPUTS = {"state_scan": ("w", "u", "kg", "decay"), "grad_scan": ("w", "kg", "qg", "do", "dvi", "decay")}
+
+
+def pass_work(name: str, t: dict, h0, out) -> tuple[int, int]:
+    """(bytes, FLOPs) of a serial pass: its chunk tensors and initial state read once, its outputs
+    written once; per token 4 K V (forward: v' = u - w S and the update kg^T v') or 6 K V
+    (reverse: dv' = kg dS, w^T dv' and qg^T do)."""
+    kind = name.split()[0]
+    N, B, H, C, K = t["w"].shape
+    V = t["do"].shape[-1]
+    flops = N * B * H * C * K * V * (4 if kind == "state_scan" else 6)
+    return stage_bytes(([t[key] for key in PASS_INPUTS[kind]], h0), out), flops
 
 
 def run(shapes, *, warmup, iters, out=None, passes=True):
@@ -105,10 +122,14 @@ def run(shapes, *, warmup, iters, out=None, passes=True):
             errs.update({n: rel_rms(f32(a), f32(b)) for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), ga, gb)})
             record(dict(shape=list(shape), parity_chunk_mosaic_vs_chunk=errs))
         if passes and si == 0:
-            t, fns = pass_fns(args, interpret)
+            t, h0, fns = pass_fns(args, interpret)
             for name, f in fns.items():
                 ms, err = attempt(lambda: time_jax(f, t, warmup=warmup, iters=iters))
-                record(dict(shape=list(shape), stage=name, ms=ms, error=err))
+                row = dict(shape=list(shape), stage=name, ms=ms, error=err)
+                if ms:
+                    nbytes, flops = pass_work(name, t, h0, jax.eval_shape(f, t))
+                    row.update(roofline(nbytes, flops, ms))
+                record(row)
     return res
 
 

@@ -260,3 +260,26 @@ def test_forward_only_route_differentiates_per_shard_under_a_mesh(rng, monkeypat
     ref = jax.grad(loss("chunk"), argnums=(0, 1, 2))(q, k, g)
     for name, a, b in zip(("dq", "dk", "dg"), ref, grads):
         assert_close(name, a, b, F32_TOL[name])
+
+
+def test_scan_bench_pass_work_counts_what_each_pass_reads_and_writes():
+    """The serial passes' bytes (chunk tensors read once, outputs written once) and FLOPs, at
+    N=2 chunks, B=1, H=2, C=K=V=64: w, u, do bf16; kg, qg, dvi float32; decay [N, B, H, K]."""
+    from kernels.kda import mosaic_scan_bench as bench
+    from kernels.kda.pallas_gpu_bench import inputs
+
+    t, h0, fns = bench.pass_fns(inputs(1, 128, 2, 64), interpret=True)
+    tile = 2 * 1 * 2 * 64 * 64  # elements of one [N, B, H, C, K] (or [N, B, H, K, V]) tensor
+    state = h0.size * 4
+    decay = 2 * 1 * 2 * 64 * 4
+    expect = {  # name: (bytes read, bytes written)
+        "state_scan xla": (2 * tile * 2 + tile * 4 + decay + state, 2 * tile * 2 + state),  # states, v' bf16
+        "grad_scan xla (with qg^T do)": (tile * 2 * 2 + 3 * tile * 4 + decay + state, 2 * tile * 4 + state),
+        "grad_scan mosaic": (tile * 2 * 2 + 3 * tile * 4 + decay + state, tile * 4 + tile * 2 + state),  # dv' bf16
+    }
+    for name, (read, written) in expect.items():
+        nbytes, flops = bench.pass_work(name, t, h0, jax.eval_shape(fns[name], t))
+        assert nbytes == read + written, name
+        assert flops == tile * 64 * (4 if name.startswith("state") else 6), name
+    rates = bench.roofline(10**9, 10**12, 1.0)  # 1 GB and 1 TFLOP in 1 ms
+    assert rates["gbps"] == 1000.0 and rates["tflops"] == 1000.0
