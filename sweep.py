@@ -38,14 +38,20 @@ import json
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 from absl import app, flags
 from ml_collections import config_flags
+
+from kimi_jax.sweep_run import (  # noqa: F401  (device_slots, log_tail, SlotPool: part of this script's API)
+    LOG_TAIL_LINES,
+    SlotPool,
+    SubprocessRunner,
+    device_slots,
+    log_tail,
+    run_trials,
+)
 
 
 def _define_flags():
@@ -172,170 +178,6 @@ def compile_cache_env(path: str, min_compile_s: float = 0.0) -> dict:
     return {"JAX_COMPILATION_CACHE_DIR": os.path.abspath(path),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": str(float(min_compile_s)),
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
-
-
-# ------------------------------------------------------------------------------------- run
-LOG_TAIL_LINES = 30
-
-
-def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
-    """The last `lines` lines of a log (what a failed trial reports)."""
-    if not os.path.exists(path):
-        return ""
-    with open(path, errors="replace") as f:
-        return "".join(f.readlines()[-lines:])
-
-
-def device_slots(devices, per_device: int = 1) -> list[str]:
-    """Each device id `per_device` times, interleaved (0,1,0,1,...) so that a partly filled
-    sweep spreads over the devices."""
-    return [d for _ in range(max(per_device, 1)) for d in devices]
-
-
-class SubprocessRunner:
-    """Runs a trial's commands, logging to <workdir>/{train,eval}.log, their wall times to
-    <workdir>/times.json; returns success. A failure leaves <workdir>/FAILED: the reason and the
-    log's tail. Setting `stop` ends the running command (SIGTERM to its process group, SIGKILL
-    after `grace_s`): train.py then saves a checkpoint, so a restarted sweep resumes the trial.
-    `share` > 1 trials per device run without preallocation, each with `mem_fraction` (default
-    0.9 / share) of the device memory. `extra_env` (e.g. `compile_cache_env`) is set for every
-    command."""
-
-    def __init__(self, launcher: str = "", device_env: str = "CUDA_VISIBLE_DEVICES", *, share: int = 1,
-                 mem_fraction: float = 0.0, stop: threading.Event | None = None, grace_s: float = 10.0,
-                 extra_env: dict | None = None):
-        self.launcher, self.device_env, self.extra_env = launcher, device_env, dict(extra_env or {})
-        self.share, self.mem_fraction, self.grace_s = share, mem_fraction, grace_s
-        self.stop = stop or threading.Event()
-
-    def wrap(self, cmd: list[str]) -> list[str]:
-        if not self.launcher:
-            return cmd
-        if "{cmd}" in self.launcher:
-            return ["bash", "-c", self.launcher.format(cmd=shlex.join(cmd))]
-        return [*shlex.split(self.launcher), *cmd]
-
-    def env(self, device: str | None) -> dict:
-        env = {**os.environ, **self.extra_env}
-        if device is not None:
-            env[self.device_env] = device
-        if self.share > 1:
-            env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{self.mem_fraction or 0.9 / self.share:.4f}"
-        return env
-
-    def _run(self, cmd: list[str], log: str, env: dict) -> int | None:
-        """The command's exit status, or None when `stop` ended it."""
-        with open(log, "w") as f:
-            proc = subprocess.Popen(self.wrap(cmd), stdout=f, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
-            while True:
-                try:
-                    return proc.wait(timeout=0.2)
-                except subprocess.TimeoutExpired:
-                    if self.stop.is_set():
-                        break
-            for sig, wait in ((signal.SIGTERM, self.grace_s), (signal.SIGKILL, None)):
-                try:
-                    os.killpg(proc.pid, sig)
-                    proc.wait(timeout=wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-                except ProcessLookupError:
-                    break
-            proc.wait()
-            return None
-
-    def __call__(self, trial: Trial, device: str | None) -> bool:
-        os.makedirs(trial.workdir, exist_ok=True)
-        if os.path.exists(trial.failed_file):
-            os.remove(trial.failed_file)
-        env, times = self.env(device), {}
-        for cmd, name in zip(trial.commands(), ("train.log", "eval.log")):
-            log, start = os.path.join(trial.workdir, name), time.time()
-            rc = self._run(cmd, log, env)
-            program = os.path.basename(cmd[1])
-            times[program] = round(time.time() - start, 1)
-            with open(os.path.join(trial.workdir, "times.json"), "w") as f:
-                json.dump(times, f)
-            if rc != 0:
-                reason = f"{program} stopped" if rc is None else f"{program} exited {rc}"
-                with open(trial.failed_file, "w") as f:
-                    json.dump({"reason": reason, "stopped": rc is None, "log": log, "tail": log_tail(log)}, f)
-                return False
-        return True
-
-
-class SlotPool:
-    """Device slots (an id repeated for trials sharing it) handed to trials by cost: a trial takes
-    a free slot of the device whose running trials cost least in sum, so that trials of unequal
-    cost that start together (e.g. a grid whose heavy and light points alternate in step with
-    the devices) spread evenly instead of piling the heavy ones on one device."""
-
-    def __init__(self, slots):
-        self._free = list(slots)
-        self._load: dict = {}
-        self._cond = threading.Condition()
-
-    def take(self, cost: float):
-        with self._cond:
-            while not self._free:
-                self._cond.wait()
-            i = min(range(len(self._free)), key=lambda j: (self._load.get(self._free[j], 0.0), j))
-            device = self._free.pop(i)
-            self._load[device] = self._load.get(device, 0.0) + cost
-            return device
-
-    def give(self, device, cost: float) -> None:
-        with self._cond:
-            self._load[device] -= cost
-            self._free.append(device)
-            self._cond.notify()
-
-
-def run_trials(trials: list[Trial], runner, *, parallel: int = 1, devices=(), stop=None,
-               log=print, cost=None) -> dict:
-    """Run the trials not yet done, `parallel` at a time, each holding one slot of `devices` (an
-    id repeated for trials sharing it; `SlotPool` picks it by `cost(point)`, default 1 per trial)
-    while it runs, with a progress line per finished trial. Once `stop` is set no trial starts.
-    Returns {name: "done" | "skipped" | "failed" | "stopped" | "not_run"} ("stopped": ended by
-    `stop` while running)."""
-    stop = stop or threading.Event()
-    status = {t.name: "skipped" for t in trials if t.done()}
-    todo = [t for t in trials if not t.done()]
-    if devices and parallel > len(devices):
-        raise ValueError(f"--parallel {parallel} exceeds the {len(devices)} device slots given")
-    slots = SlotPool(devices or [None] * parallel)
-    lock, start, finished = threading.Lock(), time.time(), []
-
-    def one(trial: Trial) -> tuple[str, str]:
-        weight = float(cost(trial.point)) if cost is not None else 1.0
-        device = slots.take(weight)
-        try:
-            if stop.is_set():
-                return trial.name, "not_run"
-            begin = time.time()
-            ok = runner(trial, device)
-            if ok:
-                os.makedirs(trial.workdir, exist_ok=True)
-                with open(trial.done_file, "w") as f:
-                    json.dump({"point": trial.point, "seconds": time.time() - begin, "device": device}, f)
-            state = "done" if ok else "stopped" if trial.failure().get("stopped") else "failed"
-            with lock:
-                finished.append(state)
-                counts = ", ".join(f"{s} {finished.count(s)}" for s in ("done", "failed", "stopped") if s in finished)
-                extra = f"score={trial.score()}" if ok else trial.failure().get("reason", "")
-                log(f"[sweep] {len(finished)}/{len(todo)} ({counts}) at {time.time() - start:.0f}s: "
-                    f"{trial.name} {state} in {time.time() - begin:.0f}s on {device}: {extra}", flush=True)
-            return trial.name, state
-        finally:
-            slots.give(device, weight)
-
-    with ThreadPoolExecutor(max_workers=max(parallel, 1)) as pool:
-        for name, state in pool.map(one, todo):
-            status[name] = state
-    return status
 
 
 def trial_records(trials: list[Trial], status: dict) -> dict:

@@ -34,7 +34,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks.common import PEAK_TBPS, environment, markdown_table, write_json  # noqa: E402
-from benchmarks.kda import LOWER_BOUND, _check_impl, chunk_settings, _decode_inputs, _parse_shapes, make_inputs  # noqa: E402
+from benchmarks.kda import LOWER_BOUND, _check_impl, chunk_settings, _parse_shapes, make_inputs  # noqa: E402
+from benchmarks.kda_decode import _decode_inputs  # noqa: E402
 from kernels.kda import chunk, kda, kda_step  # noqa: E402
 from kernels.kda.ops import STEP_IMPLS  # noqa: E402
 from kimi_jax import profile_summary  # noqa: E402

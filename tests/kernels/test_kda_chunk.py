@@ -213,6 +213,7 @@ def test_benchmark_decode_quick(tmp_path):
 
     from benchmarks import common
     from benchmarks import kda as bench
+    from benchmarks import kda_decode
 
     calls = []
     ms = common.time_jax_stream(lambda x: calls.append(1) or x + 1, jnp.ones(3), warmup=2, iters=5, bursts=3)
@@ -228,10 +229,10 @@ def test_benchmark_decode_quick(tmp_path):
     assert kernel["us"] is None and kernel["us_stream"] is None and "skipped" in kernel["error"]
     assert "| us per call | us back to back |" in res["table"]
     assert "skipped" in rows["kernel only: decode_step_pipelined programs=8 slots=2 block_v=32"]["error"]
-    assert bench.parse_decode_blocks("132.4.64,264.2.32") == [dict(programs=132, slots=4, block_v=64),
+    assert kda_decode.parse_decode_blocks("132.4.64,264.2.32") == [dict(programs=132, slots=4, block_v=64),
                                                               dict(programs=264, slots=2, block_v=32)]
     with pytest.raises(ValueError, match="programs.slots.block_v"):
-        bench.parse_decode_blocks("132.4")
+        kda_decode.parse_decode_blocks("132.4")
 
 
 def test_benchmark_triton_cache(tmp_path, monkeypatch):
