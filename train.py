@@ -44,6 +44,9 @@ def _log(msg: str) -> None:
 
 def train_and_evaluate(config, workdir: str) -> dict:
     """Run (or resume) training; returns the last logged metrics."""
+    for key in ("log_every_steps", "checkpoint_every_steps"):
+        if int(config[key]) < 1:
+            raise ValueError(f"config.{key}={config[key]} must be >= 1 (eval_every_steps=0 turns evaluation off)")
     # ----------------------------------------------------------------------------------------------
     # Mesh
     # ----------------------------------------------------------------------------------------------
@@ -88,6 +91,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     # ----------------------------------------------------------------------------------------------
     ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
     start_step = ckpt.latest_step() or 0
+    carried = []  # the open log window of a run stopped between two logs (see `save`)
     # (outside the mesh context: the model's parameters get their shardings from out_shardings)
     if start_step:
         abstract = jax.eval_shape(train_lib.make_init(config, tx))
@@ -98,6 +102,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
             raise ValueError(f"checkpoint step {start_step} was written by {len(hosts)} process(es); this run has "
                              f"{jax.process_count()}: the data positions cannot be resumed exactly")
         train_iter.set_state(hosts[jax.process_index()])
+        carried = [{k: np.asarray(v) for k, v in m.items()} for m in restored["data"].get("window", [])]
         _log(f"resumed from step {start_step} ({checkpoint.checkpoint_dir(workdir)})")
     else:
         t0 = time.time()
@@ -108,12 +113,15 @@ def train_and_evaluate(config, workdir: str) -> dict:
     last_good = start_step or None
 
     def save(step: int, force: bool = False) -> None:
+        """Checkpoint the state with every host's data position and, for a save between two logs
+        (SIGTERM), the open log window, so the resumed run logs the same averages."""
         hosts = [train_iter.get_state()]
         if jax.process_count() > 1:  # every host's position, so each resumes its own share
             local = np.array([hosts[0]["doc"], hosts[0]["offset"]], np.int32)
             hosts = [{"doc": int(d), "offset": int(o)}
                      for d, o in np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 2)]
-        ckpt.save(step, state, {"hosts": hosts}, force=force)
+        extra = {"window": [{k: logging_utils.json_value(v) for k, v in m.items()} for m in window]} if window else {}
+        ckpt.save(step, state, {"hosts": hosts, **extra}, force=force)
 
     def evaluate(step: int) -> dict:
         """Held-out loss and accuracy on the eval split, plus `kimi_jax.evaluators.run_all`."""
@@ -135,11 +143,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
     # ----------------------------------------------------------------------------------------------
     peak = logging_utils.peak_flops_per_device(config.peak_flops)
     flops_token = logging_utils.flops_per_token(config, seq_len, num_params)
-    logger = logging_utils.MetricsLogger(workdir, config.total_steps)
+    logger = logging_utils.MetricsLogger(workdir, config.total_steps, resume_step=start_step)
     stop = {"signal": None}
     previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
     profile = tuple(config.profile_steps)
-    window, pending, last_metrics = [], None, {}
+    window, pending, last_metrics = carried, None, {}
     clock = {"start": time.time(), "steps": 0, "first": None}
 
     def check(step: int, metrics) -> None:
@@ -200,10 +208,12 @@ def train_and_evaluate(config, workdir: str) -> dict:
                 preempted = bool(np.asarray(multihost_utils.process_allgather(np.array(preempted))).any())
             do_eval = bool(config.eval_every_steps) and (
                 step % config.eval_every_steps == 0 or step == config.total_steps)
-            do_save = step % config.checkpoint_every_steps == 0 or step == config.total_steps or preempted
-            if do_eval or do_save or preempted or step % config.log_every_steps == 0:
+            do_save = step % config.checkpoint_every_steps == 0 or step == config.total_steps
+            do_log = do_eval or do_save or step % config.log_every_steps == 0
+            if do_log or preempted:
                 check(*pending)
                 pending = None
+            if do_log:
                 last_metrics = {k: float(np.mean([float(m[k]) for m in window])) for k in train_lib.SCALARS}
                 last_metrics.update(timing())
                 last_metrics.update(logging_utils.moe_load_metrics(window[-1]["moe_load"]))
@@ -212,7 +222,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
                         last_metrics.update(evaluate(step))
                 logger.write(step, last_metrics)
                 window.clear()
-            if do_save:
+            if do_save or preempted:  # a preempted save keeps the open window (see `save`)
                 save(step, force=True)
                 last_good = step
             if not window:  # a window ended: time the next one from here (after eval and save)

@@ -87,6 +87,8 @@ def load_model(config, workdir: str, step: int | None = None, *, mesh=None):
     `step` (default: the latest) in `workdir`, sharded over `mesh` (default: all devices, data axis)."""
     from kimi_jax import sharding, train_lib
 
+    if not checkpoint_dir(workdir).exists():  # (a Checkpointer would create the folder)
+        raise FileNotFoundError(f"No checkpoint in {checkpoint_dir(workdir)}")
     ckpt = Checkpointer(workdir, async_save=False)
     step = ckpt.latest_step() if step is None else step
     if step is None:

@@ -53,31 +53,47 @@ def flops_per_token(config, seq_len: int, num_params: int) -> float:
         return 6.0 * num_params
 
 
-def _scalar(v):
+def json_value(v):
+    """A metric as JSON: a number, or nested lists for arrays (e.g. per-expert loads)."""
     v = np.asarray(v)
     return v.item() if v.size == 1 else v.tolist()
 
 
+def _step_of(line: str) -> float:
+    """The step of a `metrics.jsonl` line; infinite for a line a killed run left half-written."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return math.inf
+
+
 class MetricsLogger:
     """Appends one JSON object per logged step to `metrics.jsonl`, mirrors scalars to TensorBoard,
-    and prints a progress line. Only process 0 writes."""
+    and prints a progress line. Only process 0 writes. A run resumed from step `resume_step`
+    first drops the records after it (logged by the earlier run past its last checkpoint, and
+    logged again now), in `metrics.jsonl` and in TensorBoard (`purge_step`)."""
 
-    def __init__(self, workdir: str, total_steps: int, *, tensorboard: bool = True):
+    def __init__(self, workdir: str, total_steps: int, *, tensorboard: bool = True, resume_step: int = 0):
         self.total_steps, self.active = total_steps, jax.process_index() == 0
         self.start = time.time()
         self.writer = None
         if self.active:
             os.makedirs(workdir, exist_ok=True)
             self.path = os.path.join(workdir, "metrics.jsonl")
+            if os.path.exists(self.path):
+                with open(self.path) as f:
+                    kept = [line for line in f if _step_of(line) <= resume_step]
+                with open(self.path, "w") as f:
+                    f.writelines(kept)
             if tensorboard:
                 from tensorboardX import SummaryWriter
 
-                self.writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
+                self.writer = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1)
 
     def write(self, step: int, metrics: dict, *, console: bool = True) -> None:
         if not self.active:
             return
-        record = {"step": int(step), **{k: _scalar(v) for k, v in metrics.items()}}
+        record = {"step": int(step), **{k: json_value(v) for k, v in metrics.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.writer is not None:

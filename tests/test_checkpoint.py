@@ -82,6 +82,10 @@ def test_load_model_is_exported_and_needs_a_checkpoint(tmp_path):
     assert kimi_jax.load_model is checkpoint.load_model
     with pytest.raises(FileNotFoundError, match="No checkpoint"):
         checkpoint.load_model(toy_config(), str(tmp_path))
+    assert not (tmp_path / "checkpoints").exists()  # looking leaves the workdir as it was
+    (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(FileNotFoundError, match="No checkpoint"):  # a folder without a step
+        checkpoint.load_model(toy_config(), str(tmp_path))
 
 
 def test_small_replicated_arrays_are_saved_whole(tmp_path, monkeypatch):

@@ -69,9 +69,41 @@ def test_kill_and_resume_reproduces_losses(monkeypatch, tmp_path):
         with pytest.raises(KeyboardInterrupt):
             train.train_and_evaluate(config, str(tmp_path / "killed"))
     assert checkpoint.Checkpointer(str(tmp_path / "killed")).latest_step() == 3
+    with open(tmp_path / "killed" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "loss": 1.')  # a line the kill cut short
     train.train_and_evaluate(config, str(tmp_path / "killed"))
     resumed = _losses(tmp_path / "killed")
     assert resumed == reference  # bitwise: same batches, same state
+    # the steps the killed run logged past its checkpoint (4) are not logged twice
+    assert _records(tmp_path / "killed") == _records(tmp_path / "straight")
+
+
+def test_log_and_checkpoint_intervals_must_be_positive(tmp_path):
+    for key in ("log_every_steps", "checkpoint_every_steps"):
+        with pytest.raises(ValueError, match=key):
+            train.train_and_evaluate(toy_config(**{key: 0}), str(tmp_path))
+
+
+def _records(workdir, keys=("step", "loss", "grad_norm", "lr")) -> list:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [{k: r.get(k) for k in keys} for r in map(json.loads, f)]
+
+
+def test_sigterm_between_logs_resumes_the_same_log_windows(monkeypatch, tmp_path):
+    """Logged every 4 steps, stopped by SIGTERM during step 6: the saved checkpoint carries the
+    open window (steps 5-6), so the resumed run logs steps 5-8 as one window, as an uninterrupted
+    run does, and metrics.jsonl holds the same records."""
+    use_toy_model(monkeypatch)
+    config = toy_config(total_steps=12, checkpoint_every_steps=100, log_every_steps=4)
+    train.train_and_evaluate(config, str(tmp_path / "straight"))
+    with monkeypatch.context() as m:
+        _Interrupt(m, at=6, action=lambda: os.kill(os.getpid(), signal.SIGTERM))
+        train.train_and_evaluate(config, str(tmp_path / "stopped"))
+    assert checkpoint.Checkpointer(str(tmp_path / "stopped")).latest_step() == 6
+    assert [r["step"] for r in _records(tmp_path / "stopped")] == [4]  # no record for the open window
+    train.train_and_evaluate(config, str(tmp_path / "stopped"))
+    assert [r["step"] for r in _records(tmp_path / "straight")] == [4, 8, 12]
+    assert _records(tmp_path / "stopped") == _records(tmp_path / "straight")
 
 
 def test_sigterm_saves_a_loadable_checkpoint_and_exits(monkeypatch, tmp_path):

@@ -155,6 +155,9 @@ def kda_step(state, q, k, v, g=None, beta=None, *, scale=None, impl="auto"):
     V = v.shape[2]
     if getattr(state, "shape", None) != (B, H, K, V):
         raise ValueError(f"state must be [B, H, K, V] = {(B, H, K, V)}; got shape {getattr(state, 'shape', None)}")
+    for name, x in (("state", state), ("g", g), ("beta", beta)):
+        if x is not None:
+            check_float(name, x)
     sdt = state_dtype(q.dtype)
     if g is None:
         g = jnp.zeros((B, H, K), sdt)

@@ -119,3 +119,14 @@ def test_auto_resolves_per_platform(monkeypatch, platform, kind, want, want_step
     assert ops.resolve_impl("auto", ops.LINEAR_IMPLS) == "chunk"
     assert ops.resolve_step_impl("auto") == want_step
     assert ops.resolve_impl("chunk") == "chunk"
+
+
+@pytest.mark.parametrize("name", ["state", "g", "beta"])
+def test_step_rejects_integer_state_gate_and_beta(name):
+    B, H, K, V = 1, 2, 4, 4
+    args = dict(state=jnp.zeros((B, H, K, V)), q=jnp.ones((B, H, K)), k=jnp.ones((B, H, K)), v=jnp.ones((B, H, V)),
+                g=-jnp.ones((B, H)), beta=jnp.ones((B, H)))
+    kda_step(**args)
+    args[name] = args[name].astype(jnp.int32)
+    with pytest.raises(ValueError, match=f"{name} has unsupported dtype int32"):
+        kda_step(**args)
