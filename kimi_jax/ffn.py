@@ -8,26 +8,78 @@ becomes SwiGLU, silu(g) u.
 from __future__ import annotations
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kimi_jax.layers import Linear
+from kimi_jax.layers import Linear, traced_setting
 from kimi_jax.sharding import constrain
+
+# How a GLU is differentiated: "autodiff" (JAX's linearization: it keeps float32 intermediates
+# of the activation, up to seven [.., F] arrays per call for SiTU-GLU) or "recompute" (a custom
+# VJP that keeps only gate and up in their own dtype and recomputes the activation's derivative
+# in the backward). Read while tracing; `glu_vjp(mode)` sets it for a block.
+GLU_VJP = "autodiff"
+GLU_VJP_MODES = ("autodiff", "recompute")
+
+
+def glu_vjp(mode: str | None):
+    """Within the block, trace GLUs with backward `mode` (None: unchanged)."""
+    return traced_setting(sys.modules[__name__], "GLU_VJP", GLU_VJP_MODES, mode)
+
+
+def _glu(kind: str, gate, up, beta: float, linear_beta: float):
+    """The activation in float32 (see swiglu / situ_glu)."""
+    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
+    if kind == "swiglu":
+        return jax.nn.silu(gate) * up
+    act = beta * jnp.tanh(gate / beta) * jax.nn.sigmoid(gate)
+    return act * (linear_beta * jnp.tanh(up / linear_beta))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+def _glu_recompute(kind, gate, up, beta, linear_beta):
+    return _glu(kind, gate, up, beta, linear_beta)
+
+
+def _glu_recompute_fwd(kind, gate, up, beta, linear_beta):
+    return _glu(kind, gate, up, beta, linear_beta), (gate, up)
+
+
+def _glu_recompute_bwd(kind, beta, linear_beta, res, ct):
+    gate, up = res
+    g, u = gate.astype(jnp.float32), up.astype(jnp.float32)
+    s = jax.nn.sigmoid(g)
+    if kind == "swiglu":  # d/dg [g s(g)] = s (1 + g (1 - s))
+        dg, du = ct * u * s * (1 + g * (1 - s)), ct * g * s
+    else:  # a = beta tanh(g / beta) s(g), u' = linear_beta tanh(u / linear_beta)
+        t1, t2 = jnp.tanh(g / beta), jnp.tanh(u / linear_beta)
+        da = (1 - t1 * t1) * s + beta * t1 * s * (1 - s)
+        dg, du = ct * linear_beta * t2 * da, ct * beta * t1 * s * (1 - t2 * t2)
+    return dg.astype(gate.dtype), du.astype(up.dtype)
+
+
+_glu_recompute.defvjp(_glu_recompute_fwd, _glu_recompute_bwd)
+
+
+def _differentiated(kind: str, gate, up, beta: float, linear_beta: float):
+    if GLU_VJP not in GLU_VJP_MODES:
+        raise ValueError(f"ffn.GLU_VJP={GLU_VJP!r}; expected one of {GLU_VJP_MODES}")
+    if GLU_VJP == "recompute":
+        return _glu_recompute(kind, gate, up, float(beta), float(linear_beta))
+    return _glu(kind, gate, up, beta, linear_beta)
 
 
 def swiglu(gate, up):
     """silu(gate) * up in float32."""
-    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
-    return jax.nn.silu(gate) * up
+    return _differentiated("swiglu", gate, up, 0.0, 0.0)
 
 
 def situ_glu(gate, up, *, beta: float = 4.0, linear_beta: float = 25.0):
     """K3's bounded GLU: beta tanh(g/beta) sigmoid(g) * linear_beta tanh(u/linear_beta), float32."""
-    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
-    act = beta * jnp.tanh(gate / beta) * jax.nn.sigmoid(gate)
-    return act * (linear_beta * jnp.tanh(up / linear_beta))
+    return _differentiated("situ", gate, up, beta, linear_beta)
 
 
 def glu_activation(name: str, *, beta: float = 4.0, linear_beta: float = 25.0):

@@ -146,11 +146,17 @@ def test_rows_carry_kda_settings_into_tracing_and_keys(bench):
         bench.parse_row("1:none:4:layout=T_minor")
     from kimi_jax.attention import common
 
-    now = lambda: (chunk_intra.DIAG_MODE, chunk.DEFAULT_SCORES, layers.CONV_DW, common.ACTIVATION_LAYOUT)  # noqa: E731
+    from kimi_jax import ffn
+
+    assert bench.parse_row("1:none:4:glu_vjp=recompute")[3] == {"glu_vjp": "recompute"}
+    with pytest.raises(ValueError):
+        bench.parse_row("1:none:4:glu_vjp=fused")
+    now = lambda: (chunk_intra.DIAG_MODE, chunk.DEFAULT_SCORES, layers.CONV_DW, common.ACTIVATION_LAYOUT,  # noqa: E731
+                   ffn.GLU_VJP)
     before = now()
     seen = bench.traced_with({"diag": "split", "scores": "tiled", "mesh": "fsdp", "conv_dw": "per_tap",
-                              "layout": "row_major"}, now)
-    assert seen == ("split", "tiled", "per_tap", "row_major")
+                              "layout": "row_major", "glu_vjp": "recompute"}, now)
+    assert seen == ("split", "tiled", "per_tap", "row_major", "recompute")
     assert now() == before  # restored
     rows = [dict(devices=1, batch=4, remat="dots16", tokens_per_sec=100.0),
             dict(devices=1, batch=4, remat="dots16", settings={"diag": "split"}, tokens_per_sec=120.0),
