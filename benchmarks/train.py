@@ -14,8 +14,8 @@ Rows: device count x remat policy (kimi_jax/remat.py) x sequences per device, or
 mesh axis the devices form (data parallel, or FSDP: parameters and optimizer state sharded,
 gathered per use), the KDA kernel module settings (`kernels.kda.chunk.SETTINGS`: `diag`, `rows`,
 `scores`, ...), the short conv backward's tap sums `conv_dw=stacked|per_tap|variadic` and the
-recurrent mixers' activation `layout=xla|row_major` and the GLUs' backward `glu_vjp=autodiff|recompute`,
-read while the row is traced). Every
+recurrent mixers' activation `layout=xla|row_major`, the GLUs' and the norms' backward
+`glu_vjp=autodiff|recompute`, `norm_vjp=autodiff|recompute`, read while the row is traced). Every
 phase is timed apart and printed as it ends: step lowering and compile (`.lower(...).compile()`
 on abstract inputs; each row compiles in a thread while the next is traced, and nothing runs
 before all are compiled, so compiles do not disturb timings), the state's initialisation, the
@@ -82,7 +82,7 @@ def parse_settings(text: str) -> dict:
     """"mesh=fsdp/diag=split" -> {"mesh": "fsdp", "diag": "split"}; unknown keys or values raise."""
     allowed = {k: chunk.setting_values(k) for k in chunk.SETTINGS} | {
         "mesh": MESH_AXES, "conv_dw": layers.CONV_DW_MODES, "layout": attention_common.ACTIVATION_LAYOUTS,
-        "glu_vjp": ffn.GLU_VJP_MODES}
+        "glu_vjp": ffn.GLU_VJP_MODES, "norm_vjp": layers.NORM_VJP_MODES}
     out = {}
     for item in filter(None, text.split("/")):
         key, eq, value = item.partition("=")
@@ -97,11 +97,11 @@ def parse_settings(text: str) -> dict:
 def traced_with(settings: dict, f):
     """f() with the KDA module settings among `settings` (`kernels.kda.chunk.settings`), the
     short conv's `conv_dw` (`kimi_jax.layers.conv_dw`), the recurrent mixers' activation
-    `layout` (`kimi_jax.attention.common.activation_layout`) and the GLUs' `glu_vjp`
-    (`kimi_jax.ffn.glu_vjp`) in place."""
+    `layout` (`kimi_jax.attention.common.activation_layout`), the GLUs' `glu_vjp`
+    (`kimi_jax.ffn.glu_vjp`) and the norms' `norm_vjp` (`kimi_jax.layers.norm_vjp`) in place."""
     with chunk.settings(**{k: v for k, v in settings.items() if k in chunk.SETTINGS}), \
             layers.conv_dw(settings.get("conv_dw")), attention_common.activation_layout(settings.get("layout")), \
-            ffn.glu_vjp(settings.get("glu_vjp")):
+            ffn.glu_vjp(settings.get("glu_vjp")), layers.norm_vjp(settings.get("norm_vjp")):
         return f()
 
 

@@ -9,6 +9,7 @@ in `param_dtype` and cast to `dtype` at use; norms and RoPE compute in float32.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from typing import Sequence
 
@@ -93,6 +94,63 @@ def rms_normalize(x, eps: float):
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
+# How the norms are differentiated (read while tracing; `norm_vjp(mode)` sets it for a block):
+# "autodiff" (JAX's linearization keeps float32 copies of x, and for the gated norm of the
+# normalised output and the sigmoid too) or "recompute" (a custom VJP keeping x and the gate in
+# their own dtype and the float32 [.., 1] inverse RMS; not yet timed on a GPU).
+NORM_VJP = "autodiff"
+NORM_VJP_MODES = ("autodiff", "recompute")
+
+
+def norm_vjp(mode: str | None):
+    """Within the block, trace RMSNorm / GatedRMSNorm with backward `mode` (None: unchanged)."""
+    return traced_setting(sys.modules[__name__], "NORM_VJP", NORM_VJP_MODES, mode)
+
+
+def _rms_norm(x, w, gate, eps: float):
+    """(rms_normalize(x) * w [* sigmoid(gate)] in float32, the inverse RMS [.., 1])."""
+    xf = x.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    y = xf * r * w.astype(jnp.float32)
+    return (y if gate is None else y * jax.nn.sigmoid(gate.astype(jnp.float32))), r
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _rms_norm_recompute(x, w, gate, eps):
+    return _rms_norm(x, w, gate, eps)[0]
+
+
+def _rms_norm_fwd(x, w, gate, eps):
+    y, r = _rms_norm(x, w, gate, eps)
+    return y, (x, w, gate, r)
+
+
+def _rms_norm_bwd(eps, res, ct):
+    x, w, gate, r = res
+    n = x.astype(jnp.float32) * r  # the normalised x
+    s = None if gate is None else jax.nn.sigmoid(gate.astype(jnp.float32))
+    cs = ct if s is None else ct * s
+    wf = w.astype(jnp.float32)
+    dn = cs * wf
+    dx = r * (dn - n * jnp.mean(dn * n, axis=-1, keepdims=True))
+    dw = jnp.sum((cs * n).reshape(-1, n.shape[-1]), axis=0)
+    dgate = None if s is None else (ct * n * wf * s * (1 - s)).astype(gate.dtype)
+    return dx.astype(x.dtype), dw.astype(w.dtype), dgate
+
+
+_rms_norm_recompute.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+def rms_norm(x, w, gate=None, *, eps: float):
+    """rms_normalize(x) * w [* sigmoid(gate)] in float32, differentiated as NORM_VJP says.
+    x [..., D]; w [D]; gate None or x's shape."""
+    if NORM_VJP not in NORM_VJP_MODES:
+        raise ValueError(f"layers.NORM_VJP={NORM_VJP!r}; expected one of {NORM_VJP_MODES}")
+    if NORM_VJP == "recompute":
+        return _rms_norm_recompute(x, w, gate, float(eps))
+    return _rms_norm(x, w, gate, eps)[0]
+
+
 class RMSNorm(nnx.Module):
     """RMSNorm over the last axis with a learned scale (init 1); computes in float32."""
 
@@ -103,7 +161,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x):
         if x.shape[-1] != self.dim:
             raise ValueError(f"RMSNorm({self.dim}) got x.shape={x.shape}")
-        return (rms_normalize(x, self.eps) * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+        return rms_norm(x, self.scale[...], eps=self.eps).astype(self.dtype)
 
 
 class GatedRMSNorm(RMSNorm):
@@ -114,12 +172,9 @@ class GatedRMSNorm(RMSNorm):
         """x [..., V]; gate None or [..., V] (raw, before the sigmoid)."""
         if x.shape[-1] != self.dim:
             raise ValueError(f"GatedRMSNorm({self.dim}) got x.shape={x.shape}")
-        y = rms_normalize(x, self.eps) * self.scale[...].astype(jnp.float32)
-        if gate is not None:
-            if gate.shape != x.shape:
-                raise ValueError(f"gate must match x: gate.shape={gate.shape}, x.shape={x.shape}")
-            y = y * jax.nn.sigmoid(gate.astype(jnp.float32))
-        return y.astype(self.dtype)
+        if gate is not None and gate.shape != x.shape:
+            raise ValueError(f"gate must match x: gate.shape={gate.shape}, x.shape={x.shape}")
+        return rms_norm(x, self.scale[...], gate, eps=self.eps).astype(self.dtype)
 
 
 class Embed(nnx.Module):
@@ -234,8 +289,9 @@ def _conv_pre(x, w, masks):
 # results train-convdw-*-h200-20261130T175*.json): "stacked" stays the default. Why "stacked" is
 # slow (16% of HBM bandwidth): in the fused body the "stacked" profile's JSON holds, XLA reduces
 # one row per (channel, tap), so each tap reads the pre-activation gradient and x again.
-# "variadic" (not yet timed) sums the W taps as one variadic reduction: W accumulators in one
-# pass over the inputs.
+# "variadic" sums the W taps as one variadic reduction (W accumulators in one pass over the
+# inputs): the layer 10.97 against 11.17 ms, the step 409.3 against 406.3 / 408.5
+# (kda-mixer-profile-screen-*, train-xlaopt-*-h200x2-20261130T1950.json): not adopted either.
 CONV_DW_MODES = ("stacked", "per_tap", "variadic")
 CONV_DW = "stacked"
 

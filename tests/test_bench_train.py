@@ -152,11 +152,11 @@ def test_rows_carry_kda_settings_into_tracing_and_keys(bench):
     with pytest.raises(ValueError):
         bench.parse_row("1:none:4:glu_vjp=fused")
     now = lambda: (chunk_intra.DIAG_MODE, chunk.DEFAULT_SCORES, layers.CONV_DW, common.ACTIVATION_LAYOUT,  # noqa: E731
-                   ffn.GLU_VJP)
+                   ffn.GLU_VJP, layers.NORM_VJP)
     before = now()
     seen = bench.traced_with({"diag": "split", "scores": "tiled", "mesh": "fsdp", "conv_dw": "per_tap",
-                              "layout": "row_major", "glu_vjp": "recompute"}, now)
-    assert seen == ("split", "tiled", "per_tap", "row_major", "recompute")
+                              "layout": "row_major", "glu_vjp": "recompute", "norm_vjp": "recompute"}, now)
+    assert seen == ("split", "tiled", "per_tap", "row_major", "recompute", "recompute")
     assert now() == before  # restored
     rows = [dict(devices=1, batch=4, remat="dots16", tokens_per_sec=100.0),
             dict(devices=1, batch=4, remat="dots16", settings={"diag": "split"}, tokens_per_sec=120.0),

@@ -18,6 +18,7 @@ from kimi_jax.layers import (
     param,
     segment_positions,
 )
+from kimi_jax import layers
 from kimi_jax.sharding import LOGICAL_AXIS_RULES
 
 
@@ -155,3 +156,48 @@ def test_params_shard_eagerly_under_a_mesh():
     with jax.set_mesh(mesh), nnx.use_eager_sharding(False):  # the context switch is respected
         lin = Linear(8, 6, axes=("embed", "mlp"), rngs=nnx.Rngs(0))
     assert lin.kernel.get_metadata()["out_sharding"] == ("embed", "mlp")
+
+
+def _norm_grads(module, x, gate, mode):
+    ct = jnp.sin(jnp.arange(x.size, dtype=jnp.float32).reshape(x.shape))
+
+    def loss(m, x, gate):
+        y = m(x) if gate is None else m(x, gate)
+        return jnp.sum(y.astype(jnp.float32) * ct)
+    with layers.norm_vjp(mode):
+        argnums = (0, 1) if gate is None else (0, 1, 2)
+        return nnx.grad(loss, argnums=argnums)(module, x, gate)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_norm_recompute_vjp_matches_autodiff(gated):
+    """layers.NORM_VJP = "recompute" (custom VJP keeping x, the gate and the inverse RMS) against
+    autodiff: gradients of x, the scale and the gate, float32, with a non-trivial scale."""
+    cls = layers.GatedRMSNorm if gated else layers.RMSNorm
+    m = cls(16, rngs=nnx.Rngs(0))
+    m.scale[...] = jnp.linspace(0.5, 1.5, 16)
+    x = jax.random.normal(jax.random.key(0), (2, 3, 16)) * 3.0
+    gate = jax.random.normal(jax.random.key(1), x.shape) if gated else None
+    a = _norm_grads(m, x, gate, "autodiff")
+    r = _norm_grads(m, x, gate, "recompute")
+    for ga, gr in zip(jax.tree.leaves(a), jax.tree.leaves(r)):
+        np.testing.assert_allclose(gr, ga, rtol=2e-5, atol=2e-6)
+    with layers.norm_vjp("recompute"):
+        y_r = m(x) if gate is None else m(x, gate)
+    np.testing.assert_allclose(y_r, m(x) if gate is None else m(x, gate), rtol=1e-6)
+
+
+def test_norm_recompute_vjp_keeps_x_and_gate_in_their_dtype():
+    m = layers.GatedRMSNorm(16, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(0), (4, 16), jnp.bfloat16)
+
+    def saved(mode):  # the arrays the backward closes over
+        with layers.norm_vjp(mode):
+            pull = jax.vjp(lambda x, g: m(x, g), x, x)[1]
+        return sorted(f"{a.dtype}{list(a.shape)}" for a in jax.tree.leaves(pull) if a.ndim)
+
+    assert saved("recompute") == ["bfloat16[4, 16]", "bfloat16[4, 16]", "float32[16]", "float32[4, 1]"]
+    assert sum(a.startswith("float32[4, 16]") for a in saved("autodiff")) >= 3
+    with pytest.raises(ValueError, match="NORM_VJP"):
+        with layers.norm_vjp("fused"):
+            pass
