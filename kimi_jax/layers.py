@@ -94,10 +94,11 @@ def rms_normalize(x, eps: float):
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
-# How the norms are differentiated (read while tracing; `norm_vjp(mode)` sets it for a block):
-# "autodiff" (JAX's linearization keeps float32 copies of x, and for the gated norm of the
-# normalised output and the sigmoid too) or "recompute" (a custom VJP keeping x and the gate in
-# their own dtype and the float32 [.., 1] inverse RMS; not yet timed on a GPU).
+# How the norms (RMSNorm, the gated output norm, the q/k l2 norm) are differentiated (read while
+# tracing; `norm_vjp(mode)` sets it for a block): "autodiff" (JAX's linearization keeps float32
+# copies of x, and for the gated norm of the normalised output and the sigmoid too) or
+# "recompute" (a custom VJP keeping x and the gate in their own dtype and the float32 [.., 1]
+# inverse norm; not yet timed on a GPU).
 NORM_VJP = "autodiff"
 NORM_VJP_MODES = ("autodiff", "recompute")
 
@@ -387,7 +388,36 @@ def apply_rope(x, positions, theta: float):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def l2_normalize(x, eps: float = 1e-6):
-    """x * rsqrt(sum(x^2) + eps) over the last axis (fla's qk l2norm), computed in float32."""
+def _l2(x, eps):
     xf = x.astype(jnp.float32)
-    return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    r = jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * r).astype(x.dtype), r
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _l2_recompute(x, eps):
+    return _l2(x, eps)[0]
+
+
+def _l2_fwd(x, eps):
+    y, r = _l2(x, eps)
+    return y, (x, r)
+
+
+def _l2_bwd(eps, res, dy):
+    x, r = res
+    y, dy = x.astype(jnp.float32) * r, dy.astype(jnp.float32)  # dx = r (dy - y <y, dy>)
+    return ((r * (dy - y * jnp.sum(y * dy, axis=-1, keepdims=True))).astype(x.dtype),)
+
+
+_l2_recompute.defvjp(_l2_fwd, _l2_bwd)
+
+
+def l2_normalize(x, eps: float = 1e-6):
+    """x * rsqrt(sum(x^2) + eps) over the last axis (fla's qk l2norm), computed in float32;
+    differentiated as NORM_VJP says."""
+    if NORM_VJP not in NORM_VJP_MODES:
+        raise ValueError(f"layers.NORM_VJP={NORM_VJP!r}; expected one of {NORM_VJP_MODES}")
+    if NORM_VJP == "recompute":
+        return _l2_recompute(x, float(eps))
+    return _l2(x, eps)[0]

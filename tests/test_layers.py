@@ -201,3 +201,19 @@ def test_norm_recompute_vjp_keeps_x_and_gate_in_their_dtype():
     with pytest.raises(ValueError, match="NORM_VJP"):
         with layers.norm_vjp("fused"):
             pass
+
+
+def test_l2_normalize_recompute_vjp_matches_autodiff():
+    x = jax.random.normal(jax.random.key(3), (2, 5, 3, 16)) * 2.0
+    x = x.at[0, 0, 0].set(0.0)  # a zero row: eps keeps it finite in both
+    ct = jnp.cos(jnp.arange(x.size, dtype=jnp.float32).reshape(x.shape))
+
+    def grad(mode):
+        with layers.norm_vjp(mode):
+            return jax.grad(lambda x: jnp.sum(layers.l2_normalize(x) * ct))(x)
+    np.testing.assert_allclose(grad("recompute"), grad("autodiff"), rtol=2e-5, atol=1e-5)
+    xb = x.astype(jnp.bfloat16)
+    with layers.norm_vjp("recompute"):
+        pull = jax.vjp(layers.l2_normalize, xb)[1]
+    assert sorted(f"{a.dtype}{list(a.shape)}" for a in jax.tree.leaves(pull) if a.ndim) == [
+        "bfloat16[2, 5, 3, 16]", "float32[2, 5, 3, 1]"]
