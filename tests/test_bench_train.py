@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 
+import numpy as np
 import pytest
 
 from kimi_jax import profile_summary
@@ -38,19 +39,24 @@ def test_compile_only_reports_memory(bench, tmp_path):
 
 
 def test_failing_row_is_recorded_and_the_next_runs(bench, tmp_path, monkeypatch):
+    """Two data-parallel devices (64 asked for too: more than present, skipped), batch 1 and 2
+    per device; the first row fails to compile, the second runs and is measured."""
     real = bench.compile_row
 
     def compile_row(row, ctx):
-        if row["batch"] == 1:
+        if row["batch"] == 2:
             raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0GiB")
         return real(row, ctx)
     monkeypatch.setattr(bench, "compile_row", compile_row)
-    result = bench.main(["--quick", "--devices", "1", "--batch_size", "1,2", "--steps", "1",
-                         "--out", str(tmp_path / "r.json")])
+    out = tmp_path / "r.json"
+    result = bench.main(["--quick", "--devices", "2,64", "--batch_size", "1,2", "--steps", "1", "--out", str(out)])
     first, second = result["rows"]
-    assert first["error"].startswith("OOM: RESOURCE_EXHAUSTED") and first["batch"] == 1
-    assert second["batch"] == 2 and "error" not in second and second["tokens_per_sec"] > 0
+    assert first["error"].startswith("OOM: RESOURCE_EXHAUSTED") and first["batch"] == 2
+    assert second["devices"] == 2 and second["batch"] == 2 * 2 and "error" not in second
+    assert second["tokens_per_sec"] > 0 and np.isfinite(second["loss"]) and second["flops_per_token"] > 0
+    assert second["mfu"] is None  # no peak for a CPU
     assert "OOM" in result["markdown"]
+    assert json.loads(out.read_text())["rows"] == result["rows"]
 
 
 def test_scaling_pairs_rows_of_the_same_policy_and_per_device_batch(bench):

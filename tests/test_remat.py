@@ -23,12 +23,18 @@ def _loss_and_grads(model, tokens, segment_ids, remat):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
-@pytest.mark.parametrize("remat", ["full", "dots", "dots16/mla=dots_all"])
-def test_remat_keeps_loss_and_gradients(remat):
+@pytest.fixture(scope="module")
+def reference():
+    """The tiny hybrid, a packed batch, and its loss and gradients without remat (computed once)."""
     model = build_model(tiny.get_config(), rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, model.config.vocab_size)
     segment_ids = jnp.asarray([[1] * 10 + [2] * 14, [1] * 24], jnp.int32)
-    ref_loss, ref_grads = _loss_and_grads(model, tokens, segment_ids, "none")
+    return model, tokens, segment_ids, _loss_and_grads(model, tokens, segment_ids, "none")
+
+
+@pytest.mark.parametrize("remat", ["full", "dots", "dots16/mla=dots_all"])
+def test_remat_keeps_loss_and_gradients(reference, remat):
+    model, tokens, segment_ids, (ref_loss, ref_grads) = reference
     loss, grads = _loss_and_grads(model, tokens, segment_ids, remat)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     flat_ref, flat = jax.tree.leaves(ref_grads), jax.tree.leaves(grads)
