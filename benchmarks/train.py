@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import copy
 import datetime
 import gc
@@ -76,13 +77,20 @@ FLOPS_NOTE = ("model FLOPs, forward + backward (3 x forward, 2 per multiply-add)
 
 
 MESH_AXES = ("data", "fsdp")  # the axis a row's devices form
+# The model's traced settings a row may set: key -> (allowed values, context manager that sets it
+# while the row is traced).
+MODEL_SETTINGS = {
+    "conv_dw": (layers.CONV_DW_MODES, layers.conv_dw),  # the short conv backward's tap sums
+    "layout": (attention_common.ACTIVATION_LAYOUTS, attention_common.activation_layout),  # recurrent mixers
+    "glu_vjp": (ffn.GLU_VJP_MODES, ffn.glu_vjp),  # the GLUs' backward
+    "norm_vjp": (layers.NORM_VJP_MODES, layers.norm_vjp),  # the norms' backward
+}
 
 
 def parse_settings(text: str) -> dict:
     """"mesh=fsdp/diag=split" -> {"mesh": "fsdp", "diag": "split"}; unknown keys or values raise."""
-    allowed = {k: chunk.setting_values(k) for k in chunk.SETTINGS} | {
-        "mesh": MESH_AXES, "conv_dw": layers.CONV_DW_MODES, "layout": attention_common.ACTIVATION_LAYOUTS,
-        "glu_vjp": ffn.GLU_VJP_MODES, "norm_vjp": layers.NORM_VJP_MODES}
+    allowed = {k: chunk.setting_values(k) for k in chunk.SETTINGS} | {"mesh": MESH_AXES} | {
+        k: values for k, (values, _) in MODEL_SETTINGS.items()}
     out = {}
     for item in filter(None, text.split("/")):
         key, eq, value = item.partition("=")
@@ -95,13 +103,12 @@ def parse_settings(text: str) -> dict:
 
 
 def traced_with(settings: dict, f):
-    """f() with the KDA module settings among `settings` (`kernels.kda.chunk.settings`), the
-    short conv's `conv_dw` (`kimi_jax.layers.conv_dw`), the recurrent mixers' activation
-    `layout` (`kimi_jax.attention.common.activation_layout`), the GLUs' `glu_vjp`
-    (`kimi_jax.ffn.glu_vjp`) and the norms' `norm_vjp` (`kimi_jax.layers.norm_vjp`) in place."""
-    with chunk.settings(**{k: v for k, v in settings.items() if k in chunk.SETTINGS}), \
-            layers.conv_dw(settings.get("conv_dw")), attention_common.activation_layout(settings.get("layout")), \
-            ffn.glu_vjp(settings.get("glu_vjp")), layers.norm_vjp(settings.get("norm_vjp")):
+    """f() with the KDA module settings among `settings` (`kernels.kda.chunk.settings`) and the
+    model settings among them (MODEL_SETTINGS) in place."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(chunk.settings(**{k: v for k, v in settings.items() if k in chunk.SETTINGS}))
+        for key, (_, setter) in MODEL_SETTINGS.items():
+            stack.enter_context(setter(settings.get(key)))
         return f()
 
 
