@@ -104,7 +104,8 @@ NORM_VJP_MODES = ("autodiff", "recompute")
 
 
 def norm_vjp(mode: str | None):
-    """Within the block, trace RMSNorm / GatedRMSNorm with backward `mode` (None: unchanged)."""
+    """Within the block, trace RMSNorm, GatedRMSNorm and l2_normalize with backward `mode`
+    (None: unchanged)."""
     return traced_setting(sys.modules[__name__], "NORM_VJP", NORM_VJP_MODES, mode)
 
 
