@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kimi_jax.layers import Linear, traced_setting
+from kimi_jax.layers import Linear, read_setting, traced_setting
 from kimi_jax.sharding import constrain
 
 # How a GLU is differentiated: "autodiff" (JAX's linearization: it keeps float32 intermediates
@@ -65,8 +65,7 @@ _glu_recompute.defvjp(_glu_recompute_fwd, _glu_recompute_bwd)
 
 
 def _differentiated(kind: str, gate, up, beta: float, linear_beta: float):
-    if GLU_VJP not in GLU_VJP_MODES:
-        raise ValueError(f"ffn.GLU_VJP={GLU_VJP!r}; expected one of {GLU_VJP_MODES}")
+    read_setting(sys.modules[__name__], "GLU_VJP", GLU_VJP_MODES)
     if GLU_VJP == "recompute":
         return _glu_recompute(kind, gate, up, float(beta), float(linear_beta))
     return _glu(kind, gate, up, beta, linear_beta)

@@ -146,8 +146,7 @@ _rms_norm_recompute.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 def rms_norm(x, w, gate=None, *, eps: float):
     """rms_normalize(x) * w [* sigmoid(gate)] in float32, differentiated as NORM_VJP says.
     x [..., D]; w [D]; gate None or x's shape."""
-    if NORM_VJP not in NORM_VJP_MODES:
-        raise ValueError(f"layers.NORM_VJP={NORM_VJP!r}; expected one of {NORM_VJP_MODES}")
+    read_setting(sys.modules[__name__], "NORM_VJP", NORM_VJP_MODES)
     if NORM_VJP == "recompute":
         return _rms_norm_recompute(x, w, gate, float(eps))
     return _rms_norm(x, w, gate, eps)[0]
@@ -312,6 +311,14 @@ def traced_setting(module, name: str, choices, value):
         setattr(module, name, old)
 
 
+def read_setting(module, name: str, choices):
+    """`module.<name>`, a module setting read while tracing; a value outside `choices` raises."""
+    value = getattr(module, name)
+    if value not in choices:
+        raise ValueError(f"{module.__name__}.{name}={value!r}; expected one of {choices}")
+    return value
+
+
 def conv_dw(mode: str | None):
     """Within the block, trace the short conv's backward with tap sums `mode` (None: unchanged)."""
     return traced_setting(sys.modules[__name__], "CONV_DW", CONV_DW_MODES, mode)
@@ -349,8 +356,7 @@ def _ccs_bwd(res, dy):
         prods.append(dai * _shift(x, s).astype(jnp.float32))
         c = _shift(dai, -s) * wf[i]  # dx[t] += w[i] * da[t + s] (masked at t + s)
         dx = c if dx is None else dx + c
-    if CONV_DW not in CONV_DW_MODES:
-        raise ValueError(f"layers.CONV_DW={CONV_DW!r}; expected one of {CONV_DW_MODES}")
+    read_setting(sys.modules[__name__], "CONV_DW", CONV_DW_MODES)
     if CONV_DW == "per_tap":  # W sibling reductions over B, T
         dw = jnp.stack([jnp.sum(p, axis=(0, 1)) for p in prods])
     elif CONV_DW == "variadic":  # one reduction over B, T with W accumulators
@@ -417,8 +423,7 @@ _l2_recompute.defvjp(_l2_fwd, _l2_bwd)
 def l2_normalize(x, eps: float = 1e-6):
     """x * rsqrt(sum(x^2) + eps) over the last axis (fla's qk l2norm), computed in float32;
     differentiated as NORM_VJP says."""
-    if NORM_VJP not in NORM_VJP_MODES:
-        raise ValueError(f"layers.NORM_VJP={NORM_VJP!r}; expected one of {NORM_VJP_MODES}")
+    read_setting(sys.modules[__name__], "NORM_VJP", NORM_VJP_MODES)
     if NORM_VJP == "recompute":
         return _l2_recompute(x, float(eps))
     return _l2(x, eps)[0]

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from kimi_jax.layers import traced_setting
+from kimi_jax.layers import read_setting, traced_setting
 from kimi_jax.sharding import constrain
 
 BTD = ("act_batch", "act_len", "act_embed")
@@ -69,9 +69,7 @@ def activation_layout(mode: str | None):
 
 def constrain_layout(x):
     """x with its last dim minor (row-major) when ACTIVATION_LAYOUT says "row_major", else x."""
-    if ACTIVATION_LAYOUT not in ACTIVATION_LAYOUTS:
-        raise ValueError(f"ACTIVATION_LAYOUT={ACTIVATION_LAYOUT!r}; expected one of {ACTIVATION_LAYOUTS}")
-    if ACTIVATION_LAYOUT == "xla" or x is None:
+    if read_setting(sys.modules[__name__], "ACTIVATION_LAYOUT", ACTIVATION_LAYOUTS) == "xla" or x is None:
         return x
     return with_layout_constraint(x, Layout(tuple(range(x.ndim))))
 
