@@ -9,6 +9,13 @@ score, wall times) and the sweep config (grid, steps, batches); writes OUT/NAME.
 OUT/NAME.md and OUT/NAME.png (DIR/summary.png). Run it where the sweep ran: the record names that
 machine's devices and package versions. Published figures are as read in the sources
 (Zoology Fig. 2 has no table: values are plot readings, about +-0.03).
+
+    python benchmarks/mqar_sweep_report.py --merge A.json B.json ... --name NAME
+
+merges records of one budget written by separate runs (pieces of a grid that fit a job each) into
+one record, table and plot. The records must agree on the steps, evaluation size, the axis the
+best is taken over, the batch per setting and the device; a cell measured by several keeps the
+latest record that has a score for it, and each row names its source record.
 """
 
 from __future__ import annotations
@@ -155,17 +162,101 @@ def markdown(rows: list[dict], record: dict) -> str:
               f"{sweep['eval_examples']} held-out examples, {sweep['axes'].get('steps', sweep['steps'])} steps at batch "
               f"{sweep['batch_size']} ({record['trials_finished']}/{record['trials_total']} trials finished). "
               f"Published: {ZOOLOGY_SOURCE}.", ""]
+    if record.get("merged_from"):
+        lines[-2] += f" Merged from {len(record['merged_from'])} runs: {', '.join(record['merged_from'])}."
     lines += [f"- {note}" for note in OTHER_PUBLISHED]
     return "\n".join(lines) + "\n"
 
 
+def _row_key(row: dict, extra) -> tuple:
+    return (row["mixer"], row["d_model"], row["seq_len"], row["num_kv_pairs"]) + tuple(row.get(k) for k in extra)
+
+
+def merge(paths: list[str]) -> dict:
+    """One record from the records at `paths` (see the module docstring); raises ValueError naming
+    the first record whose budget differs from the first one's."""
+    if not paths:
+        raise ValueError("--merge needs at least one record")
+    records = [(os.path.basename(path), json.load(open(path))) for path in paths]
+    first_name, first = records[0]
+    same = ("steps", "eval_examples", "select_over")
+    batches, axes = {}, {}
+    for name, rec in records:
+        for key in same:
+            if rec["sweep"][key] != first["sweep"][key]:
+                raise ValueError(f"cannot merge {name}: sweep {key}={rec['sweep'][key]!r}, but "
+                                 f"{first_name} has {first['sweep'][key]!r}")
+        if rec["env"]["device"] != first["env"]["device"]:
+            raise ValueError(f"cannot merge {name}: device {rec['env']['device']!r}, {first_name}: {first['env']['device']!r}")
+        for setting, batch in rec["sweep"]["batch_size"].items():
+            if batches.setdefault(setting, batch) != batch:
+                raise ValueError(f"cannot merge {name}: batch {batch} at {setting}, another record has {batches[setting]}")
+        for axis, values in rec["sweep"]["axes"].items():
+            merged = axes.setdefault(axis, [])
+            merged += [v for v in values if v not in merged]
+    extra = [k for k in axes if k not in ("mixer", "d_model", "setting", first["sweep"]["select_over"])]
+    cells = {}
+    for name, rec in sorted(records, key=lambda nr: nr[1]["env"]["date"]):  # later records win
+        for row in rec["rows"]:
+            key = _row_key(row, extra)
+            if row["score"] is not None or key not in cells:
+                cells[key] = {**row, "source": name}
+    order = list(MIXER_NAMES)
+    rows = sorted(cells.values(), key=lambda r: (r["seq_len"], r["num_kv_pairs"], r["d_model"],
+                                                 order.index(r["mixer"]) if r["mixer"] in order else len(order)))
+    env = {**first["env"], "date": max(rec["env"]["date"] for _, rec in records),
+           "runs": {name: rec["env"] for name, rec in records}}
+    sweep = {"config": [rec["sweep"]["config"] for _, rec in records], "axes": axes, "steps": first["sweep"]["steps"],
+             "batch_size": batches, "eval_examples": first["sweep"]["eval_examples"],
+             "select_over": first["sweep"]["select_over"]}
+    return {"env": env, "sweep": sweep, "rows": rows, "merged_from": [name for name, _ in records],
+            "trials_total": sum(rec["trials_total"] for _, rec in records),
+            "trials_finished": sum(rec["trials_finished"] for _, rec in records),
+            "published": first["published"]}
+
+
+def _plot_merged(record: dict, path: str) -> None:
+    """The sweep summary plot (sweep.plot_summary) of a merged record, laid out as its first config says."""
+    sys.path.insert(0, ROOT)
+    import importlib.util
+    import types
+
+    import sweep as sweep_lib
+
+    spec = record["sweep"]["config"][0]
+    cfg_path, _, arg = spec.partition(":")
+    module_spec = importlib.util.spec_from_file_location("sweep_config", os.path.join(ROOT, cfg_path))
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    sweep_lib.plot_summary(types.SimpleNamespace(plot=dict(module.get_config(arg or None).plot)), record["rows"], path)
+
+
+def write(record: dict, out_dir: str, name: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(markdown(record["rows"], record))
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sweep_dir", required=True)
+    p.add_argument("--sweep_dir", default="")
+    p.add_argument("--merge", nargs="+", default=None, help="report JSONs of one budget to merge (no --sweep_dir)")
     p.add_argument("--config", default="configs/sweeps/mqar.py:gpu")
     p.add_argument("--out_dir", default=os.path.join(ROOT, "benchmarks", "results"))
     p.add_argument("--name", default="")
     args = p.parse_args(argv)
+    if args.merge is not None:
+        if args.sweep_dir or not args.name:
+            p.error("--merge takes report JSONs and --name, not --sweep_dir")
+        record = merge(args.merge)
+        write(record, args.out_dir, args.name)
+        _plot_merged(record, os.path.join(args.out_dir, f"{args.name}.png"))
+        print(f"{args.out_dir}/{args.name}.{{json,md,png}}: {len(record['rows'])} cells from {len(args.merge)} records")
+        return record
+    if not args.sweep_dir:
+        p.error("--sweep_dir or --merge is required")
     with open(os.path.join(args.sweep_dir, "summary.json")) as f:
         rows = json.load(f)
     status_path = os.path.join(args.sweep_dir, "status.json")
@@ -181,11 +272,7 @@ def main(argv=None) -> dict:
         "published": {"zoology_fig2": {m: {f"L{L}_K{K}": v for (L, K), v in t.items()} for m, t in ZOOLOGY_FIG2.items()},
                       "source": ZOOLOGY_SOURCE, "other": OTHER_PUBLISHED},
     }
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, f"{name}.json"), "w") as f:
-        json.dump(record, f, indent=1)
-    with open(os.path.join(args.out_dir, f"{name}.md"), "w") as f:
-        f.write(markdown(rows, record))
+    write(record, args.out_dir, name)
     png = os.path.join(args.sweep_dir, "summary.png")
     if os.path.exists(png):
         shutil.copyfile(png, os.path.join(args.out_dir, f"{name}.png"))

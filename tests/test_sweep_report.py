@@ -4,6 +4,8 @@ record (grid, schedule, statuses, environment) and the markdown table beside Zoo
 import json
 import os
 
+import pytest
+
 import sweep as sw
 from benchmarks import mqar_sweep_report as report
 from configs.sweeps import mqar
@@ -82,3 +84,44 @@ def test_report_splits_rows_by_the_extra_axes(tmp_path):
     row = next(line for line in ours if "form ropeFalse_mlpTrue, steps 12000" in line)
     assert row.split(" | ")[-1] == f"{score(dict(rope=False, mlp=True, steps=12000, lr=3e-3)):.2f} |"
     assert "[4000, 12000] steps" in "\n".join(md)
+
+
+def _record(date, rows, steps=12000, batch=None, device="NVIDIA H200"):
+    return {"env": {"date": date, "device": device}, "published": {"source": "x"},
+            "sweep": {"config": "configs/sweeps/mqar.py:gpu_long", "axes": {"d_model": sorted({r[1] for r in rows}),
+                      "lr": [3e-3], "mixer": sorted({r[0] for r in rows}), "setting": []},
+                      "steps": steps, "batch_size": batch or {"L64_K4": 256}, "eval_examples": 1000, "select_over": "lr"},
+            "rows": [{"mixer": m, "d_model": d, "seq_len": L, "num_kv_pairs": K, "setting": f"seq_len{L}_num_kv_pairs{K}",
+                      "score": s, "lr": 3e-3, "trials": 1, "finished": int(s is not None)} for m, d, L, K, s in rows],
+            "trials_total": len(rows), "trials_finished": sum(r[4] is not None for r in rows)}
+
+
+def test_merge_keeps_the_latest_scored_cell(tmp_path):
+    old = _record("2026-11-30T10:00:00+00:00", [("kda", 64, 64, 4, 0.50), ("softmax", 64, 64, 4, 0.90)])
+    new = _record("2026-11-30T12:00:00+00:00", [("kda", 64, 64, 4, 0.75), ("softmax", 64, 64, 4, None),
+                                                ("kda", 128, 128, 8, 0.25)], batch={"L64_K4": 256, "L128_K8": 256})
+    paths = []
+    for name, rec in (("new.json", new), ("old.json", old)):  # given out of date order
+        (tmp_path / name).write_text(json.dumps(rec))
+        paths.append(str(tmp_path / name))
+    record = report.main(["--merge", *paths, "--out_dir", str(tmp_path / "out"), "--name", "m"])
+    cells = {(r["mixer"], r["d_model"], r["seq_len"]): (r["score"], r["source"]) for r in record["rows"]}
+    # the later run's score wins; its unfinished cell keeps the earlier run's score
+    assert cells == {("kda", 64, 64): (0.75, "new.json"), ("softmax", 64, 64): (0.90, "old.json"),
+                     ("kda", 128, 128): (0.25, "new.json")}
+    assert record["sweep"]["batch_size"] == {"L64_K4": 256, "L128_K8": 256} and record["trials_total"] == 5
+    md = (tmp_path / "out" / "m.md").read_text().splitlines()
+    assert md[0] == "| model | source | L=64 K=4 d=64 | L=64 K=4 d=128 | L=128 K=8 d=64 | L=128 K=8 d=128 |"
+    assert next(line for line in md if line.startswith("| KDA |")).endswith("| 0.75 | - | - | 0.25 |")
+    assert "Merged from 2 runs: new.json, old.json." in "\n".join(md)
+    assert (tmp_path / "out" / "m.png").stat().st_size > 1000
+
+
+def test_merge_refuses_records_of_different_budgets(tmp_path):
+    a = _record("2026-11-30T10:00:00+00:00", [("kda", 64, 64, 4, 0.5)])
+    for name, other in (("steps", _record("2026-11-30T11:00:00+00:00", [("kda", 64, 64, 4, 0.5)], steps=4000)),
+                        ("batch", _record("2026-11-30T11:00:00+00:00", [("kda", 64, 64, 4, 0.5)], batch={"L64_K4": 64}))):
+        (tmp_path / "a.json").write_text(json.dumps(a))
+        (tmp_path / "b.json").write_text(json.dumps(other))
+        with pytest.raises(ValueError, match="cannot merge b.json"):
+            report.merge([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
