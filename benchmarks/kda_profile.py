@@ -87,7 +87,8 @@ def mixer_call(config_path: str, impl: str, shape, row_settings: str = ""):
     shape B, T, with its KDA impl replaced by `impl` ("chunk[_mosaic]:<settings>" allowed) unless
     `impl` is "config", traced under `row_settings` (benchmarks/train.py's row settings, e.g.
     "conv_dw=variadic/layout=row_major")."""
-    from benchmarks.train import load_config, parse_settings, traced_with
+    from benchmarks.train import load_config
+    from benchmarks.train_settings import parse_settings, traced_with
     from benchmarks.train_parts import PreNormMixer, fwd_bwd
     from flax import nnx
     from kimi_jax import train_lib

@@ -15,7 +15,7 @@ mesh axis the devices form (data parallel, or FSDP: parameters and optimizer sta
 gathered per use), the KDA kernel module settings (`kernels.kda.chunk.SETTINGS`: `diag`, `rows`,
 `scores`, ...), the short conv backward's tap sums `conv_dw=stacked|per_tap|variadic` and the
 recurrent mixers' activation `layout=xla|row_major`, the GLUs' and the norms' backward
-`glu_vjp=autodiff|recompute`, `norm_vjp=autodiff|recompute`, read while the row is traced). Every
+`glu_vjp=autodiff|recompute`, `norm_vjp=autodiff|recompute`, read while the row is traced; `benchmarks/train_settings.py`). Every
 phase is timed apart and printed as it ends: step lowering and compile (`.lower(...).compile()`
 on abstract inputs; each row compiles in a thread while the next is traced, and nothing runs
 before all are compiled, so compiles do not disturb timings), the state's initialisation, the
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import copy
 import datetime
 import gc
@@ -61,9 +60,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kernels.kda import chunk, chunk_intra  # noqa: E402
-from kimi_jax import ffn, flops, layers, logging_utils, optim, sharding, train_lib  # noqa: E402
-from kimi_jax.attention import common as attention_common  # noqa: E402
+from benchmarks.train_settings import MESH_AXES, parse_row, parse_settings, traced_with  # noqa: E402,F401
+from kernels.kda import chunk_intra  # noqa: E402
+from kimi_jax import flops, logging_utils, optim, sharding, train_lib  # noqa: E402
 from kimi_jax.remat import POLICIES  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -74,50 +73,6 @@ FLOPS_NOTE = ("model FLOPs, forward + backward (3 x forward, 2 per multiply-add)
               "recurrence (chunk 64), attention-residual reads; remat recomputation not counted. Equal "
               "within 1% to XLA's cost analysis of the compiled forward once the masked half of MLA's "
               "[T, T] scores is added (tests/test_flops_xla.py)")
-
-
-MESH_AXES = ("data", "fsdp")  # the axis a row's devices form
-# The model's traced settings a row may set: key -> (allowed values, context manager that sets it
-# while the row is traced).
-MODEL_SETTINGS = {
-    "conv_dw": (layers.CONV_DW_MODES, layers.conv_dw),  # the short conv backward's tap sums
-    "layout": (attention_common.ACTIVATION_LAYOUTS, attention_common.activation_layout),  # recurrent mixers
-    "glu_vjp": (ffn.GLU_VJP_MODES, ffn.glu_vjp),  # the GLUs' backward
-    "norm_vjp": (layers.NORM_VJP_MODES, layers.norm_vjp),  # the norms' backward
-}
-
-
-def parse_settings(text: str) -> dict:
-    """"mesh=fsdp/diag=split" -> {"mesh": "fsdp", "diag": "split"}; unknown keys or values raise."""
-    allowed = {k: chunk.setting_values(k) for k in chunk.SETTINGS} | {"mesh": MESH_AXES} | {
-        k: values for k, (values, _) in MODEL_SETTINGS.items()}
-    out = {}
-    for item in filter(None, text.split("/")):
-        key, eq, value = item.partition("=")
-        if not eq or key not in allowed:
-            raise ValueError(f"row setting {item!r}: expected key=value with key in {sorted(allowed)}")
-        if value not in allowed[key]:
-            raise ValueError(f"row setting {key}={value!r}: expected one of {allowed[key]}")
-        out[key] = value
-    return out
-
-
-def traced_with(settings: dict, f):
-    """f() with the KDA module settings among `settings` (`kernels.kda.chunk.settings`) and the
-    model settings among them (MODEL_SETTINGS) in place."""
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(chunk.settings(**{k: v for k, v in settings.items() if k in chunk.SETTINGS}))
-        for key, (_, setter) in MODEL_SETTINGS.items():
-            stack.enter_context(setter(settings.get(key)))
-        return f()
-
-
-def parse_row(item: str) -> tuple[int, str, int, dict]:
-    """"devices:remat:batch[:settings]" -> (devices, remat, batch per device, settings)."""
-    parts = item.split(":")
-    if len(parts) not in (3, 4):
-        raise ValueError(f"row {item!r}: expected devices:remat:batch_per_device[:settings]")
-    return int(parts[0]), parts[1], int(parts[2]), parse_settings(parts[3] if len(parts) == 4 else "")
 
 
 def log(msg: str) -> None:
