@@ -21,8 +21,10 @@ DIR/xla_cache by default (`--compile_cache PATH`, relative to DIR, or `off`; han
 through JAX's JAX_COMPILATION_CACHE_DIR variables), and run in an order that puts the trials of one
 grid point (differing only in `select_over`) apart, so that a later one finds the programs an
 earlier one compiled instead of compiling them at the same time. A sweep config may set `cost`, a
-function of a trial's grid point (e.g. tokens per step): a starting trial then takes a slot on the
-device whose running trials cost least, so heavy and light points spread over the devices. A failed trial is recorded, with the tail of its log, in
+function of a trial's grid point (e.g. tokens per step): the trials that start at once are placed
+longest first on the device with the least cost so far, and each later one takes a slot on the
+device whose running trials cost least, so heavy and light points spread over the devices. A
+failed trial is recorded, with the tail of its log, in
 DIR/status.json and DIR/summary.md, and the sweep goes on. On a TPU pod slice or a multi-host GPU
 cluster every trial must run on the whole slice: `--launcher` is the same launch train.py uses
 there (a command prefix, or a template with {cmd}, e.g. gcloud's `--worker=all --command '{cmd}'`),
@@ -44,13 +46,14 @@ import threading
 from absl import app, flags
 from ml_collections import config_flags
 
-from kimi_jax.sweep_run import (  # noqa: F401  (device_slots, log_tail, SlotPool: part of this script's API)
+from kimi_jax.sweep_run import (  # noqa: F401  (device_slots, log_tail, SlotPool, wave_devices: this script's API)
     LOG_TAIL_LINES,
     SlotPool,
     SubprocessRunner,
     device_slots,
     log_tail,
     run_trials,
+    wave_devices,
 )
 
 

@@ -117,11 +117,15 @@ class SlotPool:
         self._load: dict = {}
         self._cond = threading.Condition()
 
-    def take(self, cost: float):
+    def take(self, cost: float, device=None):
+        """A free slot (of `device`, if given: a slot planned by `wave_devices`), waiting for one."""
         with self._cond:
-            while not self._free:
+            while not self._free or (device is not None and device not in self._free):
                 self._cond.wait()
-            i = min(range(len(self._free)), key=lambda j: (self._load.get(self._free[j], 0.0), j))
+            if device is not None:
+                i = self._free.index(device)
+            else:
+                i = min(range(len(self._free)), key=lambda j: (self._load.get(self._free[j], 0.0), j))
             device = self._free.pop(i)
             self._load[device] = self._load.get(device, 0.0) + cost
             return device
@@ -131,6 +135,22 @@ class SlotPool:
             self._load[device] -= cost
             self._free.append(device)
             self._cond.notify()
+
+
+def wave_devices(slots, costs: list[float]) -> list:
+    """Devices for trials that start together (`costs` in start order), placed longest first, each
+    on the device with the least cost so far among those with a free slot (LPT). Taking them in
+    start order instead leaves the last trials of the wave no choice: a grid whose heaviest points
+    come last (the 3:1 hybrid, the longest setting) piled them on one device."""
+    free, load, out = {}, {}, [None] * len(costs)
+    for d in slots:
+        free[d] = free.get(d, 0) + 1
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        d = min((d for d in free if free[d] > 0), key=lambda d: load.get(d, 0.0))
+        free[d] -= 1
+        load[d] = load.get(d, 0.0) + costs[i]
+        out[i] = d
+    return out
 
 
 def run_trials(trials: list, runner, *, parallel: int = 1, devices=(), stop=None,
@@ -145,12 +165,16 @@ def run_trials(trials: list, runner, *, parallel: int = 1, devices=(), stop=None
     todo = [t for t in trials if not t.done()]
     if devices and parallel > len(devices):
         raise ValueError(f"--parallel {parallel} exceeds the {len(devices)} device slots given")
-    slots = SlotPool(devices or [None] * parallel)
+    slot_ids = list(devices or [None] * parallel)
+    slots = SlotPool(slot_ids)
     lock, start, finished = threading.Lock(), time.time(), []
+    weights = {t.name: float(cost(t.point)) if cost is not None else 1.0 for t in todo}
+    wave = todo[:max(parallel, 1)]  # the trials that start at once take the slots `wave_devices` plans
+    planned = dict(zip((t.name for t in wave), wave_devices(slot_ids, [weights[t.name] for t in wave])))
 
     def one(trial) -> tuple[str, str]:
-        weight = float(cost(trial.point)) if cost is not None else 1.0
-        device = slots.take(weight)
+        weight = weights[trial.name]
+        device = slots.take(weight, planned.get(trial.name))
         try:
             if stop.is_set():
                 return trial.name, "not_run"

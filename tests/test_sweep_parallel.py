@@ -141,3 +141,42 @@ def test_mqar_sweep_cost_is_tokens_times_layers():
     cost = {(p["mixer"], p["seq_len"]): s.cost(p) for p in sw.expand(s.axes)}
     assert cost[("kda", 128)] == 2 * cost[("kda", 64)] == 128 * 256 * 12000 * 2  # batch 256 at L <= 128
     assert cost[("hybrid", 64)] == 2 * cost[("kda", 64)]  # 4 layers against 2
+
+
+def test_wave_devices_places_the_heaviest_first():
+    """The d_model 128 MQAR piece of one H200 run: 12 trials start at once on 2 x 6 slots with the
+    3:1 hybrids (heaviest) late in start order. Greedy in start order put both hybrids on one GPU
+    in that run (costs 262144 against 425984; three of its trials missed the deadline), and in
+    this order leaves three light trials' cost between the devices; placed longest first, one."""
+    costs = [32768.0] * 5 + [65536.0] + [65536.0] * 5 + [131072.0]  # (64,4) x 5, hybrid, (256,16) x 5, hybrid
+    slots = sw.device_slots(["0", "1"], 6)
+    placed = sw.wave_devices(slots, costs)
+    load = {d: sum(c for c, p in zip(costs, placed) if p == d) for d in ("0", "1")}
+    assert placed.count("0") == placed.count("1") == 6
+    # Half the total (344064) is 10.5 light trials: one light trial's cost apart is the best split.
+    assert sorted(load.values()) == [327680.0, 360448.0]
+    assert placed[5] != placed[11]  # the two hybrids apart
+    pool = sw.SlotPool(slots)
+    greedy = [pool.take(c) for c in costs]
+    greedy_load = {d: sum(c for c, p in zip(costs, greedy) if p == d) for d in ("0", "1")}
+    assert abs(greedy_load["0"] - greedy_load["1"]) == 3 * 32768  # greedy in start order, this order
+
+
+def test_run_trials_starts_the_first_wave_on_planned_devices(tmp_path):
+    trials = sw.make_trials(_sweep(), str(tmp_path))
+    heavy = trials[-1].name  # last in start order
+    cost = lambda point: 10.0 if point == trials[-1].point else 1.0
+    seen = {}
+    barrier = threading.Barrier(len(trials))
+
+    def runner(trial, device):
+        seen[trial.name] = device
+        barrier.wait(timeout=10)  # every trial holds its slot until all have started: one wave
+        return True
+
+    slots = sw.device_slots(["0", "1"], -(-len(trials) // 2))
+    status = sw.run_trials(trials, runner, parallel=len(trials), devices=slots, log=lambda *a, **k: None, cost=cost)
+    assert list(status.values()).count("done") == len(trials)
+    costs = [cost(t.point) for t in trials]
+    assert [seen[t.name] for t in trials] == sw.wave_devices(slots, costs)
+    assert seen[heavy] == "0"  # the heaviest is placed first, on the first device
