@@ -5,6 +5,7 @@ XLA baselines, per kernel and for the whole expert FFN / routed layer, counting 
     python benchmarks/moe.py --out DIR --sweep     # + a tile sweep, best tile per kernel
     python benchmarks/moe.py --out DIR --sweep ws --no_steps --baselines ""   # one tile family
     python benchmarks/moe.py --quick --out DIR     # tiny shapes on CPU (Pallas interpreted)
+    python benchmarks/moe.py --out DIR --workloads k3_small --gate_up separate,fused   # gate/up forms
 
 Times: ms per call with calls queued back to back (median of 3 runs of >= 50 ms), after one
 warm-up call; `ms_sync` (waiting on every call) is kept too. `--budget_s` stops starting new
@@ -48,6 +49,7 @@ import numpy as np  # noqa: E402
 from benchmarks.common import PEAK_TFLOPS, attempt, environment, markdown_table  # noqa: E402
 from kernels import mxfp4  # noqa: E402
 from kernels.gmm import ops as gmm_ops, pallas_gpu, reference  # noqa: E402
+from kimi_jax import moe_dispatch  # noqa: E402
 from kimi_jax.moe_dispatch import (  # noqa: E402
     ExpertWeights, grouped_ffn, ragged_dispatch, sort_by_expert)
 
@@ -297,10 +299,11 @@ def mxfp4_row(w, rec, base, x_sorted, gate, group_sizes, warmup, iters):
 
 
 def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines, steps=True,
-                 with_mxfp4=False):
+                 with_mxfp4=False, gate_up=("separate",)):
     """Rows in order of value, so that the time budget cuts the least useful ones: baselines
     and default-tile kernels, the fwd+bwd steps with default tiles, the tile sweep, and last
-    the steps with the best tile of every kernel."""
+    the steps with the best tile of every kernel. Pallas steps run once per `gate_up` mode
+    (`moe_dispatch.GATE_UP`), baselines with separate gate and up."""
     x, idx, weights, experts = _inputs(w)
     order, token, group_sizes = sort_by_expert(idx, w["experts"])
     x_sorted = x[token]
@@ -345,13 +348,15 @@ def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines, steps=Tru
         for part, args in (("ffn", (x_sorted, experts, group_sizes)),
                            ("layer", (x, experts, idx, weights))):
             for impl, b in variants:
-                if rec.elapsed() > deadline:
-                    print(f"time budget spent: skipping {part} {impl}", flush=True)
-                    continue
-                r = measure(_step_fn(part, impl, b, capacity), args, warmup, iters)
-                r.pop("compiled", None)
-                rec.add(dict(base, kind="step", name=part, impl=impl, blocks=_blocks_str(b),
-                             **r), 9 * 2 * m * w["d"] * w["f"])
+                for mode in gate_up if impl == "pallas_gpu" else ("separate",):
+                    if rec.elapsed() > deadline:
+                        print(f"time budget spent: skipping {part} {impl} gate_up={mode}", flush=True)
+                        continue
+                    with moe_dispatch.gate_up(mode):  # read while `measure` traces the step
+                        r = measure(_step_fn(part, impl, b, capacity), args, warmup, iters)
+                    r.pop("compiled", None)
+                    rec.add(dict(base, kind="step", name=part, impl=impl, gate_up=mode, blocks=_blocks_str(b),
+                                 **r), 9 * 2 * m * w["d"] * w["f"])
 
     default = dict(gmm_fwd_gate=DEFAULT[0], gmm_fwd_down=DEFAULT[0], gmm_dlhs=DEFAULT[1],
                    tgmm=DEFAULT[2])
@@ -389,6 +394,10 @@ def _ratio(base, r, impl):
     return f"{base[key] / r['ms']:.2f}x"
 
 
+def _gate_up_note(r) -> str:
+    return " (fused gate/up)" if r.get("gate_up") == "fused" else ""
+
+
 def summary(rows) -> str:
     """The fastest Pallas fwd+bwd step per workload and part, against both baselines."""
     base, best = _speedups(rows), {}
@@ -399,7 +408,7 @@ def summary(rows) -> str:
                 best[key] = r
     header = ["workload", "step (fwd+bwd)", "rows x D x F, E", "pallas ms",
               "TFLOP/s (% of 790)", "vs ragged_dot", "vs padded_bmm", "tiles fwd / dlhs / drhs"]
-    body = [[r["workload"], r["name"], f"{r['rows']} x {r['d']} x {r['f']}, {r['experts']}",
+    body = [[r["workload"], r["name"] + _gate_up_note(r), f"{r['rows']} x {r['d']} x {r['f']}, {r['experts']}",
              f"{r['ms']:.2f}", f"{r['tflops']:.1f} ({100 * r['peak_frac']:.1f}%)",
              _ratio(base, r, "ragged_dot"), _ratio(base, r, "padded_bmm"), r["blocks"] or "–"]
             for r in best.values()]
@@ -417,7 +426,7 @@ def markdown(rows) -> str:
         else:
             cells = [f"{r['ms']:.2f}", f"{r['tflops']:.1f} ({100 * r['peak_frac']:.1f}%)",
                      _ratio(base, r, "ragged_dot"), _ratio(base, r, "padded_bmm")]
-        body.append([r["workload"], r["kind"], r["name"], r["impl"], r["blocks"] or "–"] + cells)
+        body.append([r["workload"], r["kind"], r["name"], r["impl"] + _gate_up_note(r), r["blocks"] or "–"] + cells)
     return summary(rows) + "\n" + markdown_table(header, body) + "\n"
 
 
@@ -433,10 +442,16 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=None, help="timed calls (median)")
     parser.add_argument("--workloads", default=None, help="comma-separated subset")
     parser.add_argument("--baselines", default="ragged_dot,padded_bmm")
+    parser.add_argument("--gate_up", default="separate",
+                        help="comma-separated moe_dispatch.GATE_UP modes the Pallas steps run with, side by side")
     parser.add_argument("--budget_s", type=float, default=260.0,
                         help="stop starting measurements after this many seconds")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
+    gate_up = tuple(m for m in args.gate_up.split(",") if m)
+    for mode in gate_up:
+        if mode not in moe_dispatch.GATE_UP_MODES:
+            parser.error(f"--gate_up {mode!r}: expected modes from {moe_dispatch.GATE_UP_MODES}")
     iters = args.iters or (1 if args.quick else 5)
     warmup = 0 if args.quick else 1
     meta = dict(environment(), quick=args.quick, iters=iters, warmup=warmup, sweep=args.sweep,
@@ -450,7 +465,7 @@ def main(argv=None):
         last = i == len(todo) - 1
         deadline = args.budget_s if last else rec.elapsed() + w.get("share", 1.0) * args.budget_s
         run_workload(w, rec, sweep=args.sweep, iters=iters, warmup=warmup, steps=not args.no_steps,
-                     with_mxfp4=args.mxfp4,
+                     with_mxfp4=args.mxfp4, gate_up=gate_up or ("separate",),
                      deadline=min(deadline, args.budget_s), baselines=baselines)
     print(markdown(rec.rows))
     return rec.rows

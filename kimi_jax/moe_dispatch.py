@@ -15,10 +15,14 @@ and computes y_n = sum_j weights[n, j] * Expert_{expert_idx[n, j]}(x_n).
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from kernels.mxfp4.format import MXFP4Weight
+from kimi_jax.layers import read_setting, traced_setting
 
 
 class ExpertWeights(NamedTuple):
@@ -29,17 +33,48 @@ class ExpertWeights(NamedTuple):
     down: jax.Array
 
 
+# How `grouped_ffn` forms gate and up (read while tracing; `gate_up(mode)` sets it for a block):
+# "separate" (two grouped matmuls, against gate and against up) or "fused" (one grouped matmul
+# against [gate | up] concatenated along N, then split: x is read once, N is 2F per tile, and the
+# backward forms dx with one grouped matmul of contraction 2F instead of two and a sum, and the
+# weight gradient with one tgmm instead of two). The concatenation is of the compute-dtype copies
+# the matmuls read anyway (MXFP4 weights: their packed codes and scales). Same values; one of the
+# fusions the small-config byte model names (README, MoE). Not yet timed on a GPU.
+GATE_UP_MODES = ("separate", "fused")
+GATE_UP = "separate"
+
+
+def gate_up(mode: str | None):
+    """Within the block, trace `grouped_ffn` with gate/up `mode` (None: unchanged)."""
+    return traced_setting(sys.modules[__name__], "GATE_UP", GATE_UP_MODES, mode)
+
+
+def concat_n(a, b):
+    """Two stacked weights [E, K, N1], [E, K, N2] (arrays or MXFP4Weight) -> [E, K, N1 + N2]."""
+    if isinstance(a, MXFP4Weight) != isinstance(b, MXFP4Weight):
+        raise ValueError("concat_n needs both weights packed (MXFP4Weight) or both dense")
+    if isinstance(a, MXFP4Weight):  # packed [E, N, K/2], scales [E, N, K/32]: N is axis 1
+        return MXFP4Weight(jnp.concatenate([a.packed, b.packed], axis=1), jnp.concatenate([a.scales, b.scales], axis=1))
+    return jnp.concatenate([a, b], axis=2)
+
+
 def grouped_ffn(x_sorted, group_sizes, w: ExpertWeights, activation,
                 *, matmul: Callable = jax.lax.ragged_dot):
     """Expert FFN over tokens sorted by expert.
 
     x_sorted [M, D] (rows of expert e are contiguous, experts in order), group_sizes [E] int32
     (sum <= M; trailing rows beyond the sum give zeros), w: ExpertWeights -> [M, D] in x's dtype.
-    `matmul(lhs [M, K], rhs [E, K, N], group_sizes [E]) -> [M, N]` is the grouped matmul.
+    `matmul(lhs [M, K], rhs [E, K, N], group_sizes [E]) -> [M, N]` is the grouped matmul; gate and
+    up run as GATE_UP says.
     """
     dtype = x_sorted.dtype
-    gate = matmul(x_sorted, w.gate.astype(dtype), group_sizes)
-    up = matmul(x_sorted, w.up.astype(dtype), group_sizes)
+    if read_setting(sys.modules[__name__], "GATE_UP", GATE_UP_MODES) == "fused":
+        F = w.gate.shape[2]
+        gu = matmul(x_sorted, concat_n(w.gate.astype(dtype), w.up.astype(dtype)), group_sizes)
+        gate, up = gu[:, :F], gu[:, F:]
+    else:
+        gate = matmul(x_sorted, w.gate.astype(dtype), group_sizes)
+        up = matmul(x_sorted, w.up.astype(dtype), group_sizes)
     h = activation(gate, up).astype(dtype)
     return matmul(h, w.down.astype(dtype), group_sizes)
 

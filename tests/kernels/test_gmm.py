@@ -237,16 +237,16 @@ def test_benchmark_quick_mode(tmp_path):
     import json
 
     bench = _load_benchmark()
-    rows = bench.main(["--quick", "--mxfp4", "--out", str(tmp_path)])
+    rows = bench.main(["--quick", "--mxfp4", "--gate_up", "separate,fused", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "moe_quick.json").read_text())
     assert data["meta"]["quick"] and len(data["rows"]) == len(rows)
     kernels = {(r["name"], r["impl"]) for r in rows if r["kind"] == "kernel"}
     assert kernels == {(k, i) for k in bench.KERNELS
                        for i in ("pallas_gpu", "ragged_dot", "padded_bmm")} | {
                            ("mxfp4_fwd_gate", "pallas_gpu")}
-    steps = {(r["name"], r["impl"]) for r in rows if r["kind"] == "step"}
-    assert steps == {(p, i) for p in ("ffn", "layer")
-                     for i in ("pallas_gpu", "ragged_dot", "padded_bmm")}
+    steps = {(r["name"], r["impl"], r["gate_up"]) for r in rows if r["kind"] == "step"}
+    assert steps == {(p, i, "separate") for p in ("ffn", "layer") for i in ("pallas_gpu", "ragged_dot", "padded_bmm")} | {
+        (p, "pallas_gpu", "fused") for p in ("ffn", "layer")}
     for r in rows:
         assert r["ms"] > 0 and r["error"] is None
         if r["kind"] == "step":
@@ -255,7 +255,10 @@ def test_benchmark_quick_mode(tmp_path):
             assert r["check"]["rel_rms"] < 1e-2
             assert r["check"]["against"] == ("ragged_dot" if r["name"] in bench.KERNELS else
                                              "pallas_gpu bf16 on dequantised weights")
-    assert "| quick | step | layer | pallas_gpu |" in (tmp_path / "moe_quick.md").read_text()
+    md = (tmp_path / "moe_quick.md").read_text()
+    assert "| quick | step | layer | pallas_gpu |" in md and "| quick | step | ffn | pallas_gpu (fused gate/up) |" in md
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--gate_up", "interleaved", "--out", str(tmp_path)])
 
 
 def test_padded_bmm_baseline_matches_ragged_dot(rng):
