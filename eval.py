@@ -20,6 +20,7 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
+from kimi_jax import logging_utils
 from kimi_jax.evaluators import evaluate
 from kimi_jax.evaluators.report import write, write_comparison
 
@@ -49,6 +50,7 @@ def evaluate_workdir(config, workdir: str, names) -> dict:
 def main(argv):
     del argv
     logging.getLogger().setLevel(logging.INFO)
+    logging_utils.quiet_library_logs(FLAGS["verbosity"].present)
     config = FLAGS.config
     names = [n for n in FLAGS.tasks.split(",") if n] or None
     workdirs = [w for w in FLAGS.workdir.split(",") if w]

@@ -243,6 +243,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
 def main(argv):
     del argv
     FLAGS = flags.FLAGS
+    logging_utils.quiet_library_logs(FLAGS["verbosity"].present)
     if FLAGS.config.distributed or FLAGS.coordinator_address:
         train_lib.maybe_initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     try:

@@ -29,6 +29,18 @@ PEAK_FLOPS = {
 }
 
 
+def quiet_library_logs(verbosity_given: bool) -> None:
+    """Keep absl's INFO records off the console unless `verbosity_given` (the user passed -v /
+    --verbosity): Orbax logs each checkpoint save and restore at INFO through absl, about 100
+    lines per save, which bury the progress line. Only the "absl" logger (the one `absl.logging`
+    calls write to) is raised to WARNING: warnings and errors still show, and records of Python's
+    own `logging` (eval.py's progress lines) are untouched."""
+    if not verbosity_given:
+        import logging
+
+        logging.getLogger("absl").setLevel(logging.WARNING)
+
+
 def peak_flops_per_device(override: float = 0.0) -> float | None:
     """Peak FLOP/s of one device: `override` when set, else looked up by device kind (None on CPU
     and unknown devices, where MFU is not reported)."""
