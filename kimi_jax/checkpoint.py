@@ -10,6 +10,7 @@ run killed mid-save leaves no checkpoint that `latest_step` would pick up.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import jax
@@ -31,7 +32,14 @@ def _register_array_handler():
     handler = ocp.type_handlers.ArrayHandler(
         array_metadata_store=getattr(default, "_array_metadata_store", None),  # keep Orbax's metadata store
         min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES)
-    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    # Orbax warns on every override (a line at each launch); this one is intended.
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)
+    try:
+        ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    finally:
+        absl_logger.setLevel(level)
 
 
 _register_array_handler()
