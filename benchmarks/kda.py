@@ -9,6 +9,7 @@
     python benchmarks/kda.py --impls chunk_mosaic:dense,chunk_mosaic:tiled --peers fla   # chunk's score formulations
     python benchmarks/kda.py --impls chunk_mosaic,chunk_mosaic:cumsum=matmul --peers none   # any chunk setting
     python benchmarks/kda.py --peers fla --triton_cache .cache/triton   # keep fla's autotuning for the next run
+    python benchmarks/kda.py --peers fla --triton_cache /tmp/tc --autotune_archive fla-autotune.tgz   # ... in a file
 
 Ours: `kda(..., impl=...)` for `naive` (only where its autodiff states fit, else skipped with the
 reason), `chunk`, `chunk_mosaic` (chunk with Mosaic GPU serial passes) and `pallas_gpu` (when it
@@ -23,9 +24,10 @@ fla's autotuning (minutes per new shape; on a fresh H200 it has outlasted 10-min
 Triton's cache there, so a later run on the same GPU type and versions skips the tuning. The run
 records how many autotuning results the folder held before and after. The results of an H200 run
 (fla-core 0.6.0, torch 2.11; three of the four shapes, 4,8192,32,128 did not finish) are kept in
-`benchmarks/results/fla-triton-autotune-h200-20261130.tgz`: `mkdir -p .cache/triton && tar xzf
-benchmarks/results/fla-triton-autotune-h200-20261130.tgz -C .cache/triton` before a run with
-`--triton_cache .cache/triton`.
+`benchmarks/results/fla-triton-autotune-h200-20261130.tgz`. `--autotune_archive FILE.tgz` (with
+`--triton_cache`) extracts such an archive's autotuning results into the cache folder before the
+run and, after every shape, rewrites the archive with all the folder holds (the `*.autotune.json`
+files only, a few KB): a run on a fresh machine starts from the archive and leaves it extended.
 
 Inputs (bf16 q, k, v): q and k l2-normalised, g = -5 * sigmoid(N(0, 1)) per channel (float32),
 beta = sigmoid(N(0, 1)). Times: median of `--iters` calls after `--warmup` calls.
@@ -365,6 +367,42 @@ def use_triton_cache(folder: str) -> dict:
     return dict(dir=shown, autotune_results_before=found, autotune_results_after=found)
 
 
+AUTOTUNE_SUFFIX = ".autotune.json"
+
+
+def load_autotune_archive(archive: str, folder: str) -> int:
+    """Extract the autotuning results of `archive` (a .tgz of `<hash>/<kernel>.autotune.json`) into
+    the Triton cache `folder`; returns how many. A missing archive is not an error (a first run)."""
+    import tarfile
+
+    if not os.path.exists(archive):
+        return 0
+    with tarfile.open(archive, "r:gz") as tar:
+        members = [m for m in tar.getmembers() if m.isfile() and m.name.endswith(AUTOTUNE_SUFFIX)]
+        for m in members:
+            parts = os.path.normpath(m.name).split(os.sep)
+            if m.name.startswith("/") or ".." in parts:
+                raise ValueError(f"{archive}: unsafe member path {m.name!r}")
+        tar.extractall(folder, members=members, filter="data")
+    return len(members)
+
+
+def save_autotune_archive(folder: str, archive: str) -> int:
+    """Write every autotuning result under the Triton cache `folder` into `archive` (.tgz, paths
+    relative to the folder); returns how many."""
+    import tarfile
+
+    found = sorted(os.path.relpath(os.path.join(root, n), folder) for root, _, names in os.walk(folder)
+                   for n in names if n.endswith(AUTOTUNE_SUFFIX))
+    os.makedirs(os.path.dirname(os.path.abspath(archive)), exist_ok=True)
+    tmp = archive + ".tmp"
+    with tarfile.open(tmp, "w:gz") as tar:
+        for rel in found:
+            tar.add(os.path.join(folder, rel), arcname=rel)
+    os.replace(tmp, archive)  # a run killed while writing keeps the previous archive
+    return len(found)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", help="comma-separated BxTxHxD (D = K = V)")
@@ -382,7 +420,14 @@ def main(argv=None):
                    help="with --decode: extra decode_step_pipelined settings programs.slots.block_v, comma-separated")
     p.add_argument("--triton_cache", default="",
                    help="Triton cache folder (TRITON_CACHE_DIR) that keeps fla's autotuning results between runs")
+    p.add_argument("--autotune_archive", default="",
+                   help="with --triton_cache: a .tgz of autotuning results, extracted before and rewritten after each shape")
     a = p.parse_args(argv)
+    if a.autotune_archive and not a.triton_cache:
+        p.error("--autotune_archive needs --triton_cache (the folder Triton reads and writes)")
+    if a.autotune_archive:
+        n = load_autotune_archive(a.autotune_archive, os.path.abspath(a.triton_cache))
+        print(f"# {n} autotuning results from {a.autotune_archive}", flush=True)
     cache = use_triton_cache(a.triton_cache) if a.triton_cache else None
     shapes = _parse_shapes(a.shapes) if a.shapes else list(QUICK_SHAPES if a.quick else SHAPES)
     args_timing.update(warmup=1 if a.quick else a.warmup, iters=3 if a.quick else a.iters)
@@ -424,7 +469,9 @@ def main(argv=None):
         rows += run_shape(shape, impls, peers, on_row=lambda partial: save(done + partial))
         print(table([r for r in rows if r["shape"] == list(shape)]) + "\n", flush=True)
         if cache is not None:
-            cache["autotune_results_after"] = count_autotune_results(cache["dir"])
+            cache["autotune_results_after"] = count_autotune_results(os.environ["TRITON_CACHE_DIR"])
+        if a.autotune_archive:
+            save_autotune_archive(os.environ["TRITON_CACHE_DIR"], a.autotune_archive)
         report, result = save(rows)
     print(report)
     print(f"\nwrote {path}")

@@ -3,7 +3,6 @@ outputs, final states and all gradients, float32 and bfloat16, exact and bounded
 paths, packed-document resets, extreme gates, state continuity, and numerical gradient checks."""
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -177,84 +176,6 @@ def test_check_grads_float64(lb):
 
         args = [f64(x) for x in (q, k, v, np.clip(g, -2.0, -0.01), beta, h0)]
         check_grads(f, args, order=1, modes=("rev",), eps=1e-5, atol=1e-6, rtol=1e-6)
-
-
-def test_benchmark_script_quick(tmp_path):
-    """benchmarks/kda.py runs on CPU at a tiny shape, reports skipped peers, and writes its JSON."""
-    import json
-
-    from benchmarks import kda as bench
-
-    out = tmp_path / "kda.json"
-    bench.main(["--quick", "--shapes", "1x70x1x16", "--impls", "chunk,pallas_gpu,chunk:cumsum=matmul/scores=tiled",
-                "--peers", "cudnn", "--out", str(out)])
-    res = json.loads(out.read_text())
-    assert {"date", "device", "jax", "torch", "fla"} <= set(res["env"])
-    assert res["config"]["shapes"] == [[1, 70, 1, 16]]
-    rows = {r["name"]: r for r in res["rows"]}
-    assert rows["chunk"]["fwd_ms"] > 0 and rows["chunk"]["fwd_bwd_ms"] > 0 and rows["chunk"]["error"] is None
-    assert rows["chunk"]["flops"]["fwd_bwd"] == 3 * rows["chunk"]["flops"]["fwd"]
-    assert rows["pallas_gpu"]["fwd_ms"] is None and "skipped" in rows["pallas_gpu"]["error"]
-    assert rows["cudnn attention"]["error"]  # no GPU here: reported in the table, not raised
-    assert "| 1,70,1,16 | chunk |" in res["table"]
-    variant = rows["chunk:cumsum=matmul/scores=tiled"]  # traced under those settings: chunk's values
-    assert variant["error"] is None and variant["o_rel_err_vs_chunk"] < 1e-5
-    assert bench.chunk_settings("tiled") == {"scores": "tiled"}
-    assert bench.chunk_settings("forward_only=chunk") == {"forward_only": "chunk"}
-    for bad in ("cumsum=prefix", "tile=16", "chunk:nope", "forward_only=pallas"):
-        with pytest.raises(ValueError, match="Unknown impl"):
-            bench._check_impl(bad if bad.startswith("chunk:") else f"chunk_mosaic:{bad}")
-
-
-def test_benchmark_decode_quick(tmp_path):
-    """--decode on CPU: the plain-JAX step is timed per call and back to back; the kernel rows
-    say why they are skipped; the table shows both timings."""
-    import json
-
-    from benchmarks import common
-    from benchmarks import kda as bench
-    from benchmarks import kda_decode
-
-    calls = []
-    ms = common.time_jax_stream(lambda x: calls.append(1) or x + 1, jnp.ones(3), warmup=2, iters=5, bursts=3)
-    assert ms > 0 and len(calls) == 2 + 5 + 3 * 5  # warm-up calls, the untimed burst, the timed bursts
-    out = tmp_path / "dec.json"
-    bench.main(["--quick", "--decode", "--peers", "none", "--decode_blocks", "8.2.32", "--out", str(out)])
-    res = json.loads(out.read_text())
-    rows = {r["name"]: r for r in res["rows"]}
-    naive = rows["kda_step naive"]
-    assert naive["error"] is None and naive["us"] > 0 and naive["us_stream"] > 0
-    assert naive["gbps_stream"] == pytest.approx(naive["bytes"] / (naive["us_stream"] * 1e-6) / 1e9)
-    kernel = rows["kernel only: mosaic_decode.decode_step_pipelined"]
-    assert kernel["us"] is None and kernel["us_stream"] is None and "skipped" in kernel["error"]
-    assert "| us per call | us back to back |" in res["table"]
-    assert "skipped" in rows["kernel only: decode_step_pipelined programs=8 slots=2 block_v=32"]["error"]
-    assert kda_decode.parse_decode_blocks("132.4.64,264.2.32") == [dict(programs=132, slots=4, block_v=64),
-                                                              dict(programs=264, slots=2, block_v=32)]
-    with pytest.raises(ValueError, match="programs.slots.block_v"):
-        kda_decode.parse_decode_blocks("132.4")
-
-
-def test_benchmark_triton_cache(tmp_path, monkeypatch):
-    """--triton_cache points Triton's cache at the folder and records the autotuning results in it."""
-    import json
-    import os
-
-    from benchmarks import kda as bench
-
-    monkeypatch.setenv("TRITON_CACHE_DIR", "unset")  # restored after the test
-    monkeypatch.delenv("FLA_CACHE_RESULTS", raising=False)
-    cache = tmp_path / "triton"
-    (cache / "ab12").mkdir(parents=True)
-    (cache / "ab12" / "chunk_kda_fwd_kernel.autotune.json").write_text("{}")
-    (cache / "ab12" / "chunk_kda_fwd_kernel.cubin").write_text("")
-    out = tmp_path / "kda.json"
-    monkeypatch.chdir(tmp_path)  # a folder under the working directory is recorded relative to it
-    bench.main(["--quick", "--shapes", "1x16x1x16", "--impls", "chunk", "--peers", "none",
-                "--triton_cache", "triton", "--out", str(out)])
-    assert os.environ["TRITON_CACHE_DIR"] == str(cache) and os.environ["FLA_CACHE_RESULTS"] == "1"
-    tc = json.loads(out.read_text())["config"]["triton_cache"]
-    assert tc == {"dir": "triton", "autotune_results_before": 1, "autotune_results_after": 1}
 
 
 @pytest.mark.parametrize("lb, g_fill, seg", [(-5.0, None, "edge"), (None, None, "random"), (None, (-1000.0, 0.05), "random")])
@@ -448,25 +369,3 @@ def test_unit_lower_inverse_matches_float64(monkeypatch, mode):
     got = np.asarray(chunk_intra.unit_lower_inverse(jnp.asarray(L, jnp.float32), jax.lax.Precision.HIGHEST))
     want = np.linalg.inv(np.eye(64) + L)
     assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
-
-
-def test_benchmark_triton_cache_records_no_host_path(tmp_path, monkeypatch):
-    """--triton_cache points Triton at the folder, counts fla's autotuning results there, and
-    records the folder by name only when it lies outside the repository."""
-    import sys
-
-    from benchmarks import kda as bench
-
-    folder = tmp_path / "tc"
-    (folder / "HASH").mkdir(parents=True)
-    (folder / "HASH" / "chunk_kda_fwd.autotune.json").write_text("{}")
-    (folder / "HASH" / "chunk_kda_fwd.cubin").write_text("")
-    monkeypatch.delitem(sys.modules, "triton", raising=False)
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
-    monkeypatch.delenv("FLA_CACHE_RESULTS", raising=False)
-    rec = bench.use_triton_cache(str(folder))
-    assert rec == {"dir": "tc", "autotune_results_before": 1, "autotune_results_after": 1}
-    assert os.environ["TRITON_CACHE_DIR"] == str(folder)
-    monkeypatch.setitem(sys.modules, "triton", object())
-    with pytest.raises(RuntimeError, match="before triton is imported"):
-        bench.use_triton_cache(str(folder))
