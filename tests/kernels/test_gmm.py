@@ -237,7 +237,7 @@ def test_benchmark_quick_mode(tmp_path):
     import json
 
     bench = _load_benchmark()
-    rows = bench.main(["--quick", "--mxfp4", "--gate_up", "separate,fused", "--out", str(tmp_path)])
+    rows = bench.main(["--quick", "--mxfp4", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "moe_quick.json").read_text())
     assert data["meta"]["quick"] and len(data["rows"]) == len(rows)
     kernels = {(r["name"], r["impl"]) for r in rows if r["kind"] == "kernel"}
@@ -245,8 +245,7 @@ def test_benchmark_quick_mode(tmp_path):
                        for i in ("pallas_gpu", "ragged_dot", "padded_bmm")} | {
                            ("mxfp4_fwd_gate", "pallas_gpu")}
     steps = {(r["name"], r["impl"], r["gate_up"]) for r in rows if r["kind"] == "step"}
-    assert steps == {(p, i, "separate") for p in ("ffn", "layer") for i in ("pallas_gpu", "ragged_dot", "padded_bmm")} | {
-        (p, "pallas_gpu", "fused") for p in ("ffn", "layer")}
+    assert steps == {(p, i, "separate") for p in ("ffn", "layer") for i in ("pallas_gpu", "ragged_dot", "padded_bmm")}
     for r in rows:
         assert r["ms"] > 0 and r["error"] is None
         if r["kind"] == "step":
@@ -255,8 +254,30 @@ def test_benchmark_quick_mode(tmp_path):
             assert r["check"]["rel_rms"] < 1e-2
             assert r["check"]["against"] == ("ragged_dot" if r["name"] in bench.KERNELS else
                                              "pallas_gpu bf16 on dequantised weights")
-    md = (tmp_path / "moe_quick.md").read_text()
-    assert "| quick | step | layer | pallas_gpu |" in md and "| quick | step | ffn | pallas_gpu (fused gate/up) |" in md
+    assert "| quick | step | layer | pallas_gpu |" in (tmp_path / "moe_quick.md").read_text()
+
+
+def test_benchmark_gate_up_rows(tmp_path, monkeypatch):
+    """--gate_up runs each Pallas step once per mode, traced under that mode (the measurement is
+    replaced by a stub that records moe_dispatch.GATE_UP at trace time), baselines once, and
+    labels the fused rows; an unknown mode is refused. The two forms' values: test_moe_gate_up.py."""
+    from kimi_jax import moe_dispatch
+
+    bench = _load_benchmark()
+    seen = []
+
+    def fake_measure(fn, args, warmup, iters):
+        seen.append(moe_dispatch.GATE_UP)
+        return dict(ms=1.0, compile_s=0.0, mem_gib=None, error=None)
+
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    monkeypatch.setattr(bench, "KERNELS", ())
+    rows = bench.main(["--quick", "--gate_up", "separate,fused", "--baselines", "ragged_dot", "--out", str(tmp_path)])
+    steps = [(r["name"], r["impl"], r["gate_up"]) for r in rows if r["kind"] == "step"]
+    assert steps == [(p, i, m) for p in ("ffn", "layer") for i, m in
+                     (("pallas_gpu", "separate"), ("pallas_gpu", "fused"), ("ragged_dot", "separate"))]
+    assert seen == [m for _, _, m in steps] and moe_dispatch.GATE_UP == "separate"
+    assert "| quick | step | ffn | pallas_gpu (fused gate/up) |" in (tmp_path / "moe_quick.md").read_text()
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--gate_up", "interleaved", "--out", str(tmp_path)])
 
