@@ -78,8 +78,8 @@ def environment() -> dict:
             "platform": devices[0].platform, "python": platform.python_version(), "versions": versions}
 
 
-def sweep_description(spec: str) -> dict:
-    """Grid and schedule of the sweep config `path[:arg]` (the values of its first trial)."""
+def load_sweep(spec: str):
+    """(config module, its sweep config) of the sweep config file `path[:arg]` (path relative to the repo)."""
     sys.path.insert(0, ROOT)
     import importlib.util
 
@@ -87,7 +87,12 @@ def sweep_description(spec: str) -> dict:
     module_spec = importlib.util.spec_from_file_location("sweep_config", os.path.join(ROOT, path))
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
-    sweep = module.get_config(arg or None)
+    return module, module.get_config(arg or None)
+
+
+def sweep_description(spec: str) -> dict:
+    """Grid and schedule of the sweep config `path[:arg]` (the values of its first trial)."""
+    module, sweep = load_sweep(spec)
     axes = {k: [dict(v) if hasattr(v, "items") else v for v in vals] for k, vals in sweep.axes.items()}
     batches, steps = {}, None
     for setting in axes.get("setting", [{}]):
@@ -217,18 +222,12 @@ def merge(paths: list[str]) -> dict:
 
 def _plot_merged(record: dict, path: str) -> None:
     """The sweep summary plot (sweep.plot_summary) of a merged record, laid out as its first config says."""
-    sys.path.insert(0, ROOT)
-    import importlib.util
     import types
 
-    import sweep as sweep_lib
+    _, sweep = load_sweep(record["sweep"]["config"][0])
+    import sweep as sweep_lib  # the repo's sweep.py (load_sweep put the repo on the path)
 
-    spec = record["sweep"]["config"][0]
-    cfg_path, _, arg = spec.partition(":")
-    module_spec = importlib.util.spec_from_file_location("sweep_config", os.path.join(ROOT, cfg_path))
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    sweep_lib.plot_summary(types.SimpleNamespace(plot=dict(module.get_config(arg or None).plot)), record["rows"], path)
+    sweep_lib.plot_summary(types.SimpleNamespace(plot=dict(sweep.plot)), record["rows"], path)
 
 
 def write(record: dict, out_dir: str, name: str) -> None:
