@@ -68,8 +68,7 @@ _glu_recompute.defvjp(_glu_recompute_fwd, _glu_recompute_bwd)
 
 
 def _differentiated(kind: str, gate, up, beta: float, linear_beta: float):
-    read_setting(sys.modules[__name__], "GLU_VJP", GLU_VJP_MODES)
-    if GLU_VJP == "recompute":
+    if read_setting(sys.modules[__name__], "GLU_VJP", GLU_VJP_MODES) == "recompute":
         return _glu_recompute(kind, gate, up, float(beta), float(linear_beta))
     return _glu(kind, gate, up, beta, linear_beta)
 

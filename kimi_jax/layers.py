@@ -147,8 +147,7 @@ _rms_norm_recompute.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 def rms_norm(x, w, gate=None, *, eps: float):
     """rms_normalize(x) * w [* sigmoid(gate)] in float32, differentiated as NORM_VJP says.
     x [..., D]; w [D]; gate None or x's shape."""
-    read_setting(sys.modules[__name__], "NORM_VJP", NORM_VJP_MODES)
-    if NORM_VJP == "recompute":
+    if read_setting(sys.modules[__name__], "NORM_VJP", NORM_VJP_MODES) == "recompute":
         return _rms_norm_recompute(x, w, gate, float(eps))
     return _rms_norm(x, w, gate, eps)[0]
 
@@ -357,10 +356,10 @@ def _ccs_bwd(res, dy):
         prods.append(dai * _shift(x, s).astype(jnp.float32))
         c = _shift(dai, -s) * wf[i]  # dx[t] += w[i] * da[t + s] (masked at t + s)
         dx = c if dx is None else dx + c
-    read_setting(sys.modules[__name__], "CONV_DW", CONV_DW_MODES)
-    if CONV_DW == "per_tap":  # W sibling reductions over B, T
+    mode = read_setting(sys.modules[__name__], "CONV_DW", CONV_DW_MODES)
+    if mode == "per_tap":  # W sibling reductions over B, T
         dw = jnp.stack([jnp.sum(p, axis=(0, 1)) for p in prods])
-    elif CONV_DW == "variadic":  # one reduction over B, T with W accumulators
+    elif mode == "variadic":  # one reduction over B, T with W accumulators
         zeros = tuple(jnp.zeros((), jnp.float32) for _ in prods)
         dw = jnp.stack(jax.lax.reduce(tuple(prods), zeros, lambda a, b: tuple(x + y for x, y in zip(a, b)), (0, 1)))
     else:  # one reduction of the stacked [W, B, T, ...] products
@@ -424,7 +423,6 @@ _l2_recompute.defvjp(_l2_fwd, _l2_bwd)
 def l2_normalize(x, eps: float = 1e-6):
     """x * rsqrt(sum(x^2) + eps) over the last axis (fla's qk l2norm), computed in float32;
     differentiated as NORM_VJP says."""
-    read_setting(sys.modules[__name__], "NORM_VJP", NORM_VJP_MODES)
-    if NORM_VJP == "recompute":
+    if read_setting(sys.modules[__name__], "NORM_VJP", NORM_VJP_MODES) == "recompute":
         return _l2_recompute(x, float(eps))
     return _l2(x, eps)[0]
