@@ -293,7 +293,10 @@ def _conv_pre(x, w, masks):
 # "variadic" sums the W taps as one variadic reduction (W accumulators in one pass over the
 # inputs): the layer 10.97 against 11.17 ms, the step 409.3 against 406.3 / 408.5
 # (kda-mixer-profile-screen-*, train-xlaopt-*-h200x2-20261130T1950.json): not adopted either.
-CONV_DW_MODES = ("stacked", "per_tap", "variadic")
+# "pallas_gpu": the Mosaic GPU kernel of `kernels.short_conv` (W float32 accumulators in
+# registers per program, x and dy read once); calls it cannot take (no Hopper GPU, T not a
+# multiple of 128, ...) use "stacked" and say so once in the log. On CPU it runs interpreted.
+CONV_DW_MODES = ("stacked", "per_tap", "variadic", "pallas_gpu")
 CONV_DW = "stacked"
 
 
@@ -344,6 +347,11 @@ def _ccs_fwd(x, w, segment_ids=None):
 def _ccs_bwd(res, dy):
     x, w, segment_ids = res
     W = w.shape[0]
+    mode = read_setting(sys.modules[__name__], "CONV_DW", CONV_DW_MODES)
+    if mode == "pallas_gpu":
+        from kernels.short_conv import ops as conv_ops
+
+        mode = "stacked" if conv_ops.fallback_reason(x, W) else mode
     masks = _tap_masks(segment_ids, W, x.ndim)
     a = _conv_pre(x, w, masks)
     sig = jax.nn.sigmoid(a)
@@ -353,11 +361,13 @@ def _ccs_bwd(res, dy):
     for i in range(W):
         s = W - 1 - i
         dai = da if masks[i] is None else jnp.where(masks[i], da, 0.0)
-        prods.append(dai * _shift(x, s).astype(jnp.float32))
+        if mode != "pallas_gpu":  # the kernel recomputes da from x and dy itself
+            prods.append(dai * _shift(x, s).astype(jnp.float32))
         c = _shift(dai, -s) * wf[i]  # dx[t] += w[i] * da[t + s] (masked at t + s)
         dx = c if dx is None else dx + c
-    mode = read_setting(sys.modules[__name__], "CONV_DW", CONV_DW_MODES)
-    if mode == "per_tap":  # W sibling reductions over B, T
+    if mode == "pallas_gpu":
+        dw = conv_ops.tap_grads(x, dy, w, segment_ids)
+    elif mode == "per_tap":  # W sibling reductions over B, T
         dw = jnp.stack([jnp.sum(p, axis=(0, 1)) for p in prods])
     elif mode == "variadic":  # one reduction over B, T with W accumulators
         zeros = tuple(jnp.zeros((), jnp.float32) for _ in prods)

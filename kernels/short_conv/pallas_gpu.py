@@ -1,0 +1,166 @@
+"""Mosaic GPU kernel for the tap gradients of the causal short convolution + SiLU.
+
+    y[t] = silu(a[t]),   a[t] = sum_i w[i] * x[t - s_i] * m_i[t],   s_i = W-1-i
+    dw[i] = sum_{b,t} da[t] * x[t - s_i] * m_i[t],   da = dy * silu'(a)
+
+where m_i[t] (0 or 1) says whether tap i's source token is in t's document. XLA sums these
+W products over the B*T rows at about a tenth of the HBM bandwidth (a column reduction fused
+with the pre-activation's recomputation); here each program walks a range of rows of one
+(batch, channel block) with W float32 accumulators in registers and sums over rows once at the
+end. x and dy are read once (plus an 8-row halo per tile); a[t] and da[t] are recomputed.
+
+A program takes one (batch, channel block of BC, row split); tiles of BT = 128 rows stream in by
+TMA through a ring of SMEM slots. The halo (the 8 rows before a tile, for the taps that reach
+back) is a second copy; at t = 0 it re-reads rows 0..7, which every mask zeroes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+BT = 128  # rows per TMA tile (two 64-row register tiles)
+SUB = 64  # rows of one WGMMA-layout register tile
+HALO = 8  # rows loaded before each tile: taps reach back at most HALO steps
+BC = 32  # channels per program: W float32 accumulators of [64, BC] stay in registers
+MAX_W = HALO + 1
+
+
+def unsupported_reason(T: int, C: int, W: int, dtype) -> str | None:
+    """Why the kernel cannot take x [B, T, C] with W taps (None when it can)."""
+    if T % BT:
+        return f"T={T} is not a multiple of {BT}"
+    if C % BC:
+        return f"channels={C} is not a multiple of {BC}"
+    if not 1 <= W <= MAX_W:
+        return f"kernel_size={W} (the kernel takes 1..{MAX_W})"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+        return f"dtype {jnp.dtype(dtype).name}"
+    return None
+
+
+def row_splits(B: int, T: int, C: int, sms: int = 132) -> int:
+    """Row splits per (batch, channel block): enough programs for about two per SM, and at least
+    four tiles per program so the TMA ring stays full."""
+    want = -(-2 * sms // (B * (C // BC)))
+    tiles = T // BT
+    divisors = [n for n in range(1, max(tiles // 4, 1) + 1) if tiles % n == 0]  # whole tiles per split
+    return next((n for n in divisors if n >= want), divisors[-1])
+
+
+def _body(x_ref, dy_ref, w_ref, m_ref, out_ref, xs, dys, ms, ws, os_, bars, wbar, *, W, NT, slots):
+    b, c, sp = lax.axis_index("b"), lax.axis_index("c"), lax.axis_index("s")
+    cs = pl.ds(c * BC, BC)
+    t_first = sp * (NT * BT)
+    f32 = jnp.float32
+    layout = plgpu.Layout.WGMMA
+
+    def issue(j, slot):
+        t0 = t_first + j * BT
+        plgpu.copy_gmem_to_smem(x_ref.at[b, pl.ds(jnp.maximum(t0 - HALO, 0), HALO), cs],
+                                xs.at[slot, pl.ds(0, HALO)], bars.at[4 * slot])
+        plgpu.copy_gmem_to_smem(x_ref.at[b, pl.ds(t0, BT), cs], xs.at[slot, pl.ds(HALO, BT)], bars.at[4 * slot + 1])
+        plgpu.copy_gmem_to_smem(dy_ref.at[b, pl.ds(t0, BT), cs], dys.at[slot], bars.at[4 * slot + 2])
+        plgpu.copy_gmem_to_smem(m_ref.at[b, :, pl.ds(t0, BT)], ms.at[slot], bars.at[4 * slot + 3])
+
+    for j in range(min(slots - 1, NT)):
+        issue(j, j)
+    plgpu.copy_gmem_to_smem(w_ref.at[:, cs], ws, wbar.at[0])
+    plgpu.barrier_wait(wbar.at[0])
+    shape = (SUB, BC)
+    cols = lambda v: lax.broadcast_in_dim(v, shape, [1])
+    rows = lambda v: lax.broadcast_in_dim(v, shape, [0])
+    wrow = [cols(plgpu.load(ws.at[i], layout=layout.reduce(0))) for i in range(W)]
+
+    def step(j, accs):
+        slot = lax.rem(j, slots)
+        for k in range(4):
+            plgpu.barrier_wait(bars.at[4 * slot + k])
+        accs = list(accs)
+        for h in range(BT // SUB):
+            r0 = HALO + h * SUB
+
+            def tap(i):  # x[t - s_i] for the 64 rows of this half, zero where the tap is masked
+                xi = plgpu.load(xs.at[slot, pl.ds(r0 - (W - 1 - i), SUB)], layout=layout).astype(f32)
+                if i == W - 1:
+                    return xi
+                mi = rows(plgpu.load(ms.at[slot, i, pl.ds(h * SUB, SUB)], layout=layout.reduce(1)))
+                return jnp.where(mi > 0, xi, 0.0)
+
+            a = None
+            for i in range(W):
+                ai = tap(i) * wrow[i]
+                a = ai if a is None else a + ai
+            sig = 1.0 / (1.0 + jnp.exp(-a))
+            dy = plgpu.load(dys.at[slot, pl.ds(h * SUB, SUB)], layout=layout).astype(f32)
+            da = dy * (sig * (1.0 + a * (1.0 - sig)))
+            for i in range(W):  # reloaded from SMEM: W held [64, BC] tiles would spill
+                accs[i] = accs[i] + da * tap(i)
+        nxt = j + slots - 1
+        # The slot `nxt` refills held tile j - 1: every thread's reads of it come before the TMA
+        # write (a fence and a warpgroup barrier).
+        plgpu.commit_smem()
+
+        @pl.when(nxt < NT)
+        def _():
+            issue(nxt, lax.rem(nxt, slots))
+
+        return tuple(accs)
+
+    zero = plgpu.layout_cast(jnp.zeros(shape, f32), layout)
+    accs = lax.fori_loop(0, NT, step, tuple(zero for _ in range(W)))
+    for i in range(W):
+        os_[i] = accs[i].sum(axis=0)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(os_, out_ref.at[b, sp, :, cs])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def tap_grads(x, dy, w, masks, *, splits: int | None = None, slots: int = 3, per_batch: bool = False,
+              interpret: bool = False):
+    """x, dy [B, T, C] (bf16, f16 or f32); w [W, C]; masks [B, W, T] float32, 1 where tap i of
+    row t reads a token of the same document (row W-1, the current token, is not read).
+
+    Returns dw [W, C] float32: sum over B, T of dy * silu'(a) * x[t - (W-1-i)] * masks[:, i]
+    ([B, W, C], the sum over T only, with `per_batch`). `splits` row ranges per (batch, channel
+    block) (default `row_splits`); `slots` SMEM slots of the TMA ring.
+    """
+    B, T, C = x.shape
+    W = w.shape[0]
+    why = unsupported_reason(T, C, W, x.dtype) or unsupported_reason(T, C, W, dy.dtype)
+    if why:
+        raise ValueError(f"short-conv tap-gradient kernel: {why}")
+    if dy.shape != x.shape or w.shape != (W, C) or masks.shape != (B, W, T):
+        raise ValueError(f"tap_grads: x {x.shape}, dy {dy.shape}, w {w.shape}, masks {masks.shape}; expected "
+                         f"dy = x's shape, w [W, {C}], masks [{B}, W, {T}]")
+    if slots < 2:
+        raise ValueError(f"tap_grads needs slots >= 2; got {slots}")
+    S = row_splits(B, T, C) if splits is None else int(splits)
+    if S < 1 or (T // BT) % S:
+        raise ValueError(f"splits={S} must divide the {T // BT} tiles of {BT} rows")
+    NT = T // BT // S
+    scratch = [
+        plgpu.SMEM((slots, HALO + BT, BC), x.dtype),
+        plgpu.SMEM((slots, BT, BC), dy.dtype),
+        plgpu.SMEM((slots, W, BT), jnp.float32),
+        plgpu.SMEM((W, BC), jnp.float32),
+        plgpu.SMEM((W, BC), jnp.float32),
+        plgpu.Barrier(num_barriers=4 * slots),
+        plgpu.Barrier(num_barriers=1),
+    ]
+    body = functools.partial(_body, W=W, NT=NT, slots=min(slots, max(NT, 2)))
+    part = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((B, S, W, C), jnp.float32),
+        scratch_types=scratch,
+        grid=(B, C // BC, S),
+        grid_names=("b", "c", "s"),
+        compiler_params=plgpu.CompilerParams(approx_math=False),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(x, dy, w.astype(jnp.float32), masks.astype(jnp.float32))
+    return part.sum(axis=1) if per_batch else part.sum(axis=(0, 1))
