@@ -7,11 +7,13 @@ where m_i[t] (0 or 1) says whether tap i's source token is in t's document. XLA 
 W products over the B*T rows at about a tenth of the HBM bandwidth (a column reduction fused
 with the pre-activation's recomputation); here each program walks a range of rows of one
 (batch, channel block) with W float32 accumulators in registers and sums over rows once at the
-end. x and dy are read once (plus an 8-row halo per tile); a[t] and da[t] are recomputed.
+end. a[t] and da[t] are recomputed from x and dy.
 
-A program takes one (batch, channel block of BC, row split); tiles of BT = 128 rows stream in by
-TMA through a ring of SMEM slots. The halo (the 8 rows before a tile, for the taps that reach
-back) is a second copy; at t = 0 it re-reads rows 0..7, which every mask zeroes.
+A program takes one (batch, channel block of BC, row split); tiles of BT rows stream in by TMA
+through a ring of SMEM slots: dy, the masks, and x once per tap, each copy starting s_i rows
+earlier (the W copies of a tile overlap, so all but one come from L2). Tile 0 of a sequence
+would need rows before t = 0: its masks are zeroed for the kernel and its rows summed by the
+reference instead (1/(T/BT) of the work).
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels.kda.mosaic_state import _smem
+from kernels.short_conv import reference
+
 BT = 128  # rows per TMA tile (two 64-row register tiles)
 SUB = 64  # rows of one WGMMA-layout register tile
-HALO = 8  # rows loaded before each tile: taps reach back at most HALO steps
 BC = 32  # channels per program: W float32 accumulators of [64, BC] stay in registers
-MAX_W = HALO + 1
+MAX_W = 6  # W + 1 tiles per slot: 3 slots of W = 6 use 177 KiB of SMEM at bf16
 
 
 def unsupported_reason(T: int, C: int, W: int, dtype) -> str | None:
@@ -59,14 +63,15 @@ def _body(x_ref, dy_ref, w_ref, m_ref, out_ref, xs, dys, ms, ws, os_, bars, wbar
     t_first = sp * (NT * BT)
     f32 = jnp.float32
     layout = plgpu.Layout.WGMMA
+    n_bar = W + 2
 
     def issue(j, slot):
         t0 = t_first + j * BT
-        plgpu.copy_gmem_to_smem(x_ref.at[b, pl.ds(jnp.maximum(t0 - HALO, 0), HALO), cs],
-                                xs.at[slot, pl.ds(0, HALO)], bars.at[4 * slot])
-        plgpu.copy_gmem_to_smem(x_ref.at[b, pl.ds(t0, BT), cs], xs.at[slot, pl.ds(HALO, BT)], bars.at[4 * slot + 1])
-        plgpu.copy_gmem_to_smem(dy_ref.at[b, pl.ds(t0, BT), cs], dys.at[slot], bars.at[4 * slot + 2])
-        plgpu.copy_gmem_to_smem(m_ref.at[b, :, pl.ds(t0, BT)], ms.at[slot], bars.at[4 * slot + 3])
+        for i in range(W):  # tile 0's rows before t = 0 clamp to row 0: masked, see tap_grads
+            src = x_ref.at[b, pl.ds(jnp.maximum(t0 - (W - 1 - i), 0), BT), cs]
+            plgpu.copy_gmem_to_smem(src, xs.at[slot, i], bars.at[n_bar * slot + i])
+        plgpu.copy_gmem_to_smem(dy_ref.at[b, pl.ds(t0, BT), cs], dys.at[slot], bars.at[n_bar * slot + W])
+        plgpu.copy_gmem_to_smem(m_ref.at[b, :, pl.ds(t0 // SUB, BT // SUB)], ms.at[slot], bars.at[n_bar * slot + W + 1])
 
     for j in range(min(slots - 1, NT)):
         issue(j, j)
@@ -79,17 +84,15 @@ def _body(x_ref, dy_ref, w_ref, m_ref, out_ref, xs, dys, ms, ws, os_, bars, wbar
 
     def step(j, accs):
         slot = lax.rem(j, slots)
-        for k in range(4):
-            plgpu.barrier_wait(bars.at[4 * slot + k])
+        for k in range(n_bar):
+            plgpu.barrier_wait(bars.at[n_bar * slot + k])
         accs = list(accs)
         for h in range(BT // SUB):
-            r0 = HALO + h * SUB
+            r = pl.ds(h * SUB, SUB)
 
             def tap(i):  # x[t - s_i] for the 64 rows of this half, zero where the tap is masked
-                xi = plgpu.load(xs.at[slot, pl.ds(r0 - (W - 1 - i), SUB)], layout=layout).astype(f32)
-                if i == W - 1:
-                    return xi
-                mi = rows(plgpu.load(ms.at[slot, i, pl.ds(h * SUB, SUB)], layout=layout.reduce(1)))
+                xi = plgpu.load(xs.at[slot, i, r], layout=layout).astype(f32)
+                mi = rows(plgpu.load(ms.at[slot, i, h], layout=layout.reduce(1)))  # a whole SMEM row
                 return jnp.where(mi > 0, xi, 0.0)
 
             a = None
@@ -97,7 +100,7 @@ def _body(x_ref, dy_ref, w_ref, m_ref, out_ref, xs, dys, ms, ws, os_, bars, wbar
                 ai = tap(i) * wrow[i]
                 a = ai if a is None else a + ai
             sig = 1.0 / (1.0 + jnp.exp(-a))
-            dy = plgpu.load(dys.at[slot, pl.ds(h * SUB, SUB)], layout=layout).astype(f32)
+            dy = plgpu.load(dys.at[slot, r], layout=layout).astype(f32)
             da = dy * (sig * (1.0 + a * (1.0 - sig)))
             for i in range(W):  # reloaded from SMEM: W held [64, BC] tiles would spill
                 accs[i] = accs[i] + da * tap(i)
@@ -144,16 +147,18 @@ def tap_grads(x, dy, w, masks, *, splits: int | None = None, slots: int = 3, per
     if S < 1 or (T // BT) % S:
         raise ValueError(f"splits={S} must divide the {T // BT} tiles of {BT} rows")
     NT = T // BT // S
+    slots = min(slots, max(NT, 2))
     scratch = [
-        plgpu.SMEM((slots, HALO + BT, BC), x.dtype),
-        plgpu.SMEM((slots, BT, BC), dy.dtype),
-        plgpu.SMEM((slots, W, BT), jnp.float32),
+        _smem((slots, W, BT, BC), x.dtype),
+        _smem((slots, BT, BC), dy.dtype),
+        plgpu.SMEM((slots, W, BT // SUB, SUB), jnp.float32),
         plgpu.SMEM((W, BC), jnp.float32),
         plgpu.SMEM((W, BC), jnp.float32),
-        plgpu.Barrier(num_barriers=4 * slots),
+        plgpu.Barrier(num_barriers=(W + 2) * slots),
         plgpu.Barrier(num_barriers=1),
     ]
-    body = functools.partial(_body, W=W, NT=NT, slots=min(slots, max(NT, 2)))
+    body = functools.partial(_body, W=W, NT=NT, slots=slots)
+    masks = masks.astype(jnp.float32)
     part = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((B, S, W, C), jnp.float32),
@@ -162,5 +167,7 @@ def tap_grads(x, dy, w, masks, *, splits: int | None = None, slots: int = 3, per
         grid_names=("b", "c", "s"),
         compiler_params=plgpu.CompilerParams(approx_math=False),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(x, dy, w.astype(jnp.float32), masks.astype(jnp.float32))
-    return part.sum(axis=1) if per_batch else part.sum(axis=(0, 1))
+    )(x, dy, w.astype(jnp.float32), masks.at[:, :, :BT].set(0.0).reshape(B, W, T // SUB, SUB))
+    head = reference.tap_grads(x[:, :BT], dy[:, :BT], w, masks[:, :, :BT], per_batch=True)  # tile 0
+    part = part.sum(axis=1) + head
+    return part if per_batch else part.sum(axis=0)
