@@ -11,7 +11,10 @@ end. a[t] and da[t] are recomputed from x and dy.
 
 A program takes one (batch, channel block of BC, row split); tiles of BT rows stream in by TMA
 through a ring of SMEM slots: dy, the masks, and x once per tap, each copy starting s_i rows
-earlier (the W copies of a tile overlap, so all but one come from L2). Tile 0 of a sequence
+earlier (the W copies of a tile overlap, so all but one come from L2). The shift is the copy's:
+register loads from SMEM start at multiples of 64 rows only, because on an H200 (jax 0.11.2) a
+WGMMA-layout load from untiled SMEM at a row offset that is not a multiple of 8 returns wrong
+values without an error, and tiled SMEM takes no copy at such a row. Tile 0 of a sequence
 would need rows before t = 0: its masks are zeroed for the kernel and its rows summed by the
 reference instead (1/(T/BT) of the work).
 """
@@ -26,7 +29,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels.kda.mosaic_state import _smem
 from kernels.short_conv import reference
 
 BT = 128  # rows per TMA tile (two 64-row register tiles)
@@ -149,8 +151,8 @@ def tap_grads(x, dy, w, masks, *, splits: int | None = None, slots: int = 3, per
     NT = T // BT // S
     slots = min(slots, max(NT, 2))
     scratch = [
-        _smem((slots, W, BT, BC), x.dtype),
-        _smem((slots, BT, BC), dy.dtype),
+        plgpu.SMEM((slots, W, BT, BC), x.dtype),  # untiled: the copies start at any row
+        plgpu.SMEM((slots, BT, BC), dy.dtype),
         plgpu.SMEM((slots, W, BT // SUB, SUB), jnp.float32),
         plgpu.SMEM((W, BC), jnp.float32),
         plgpu.SMEM((W, BC), jnp.float32),
