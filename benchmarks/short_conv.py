@@ -89,7 +89,7 @@ def run_shape(shape, dtype, segmented, splits_list, slots_list, modes, timer):
                                                                                      interpret=interpret))
             ms, err = attempt(lambda: timer(fn, xf, dyf, wf, masks))
             rows.append(row("kernel", "pallas_gpu", shape, ms, 2 * n * item, err, splits=splits, slots=slots,
-                            default=(splits == default and slots == 3)))
+                            default=(splits == default and slots == pallas_gpu.SLOTS)))
             print(f"{shape} dw pallas_gpu splits={splits} slots={slots}: {ms} ms {err or ''}", flush=True)
     return rows
 
@@ -107,7 +107,7 @@ def main(argv=None):
     p.add_argument("--shapes", default="4x4096x16x128,1x65536x16x128")
     p.add_argument("--modes", default=",".join(layers.CONV_DW_MODES))
     p.add_argument("--splits", default="", help="comma-separated row splits of the kernel (default: its heuristic)")
-    p.add_argument("--slots", default="3", help="comma-separated TMA ring depths")
+    p.add_argument("--slots", default=str(pallas_gpu.SLOTS), help="comma-separated TMA ring depths")
     p.add_argument("--segmented", action="store_true", help="packed documents of mean length 512")
     p.add_argument("--quick", action="store_true", help="one tiny shape (CPU: the kernel interpreted)")
     p.add_argument("--out", help="JSON path (default benchmarks/results/short-conv-<time>.json)")

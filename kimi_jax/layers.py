@@ -293,9 +293,14 @@ def _conv_pre(x, w, masks):
 # "variadic" sums the W taps as one variadic reduction (W accumulators in one pass over the
 # inputs): the layer 10.97 against 11.17 ms, the step 409.3 against 406.3 / 408.5
 # (kda-mixer-profile-screen-*, train-xlaopt-*-h200x2-20261130T1950.json): not adopted either.
-# "pallas_gpu": the Mosaic GPU kernel of `kernels.short_conv` (W float32 accumulators in
-# registers per program, x and dy read once); calls it cannot take (no Hopper GPU, T not a
-# multiple of 128, ...) use "stacked" and say so once in the log. On CPU it runs interpreted.
+# "pallas_gpu": the tap sums by the Mosaic GPU kernel of `kernels.short_conv` (W float32
+# accumulators in registers per program), dx by XLA; calls it cannot take (no Hopper GPU, T not a
+# multiple of 128, ...) use "stacked" and say so once in the log. On CPU it runs interpreted. On
+# an H200 (benchmarks/results/short-conv-h200-20261201T0129.json, 4 x 4096 x 2048 bf16) the kernel
+# takes 0.16-0.18 ms against 0.42 ms for the whole stacked VJP, but the VJP with it is no faster
+# (0.419 ms: XLA's dx fusion then runs alone); in the step, one pair of runs in one call gave
+# 400.9 against 404.2 ms (train-convdw-*-h200-20261201T0129.json), inside the spread of earlier
+# runs of the same defaults (404-410 ms): "stacked" stays the default until more pairs say more.
 CONV_DW_MODES = ("stacked", "per_tap", "variadic", "pallas_gpu")
 CONV_DW = "stacked"
 

@@ -34,6 +34,10 @@ from kernels.short_conv import reference
 BT = 128  # rows per TMA tile (two 64-row register tiles)
 SUB = 64  # rows of one WGMMA-layout register tile
 BC = 32  # channels per program: W float32 accumulators of [64, BC] stay in registers
+# TMA ring depth: 2 was the fastest of 2, 3, 4 at both measured shapes on an H200 (0.156 / 0.179 /
+# 0.181 ms at 4 x 4096 x 2048, 0.390 / 0.443 / 0.431 at 1 x 65536 x 2048;
+# benchmarks/results/short-conv-h200-20261201T0129.json).
+SLOTS = 2
 MAX_W = 6  # W + 1 tiles per slot: 3 slots of W = 6 use 177 KiB of SMEM at bf16
 
 
@@ -126,7 +130,7 @@ def _body(x_ref, dy_ref, w_ref, m_ref, out_ref, xs, dys, ms, ws, os_, bars, wbar
     plgpu.wait_smem_to_gmem(0)
 
 
-def tap_grads(x, dy, w, masks, *, splits: int | None = None, slots: int = 3, per_batch: bool = False,
+def tap_grads(x, dy, w, masks, *, splits: int | None = None, slots: int = SLOTS, per_batch: bool = False,
               interpret: bool = False):
     """x, dy [B, T, C] (bf16, f16 or f32); w [W, C]; masks [B, W, T] float32, 1 where tap i of
     row t reads a token of the same document (row W-1, the current token, is not read).
