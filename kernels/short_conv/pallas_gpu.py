@@ -38,10 +38,17 @@ BC = 32  # channels per program: W float32 accumulators of [64, BC] stay in regi
 # 0.181 ms at 4 x 4096 x 2048, 0.390 / 0.443 / 0.431 at 1 x 65536 x 2048;
 # benchmarks/results/short-conv-h200-20261201T0129.json).
 SLOTS = 2
-MAX_W = 6  # W + 1 tiles per slot: 3 slots of W = 6 use 177 KiB of SMEM at bf16
+MAX_W = 6
+SMEM_LIMIT = 224 * 1024  # the H200's 227 KiB per block, less room for the barriers
 
 
-def unsupported_reason(T: int, C: int, W: int, dtype) -> str | None:
+def smem_bytes(W: int, dtype, slots: int) -> int:
+    """SMEM of one program: per slot W shifted x tiles, a dy tile and the masks; w and the sums."""
+    tile = BT * BC * jnp.dtype(dtype).itemsize
+    return slots * ((W + 1) * tile + W * BT * 4) + 2 * W * BC * 4
+
+
+def unsupported_reason(T: int, C: int, W: int, dtype, slots: int = SLOTS) -> str | None:
     """Why the kernel cannot take x [B, T, C] with W taps (None when it can)."""
     if T % BT:
         return f"T={T} is not a multiple of {BT}"
@@ -51,6 +58,9 @@ def unsupported_reason(T: int, C: int, W: int, dtype) -> str | None:
         return f"kernel_size={W} (the kernel takes 1..{MAX_W})"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
         return f"dtype {jnp.dtype(dtype).name}"
+    if smem_bytes(W, dtype, slots) > SMEM_LIMIT:
+        return (f"{slots} slots of W={W} {jnp.dtype(dtype).name} tiles need {smem_bytes(W, dtype, slots) // 1024} KiB "
+                f"of SMEM (limit {SMEM_LIMIT // 1024})")
     return None
 
 
@@ -141,7 +151,7 @@ def tap_grads(x, dy, w, masks, *, splits: int | None = None, slots: int = SLOTS,
     """
     B, T, C = x.shape
     W = w.shape[0]
-    why = unsupported_reason(T, C, W, x.dtype) or unsupported_reason(T, C, W, dy.dtype)
+    why = unsupported_reason(T, C, W, x.dtype, slots) or unsupported_reason(T, C, W, dy.dtype, slots)
     if why:
         raise ValueError(f"short-conv tap-gradient kernel: {why}")
     if dy.shape != x.shape or w.shape != (W, C) or masks.shape != (B, W, T):
