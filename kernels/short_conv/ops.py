@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from kernels.kda.hopper import device_kind
 from kernels.short_conv import pallas_gpu
@@ -38,12 +40,16 @@ def tap_masks(segment_ids, B: int, T: int, W: int):
 
 
 def unsupported_reason(x, W: int) -> str | None:
-    """Why this call cannot take the kernel (None when it can): the device and the shape."""
+    """Why this call cannot take the kernel (None when it can): the device and each shard's shape."""
     kind = device_kind()
     if kind not in ("hopper", "cpu"):
         return f"no Hopper GPU (device kind {kind!r})"
+    specs = _shard_specs(x)
     C = 1
-    for d in x.shape[2:]:
+    for i, d in enumerate(x.shape[2:], start=2):
+        if specs is not None and specs[1][i] is not None:  # channels of one shard
+            axes = (specs[1][i],) if isinstance(specs[1][i], str) else specs[1][i]
+            d //= math.prod(specs[0].shape[a] for a in axes)
         C *= d
     return pallas_gpu.unsupported_reason(x.shape[1], C, W, x.dtype)
 
@@ -73,21 +79,16 @@ def _per_batch(x, dy, w, masks):
 
 
 def _shard_specs(x):
+    """(mesh, spec of x and dy [B, T, *C]) under a mesh that shards the batch or, for
+    x [B, T, H, D], the heads; else None. w [W, *C] and the partial sums [B, W, *C] follow."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or mesh.size == 1:
         return None
-    from jax.sharding import PartitionSpec as P
-
     from kimi_jax.sharding import spec_for_shape
 
     names = ("act_batch", None, "act_heads", None) if x.ndim == 4 else ("act_batch",) + (None,) * (x.ndim - 1)
     spec = spec_for_shape(names, x.shape, mesh)
-    if all(a is None for a in spec):
-        return None
-    b, h = spec[0], (spec[2] if x.ndim == 4 else None)
-    rest = (None,) * (x.ndim - 2)
-    w_spec = P(None, h, None) if x.ndim == 4 else P(*((None,) * (x.ndim - 1)))
-    return mesh, P(b, None, *spec[2:]), w_spec, P(b, None, None), P(b, None, *(spec[2:] if x.ndim == 4 else rest))
+    return None if all(a is None for a in spec) else (mesh, spec)
 
 
 def tap_grads(x, dy, w, segment_ids=None):
@@ -99,7 +100,8 @@ def tap_grads(x, dy, w, segment_ids=None):
     specs = _shard_specs(x)
     if specs is None:
         return _per_batch(x, dy, w, masks).sum(axis=0)
-    mesh, x_spec, w_spec, m_spec, out_spec = specs
-    run = jax.shard_map(_per_batch, mesh=mesh, in_specs=(x_spec, x_spec, w_spec, m_spec), out_specs=out_spec,
-                        check_vma=False)
+    mesh, xs = specs
+    b, chans = xs[0], tuple(xs[2:])
+    run = jax.shard_map(_per_batch, mesh=mesh, in_specs=(xs, xs, P(None, *chans), P(b, None, None)),
+                        out_specs=P(b, None, *chans), check_vma=False)
     return run(x, dy, w, masks).sum(axis=0)

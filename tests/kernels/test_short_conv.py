@@ -114,6 +114,21 @@ def test_unsupported_call_falls_back_and_says_why(caplog):
     np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
 
 
+def test_shard_shape_decides_the_fallback(caplog):
+    """Heads over "tensor": 2 heads of 16 channels are 32 (a whole block) on one device, 16 per shard."""
+    x, dy, w, seg = _inputs(4, 128, (2, 16), 4, jnp.float32, seed=4)
+    mesh = make_mesh({"data": 2, "tensor": 2, "fsdp": 2})
+    put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
+    xs = P("data", None, "tensor", None)
+    assert ops.unsupported_reason(x, 4) is None
+    ops._say_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=ops.__name__), jax.set_mesh(mesh):
+        assert ops.unsupported_reason(x, 4) == "channels=16 is not a multiple of 32"
+        got = _grads("pallas_gpu", put(x, xs), put(w, P(None, "tensor", None)), None, put(dy, xs))
+    assert "channels=16 is not a multiple of 32" in caplog.text
+    np.testing.assert_allclose(got[1], _grads("stacked", x, w, None, dy)[1], rtol=1e-5, atol=1e-5)
+
+
 def test_bad_arguments_raise():
     x = jnp.zeros((1, 256, 32), jnp.float32)
     m = jnp.ones((1, 4, 256), jnp.float32)
