@@ -8,7 +8,8 @@ Rows:
 - kind "backward": the VJP of `kimi_jax.layers.causal_conv_silu` (dx and dw from x, w, dy; the
   forward's pre-activation recomputed) per mode. Bytes: x and dy read, dx written (3 * B*T*C *
   itemsize), the least any implementation moves.
-- kind "kernel": `kernels.short_conv.pallas_gpu.tap_grads` alone (dw only) per (splits, slots),
+- kind "kernel": `kernels.short_conv.pallas_gpu.tap_grads` alone (dw only) per (channels per
+  program, splits, slots),
   and the reference (`kernels.short_conv.reference`, XLA) beside it. Bytes: x and dy read.
 Times: ms per call with calls queued back to back (`time_jax_stream`), packed documents as
 `benchmarks/train.py` feeds them (one document per row) unless --segmented.
@@ -17,6 +18,7 @@ Times: ms per call with calls queued back to back (`time_jax_stream`), packed do
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -65,7 +67,7 @@ def row(kind, name, shape, ms, nbytes, err=None, **extra):
                 pct_hbm=None if gbps is None else 100 * gbps / (1e3 * PEAK_TBPS), error=err, **extra)
 
 
-def run_shape(shape, dtype, segmented, splits_list, slots_list, modes, timer):
+def run_shape(shape, dtype, segmented, splits_list, slots_list, block_cs, modes, timer):
     B, T, H, D = shape
     x, dy, w, seg = inputs(shape, dtype, segmented)
     n, item = B * T * H * D, jnp.dtype(dtype).itemsize
@@ -82,20 +84,24 @@ def run_shape(shape, dtype, segmented, splits_list, slots_list, modes, timer):
     ms, err = attempt(lambda: timer(ref, xf, dyf, wf, masks))
     rows.append(row("kernel", "reference (XLA)", shape, ms, 2 * n * item, err))
     print(f"{shape} dw reference: {ms} ms {err or ''}", flush=True)
-    default = pallas_gpu.row_splits(B, T, H * D)
-    for splits in splits_list or [default]:
-        for slots in slots_list:
-            fn = jax.jit(lambda a, b, c, d, s=splits, k=slots: pallas_gpu.tap_grads(a, b, c, d, splits=s, slots=k,
-                                                                                     interpret=interpret))
-            ms, err = attempt(lambda: timer(fn, xf, dyf, wf, masks))
-            rows.append(row("kernel", "pallas_gpu", shape, ms, 2 * n * item, err, splits=splits, slots=slots,
-                            default=(splits == default and slots == pallas_gpu.SLOTS)))
-            print(f"{shape} dw pallas_gpu splits={splits} slots={slots}: {ms} ms {err or ''}", flush=True)
+    for bc in block_cs:
+        default = pallas_gpu.row_splits(B, T, H * D, block_c=bc)
+        for splits in splits_list or [default]:
+            for slots in slots_list:
+                fn = jax.jit(functools.partial(pallas_gpu.tap_grads, splits=splits, slots=slots, block_c=bc,
+                                               interpret=interpret))
+                ms, err = attempt(lambda: timer(fn, xf, dyf, wf, masks))
+                rows.append(row("kernel", "pallas_gpu", shape, ms, 2 * n * item, err, splits=splits, slots=slots,
+                                block_c=bc, default=(splits == default and slots == pallas_gpu.SLOTS
+                                                     and bc == pallas_gpu.BC)))
+                print(f"{shape} dw pallas_gpu block_c={bc} splits={splits} slots={slots}: {ms} ms {err or ''}",
+                      flush=True)
     return rows
 
 
 def report(rows) -> str:
-    out = [[r["kind"], r["name"] + (f" (splits {r['splits']}, slots {r['slots']})" if "splits" in r else ""),
+    out = [[r["kind"], r["name"] + (f" ({r['block_c']} ch, splits {r['splits']}, slots {r['slots']})" if "splits" in r
+                                    else ""),
             "x".join(map(str, r["shape"])), "–" if r["ms"] is None else f"{r['ms']:.3f}",
             "–" if r["gbps"] is None else f"{r['gbps']:.0f} ({r['pct_hbm']:.0f}%)", (r["error"] or "")[:60]]
            for r in rows]
@@ -108,6 +114,8 @@ def main(argv=None):
     p.add_argument("--modes", default=",".join(layers.CONV_DW_MODES))
     p.add_argument("--splits", default="", help="comma-separated row splits of the kernel (default: its heuristic)")
     p.add_argument("--slots", default=str(pallas_gpu.SLOTS), help="comma-separated TMA ring depths")
+    p.add_argument("--block_c", default=str(pallas_gpu.BC), help="comma-separated channels per program "
+                                                               f"(of {pallas_gpu.BLOCK_CS})")
     p.add_argument("--segmented", action="store_true", help="packed documents of mean length 512")
     p.add_argument("--quick", action="store_true", help="one tiny shape (CPU: the kernel interpreted)")
     p.add_argument("--out", help="JSON path (default benchmarks/results/short-conv-<time>.json)")
@@ -119,10 +127,11 @@ def main(argv=None):
             raise ValueError(f"--modes: {m!r} is not one of {layers.CONV_DW_MODES}")
     splits = [int(s) for s in a.splits.split(",") if s]
     slots = [int(s) for s in a.slots.split(",") if s]
+    block_cs = [int(s) for s in a.block_c.split(",") if s]
     timer = (lambda f, *args: time_jax_stream(f, *args, warmup=1, iters=2, bursts=1)) if a.quick else time_jax_stream
     result = dict(env=environment(), dtype="bfloat16", kernel_size=W, segmented=a.segmented, rows=[])
     for shape in shapes:
-        result["rows"] += run_shape(shape, jnp.bfloat16, a.segmented, splits, slots, modes, timer)
+        result["rows"] += run_shape(shape, jnp.bfloat16, a.segmented, splits, slots, block_cs, modes, timer)
         result["markdown"] = report(result["rows"])
         path = write_json(result, a.out, "short-conv")
     print(result["markdown"])

@@ -33,7 +33,8 @@ from kernels.short_conv import reference
 
 BT = 128  # rows per TMA tile (two 64-row register tiles)
 SUB = 64  # rows of one WGMMA-layout register tile
-BC = 32  # channels per program: W float32 accumulators of [64, BC] stay in registers
+BC = 32  # channels per program (default): W float32 accumulators of [64, BC] stay in registers
+BLOCK_CS = (32, 64)  # 64: twice the registers per thread, half the copies per byte
 # TMA ring depth: 2 was the fastest of 2, 3, 4 at both measured shapes on an H200 (0.156 / 0.179 /
 # 0.181 ms at 4 x 4096 x 2048, 0.390 / 0.443 / 0.431 at 1 x 65536 x 2048;
 # benchmarks/results/short-conv-h200-20261201T0129.json).
@@ -42,38 +43,40 @@ MAX_W = 6
 SMEM_LIMIT = 224 * 1024  # the H200's 227 KiB per block, less room for the barriers
 
 
-def smem_bytes(W: int, dtype, slots: int) -> int:
+def smem_bytes(W: int, dtype, slots: int, block_c: int = BC) -> int:
     """SMEM of one program: per slot W shifted x tiles, a dy tile and the masks; w and the sums."""
-    tile = BT * BC * jnp.dtype(dtype).itemsize
-    return slots * ((W + 1) * tile + W * BT * 4) + 2 * W * BC * 4
+    tile = BT * block_c * jnp.dtype(dtype).itemsize
+    return slots * ((W + 1) * tile + W * BT * 4) + 2 * W * block_c * 4
 
 
-def unsupported_reason(T: int, C: int, W: int, dtype, slots: int = SLOTS) -> str | None:
+def unsupported_reason(T: int, C: int, W: int, dtype, slots: int = SLOTS, block_c: int = BC) -> str | None:
     """Why the kernel cannot take x [B, T, C] with W taps (None when it can)."""
     if T % BT:
         return f"T={T} is not a multiple of {BT}"
-    if C % BC:
-        return f"channels={C} is not a multiple of {BC}"
+    if block_c not in BLOCK_CS:
+        return f"block_c={block_c} (the kernel takes {BLOCK_CS})"
+    if C % block_c:
+        return f"channels={C} is not a multiple of {block_c}"
     if not 1 <= W <= MAX_W:
         return f"kernel_size={W} (the kernel takes 1..{MAX_W})"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
         return f"dtype {jnp.dtype(dtype).name}"
-    if smem_bytes(W, dtype, slots) > SMEM_LIMIT:
-        return (f"{slots} slots of W={W} {jnp.dtype(dtype).name} tiles need {smem_bytes(W, dtype, slots) // 1024} KiB "
+    if smem_bytes(W, dtype, slots, block_c) > SMEM_LIMIT:
+        return (f"{slots} slots of W={W} {jnp.dtype(dtype).name} tiles need {smem_bytes(W, dtype, slots, block_c) // 1024} KiB "
                 f"of SMEM (limit {SMEM_LIMIT // 1024})")
     return None
 
 
-def row_splits(B: int, T: int, C: int, sms: int = 132) -> int:
+def row_splits(B: int, T: int, C: int, sms: int = 132, block_c: int = BC) -> int:
     """Row splits per (batch, channel block): enough programs for about two per SM, and at least
     four tiles per program so the TMA ring stays full."""
-    want = -(-2 * sms // (B * (C // BC)))
+    want = -(-2 * sms // (B * (C // block_c)))
     tiles = T // BT
     divisors = [n for n in range(1, max(tiles // 4, 1) + 1) if tiles % n == 0]  # whole tiles per split
     return next((n for n in divisors if n >= want), divisors[-1])
 
 
-def _body(x_ref, dy_ref, w_ref, m_ref, out_ref, xs, dys, ms, ws, os_, bars, wbar, *, W, NT, slots):
+def _body(x_ref, dy_ref, w_ref, m_ref, out_ref, xs, dys, ms, ws, os_, bars, wbar, *, W, NT, slots, BC):
     b, c, sp = lax.axis_index("b"), lax.axis_index("c"), lax.axis_index("s")
     cs = pl.ds(c * BC, BC)
     t_first = sp * (NT * BT)
@@ -140,46 +143,49 @@ def _body(x_ref, dy_ref, w_ref, m_ref, out_ref, xs, dys, ms, ws, os_, bars, wbar
     plgpu.wait_smem_to_gmem(0)
 
 
-def tap_grads(x, dy, w, masks, *, splits: int | None = None, slots: int = SLOTS, per_batch: bool = False,
-              interpret: bool = False):
+def tap_grads(x, dy, w, masks, *, splits: int | None = None, slots: int = SLOTS, block_c: int = BC,
+              per_batch: bool = False, interpret: bool = False):
     """x, dy [B, T, C] (bf16, f16 or f32); w [W, C]; masks [B, W, T] float32, 1 where tap i of
     row t reads a token of the same document (row W-1, the current token, is not read).
 
     Returns dw [W, C] float32: sum over B, T of dy * silu'(a) * x[t - (W-1-i)] * masks[:, i]
     ([B, W, C], the sum over T only, with `per_batch`). `splits` row ranges per (batch, channel
-    block) (default `row_splits`); `slots` SMEM slots of the TMA ring.
+    block) (default `row_splits`); `slots` SMEM slots of the TMA ring; `block_c` channels per
+    program (one of BLOCK_CS).
     """
     B, T, C = x.shape
     W = w.shape[0]
-    why = unsupported_reason(T, C, W, x.dtype, slots) or unsupported_reason(T, C, W, dy.dtype, slots)
+    if slots < 2:
+        raise ValueError(f"tap_grads needs slots >= 2; got {slots}")
+    S = None
+    if T % BT == 0 and block_c in BLOCK_CS and C % block_c == 0:
+        S = row_splits(B, T, C, block_c=block_c) if splits is None else int(splits)
+        if S < 1 or (T // BT) % S:
+            raise ValueError(f"splits={S} must divide the {T // BT} tiles of {BT} rows")
+        slots = min(slots, max(T // BT // S, 2))  # no more slots than tiles
+    why = unsupported_reason(T, C, W, x.dtype, slots, block_c) or unsupported_reason(T, C, W, dy.dtype, slots, block_c)
     if why:
         raise ValueError(f"short-conv tap-gradient kernel: {why}")
     if dy.shape != x.shape or w.shape != (W, C) or masks.shape != (B, W, T):
         raise ValueError(f"tap_grads: x {x.shape}, dy {dy.shape}, w {w.shape}, masks {masks.shape}; expected "
                          f"dy = x's shape, w [W, {C}], masks [{B}, W, {T}]")
-    if slots < 2:
-        raise ValueError(f"tap_grads needs slots >= 2; got {slots}")
-    S = row_splits(B, T, C) if splits is None else int(splits)
-    if S < 1 or (T // BT) % S:
-        raise ValueError(f"splits={S} must divide the {T // BT} tiles of {BT} rows")
     NT = T // BT // S
-    slots = min(slots, max(NT, 2))
     scratch = [
-        plgpu.SMEM((slots, W, BT, BC), x.dtype),  # untiled: the copies start at any row
-        plgpu.SMEM((slots, BT, BC), dy.dtype),
+        plgpu.SMEM((slots, W, BT, block_c), x.dtype),  # untiled: the copies start at any row
+        plgpu.SMEM((slots, BT, block_c), dy.dtype),
         plgpu.SMEM((slots, W, BT // SUB, SUB), jnp.float32),
-        plgpu.SMEM((W, BC), jnp.float32),
-        plgpu.SMEM((W, BC), jnp.float32),
+        plgpu.SMEM((W, block_c), jnp.float32),
+        plgpu.SMEM((W, block_c), jnp.float32),
         plgpu.Barrier(num_barriers=(W + 2) * slots),
         plgpu.Barrier(num_barriers=1),
     ]
-    body = functools.partial(_body, W=W, NT=NT, slots=slots)
+    body = functools.partial(_body, W=W, NT=NT, slots=slots, BC=block_c)
     masks = masks.astype(jnp.float32)
     part = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((B, S, W, C), jnp.float32),
         scratch_types=scratch,
-        grid=(B, C // BC, S),
+        grid=(B, C // block_c, S),
         grid_names=("b", "c", "s"),
         compiler_params=plgpu.CompilerParams(approx_math=False),
         interpret=plgpu.InterpretGPUParams() if interpret else None,

@@ -50,13 +50,15 @@ def test_kernel_matches_xla_tap_sums(W, chans, dtype, segmented):
     assert float(jnp.max(jnp.abs(dw_ref))) > 1.0  # a real signal, not two zero arrays
 
 
-@pytest.mark.parametrize("splits,slots,dtype", [(1, 2, jnp.float32), (3, 3, jnp.bfloat16), (1, 4, jnp.bfloat16)])
-def test_splits_and_slots(splits, slots, dtype):
-    """Row splits and TMA ring depths give the same sums (3 tiles: one split of 3, three of 1)."""
-    B, T, C, W = 1, 384, 32, 4
+@pytest.mark.parametrize("splits,slots,block_c,dtype", [(1, 2, 32, jnp.float32), (3, 3, 32, jnp.bfloat16),
+                                                         (1, 4, 32, jnp.bfloat16), (3, 2, 64, jnp.bfloat16)])
+def test_splits_slots_and_channel_blocks(splits, slots, block_c, dtype):
+    """Row splits, TMA ring depths and channels per program give the same sums (3 tiles: one split
+    of 3, three of 1; 128 channels: four blocks of 32 or two of 64)."""
+    B, T, C, W = 1, 384, 128, 4
     x, dy, w, seg = _inputs(B, T, (C,), W, dtype, seed=7, segmented=True)
     masks = ops.tap_masks(seg, B, T, W)
-    got = pallas_gpu.tap_grads(x, dy, w, masks, splits=splits, slots=slots, interpret=True)
+    got = pallas_gpu.tap_grads(x, dy, w, masks, splits=splits, slots=slots, block_c=block_c, interpret=True)
     want = _grads("stacked", x, w, seg, dy)[1]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5 * float(jnp.max(jnp.abs(want))))
 
@@ -142,9 +144,14 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="multiple of 32"):
         pallas_gpu.tap_grads(x[..., :16], x[..., :16], w[:, :16], m, interpret=True)
     assert pallas_gpu.unsupported_reason(256, 32, 10, jnp.float32).startswith("kernel_size=10")
-    with pytest.raises(ValueError, match="KiB of SMEM"):  # 4 slots of float32 tiles: 329 KiB
-        pallas_gpu.tap_grads(x, x, w, m, slots=4, interpret=True)
+    x8, m8 = jnp.zeros((1, 1024, 32), jnp.float32), jnp.ones((1, 4, 1024), jnp.float32)  # 8 tiles
+    with pytest.raises(ValueError, match="need 329 KiB of SMEM"):  # 4 slots of float32 tiles
+        pallas_gpu.tap_grads(x8, x8, w, m8, splits=1, slots=4, interpret=True)
     assert pallas_gpu.unsupported_reason(256, 32, 4, jnp.bfloat16, slots=4) is None
+    with pytest.raises(ValueError, match=r"block_c=48 \(the kernel takes \(32, 64\)\)"):
+        pallas_gpu.tap_grads(x, x, w, m, block_c=48, interpret=True)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        pallas_gpu.tap_grads(x, x, w, m, block_c=64, interpret=True)
 
 
 def test_row_splits_fill_the_gpu():
