@@ -13,7 +13,7 @@ Rows: device count x remat policy (kimi_jax/remat.py) x sequences per device, or
 (`devices:remat:batch[:settings]`, the settings `key=value` joined by "/": `mesh=data|fsdp`, the
 mesh axis the devices form (data parallel, or FSDP: parameters and optimizer state sharded,
 gathered per use), the KDA kernel module settings (`kernels.kda.chunk.SETTINGS`: `diag`, `rows`,
-`scores`, ...), the short conv backward's tap sums `conv_dw=stacked|per_tap|variadic|pallas_gpu` and the
+`scores`, ...), the short conv backward's tap sums `conv_dw=stacked|per_tap|variadic|pallas_gpu|pallas_gpu_da` and the
 recurrent mixers' activation `layout=xla|row_major`, the GLUs' and the norms' backward
 `glu_vjp=autodiff|recompute`, `norm_vjp=autodiff|recompute`, read while the row is traced; `benchmarks/train_settings.py`). Every
 phase is timed apart and printed as it ends: step lowering and compile (`.lower(...).compile()`

@@ -301,7 +301,11 @@ def _conv_pre(x, w, masks):
 # (0.419 ms: XLA's dx fusion then runs alone); in the step, one pair of runs in one call gave
 # 400.9 against 404.2 ms (train-convdw-*-h200-20261201T0129.json), inside the spread of earlier
 # runs of the same defaults (404-410 ms): "stacked" stays the default until more pairs say more.
-CONV_DW_MODES = ("stacked", "per_tap", "variadic", "pallas_gpu")
+# "pallas_gpu_da": da = dy * silu'(a) written once by XLA (an optimization barrier keeps the dx
+# fusion from recomputing it at each tap's offset), dx from da, the kernel reading da instead of
+# recomputing it (untimed).
+CONV_DW_MODES = ("stacked", "per_tap", "variadic", "pallas_gpu", "pallas_gpu_da")
+_KERNEL_MODES = ("pallas_gpu", "pallas_gpu_da")
 CONV_DW = "stacked"
 
 
@@ -353,7 +357,7 @@ def _ccs_bwd(res, dy):
     x, w, segment_ids = res
     W = w.shape[0]
     mode = read_setting(sys.modules[__name__], "CONV_DW", CONV_DW_MODES)
-    if mode == "pallas_gpu":
+    if mode in _KERNEL_MODES:
         from kernels.short_conv import ops as conv_ops
 
         mode = "stacked" if conv_ops.fallback_reason(x, W) else mode
@@ -361,17 +365,21 @@ def _ccs_bwd(res, dy):
     a = _conv_pre(x, w, masks)
     sig = jax.nn.sigmoid(a)
     da = dy.astype(jnp.float32) * (sig * (1.0 + a * (1.0 - sig)))  # d silu(a) / da
+    if mode == "pallas_gpu_da":
+        da = jax.lax.optimization_barrier(da)
     wf = w.astype(jnp.float32)
     dx, prods = None, []
     for i in range(W):
         s = W - 1 - i
         dai = da if masks[i] is None else jnp.where(masks[i], da, 0.0)
-        if mode != "pallas_gpu":  # the kernel recomputes da from x and dy itself
+        if mode not in _KERNEL_MODES:
             prods.append(dai * _shift(x, s).astype(jnp.float32))
         c = _shift(dai, -s) * wf[i]  # dx[t] += w[i] * da[t + s] (masked at t + s)
         dx = c if dx is None else dx + c
-    if mode == "pallas_gpu":
+    if mode == "pallas_gpu":  # the kernel recomputes da from x and dy
         dw = conv_ops.tap_grads(x, dy, w, segment_ids)
+    elif mode == "pallas_gpu_da":
+        dw = conv_ops.tap_grads(x, da, w, segment_ids, from_da=True)
     elif mode == "per_tap":  # W sibling reductions over B, T
         dw = jnp.stack([jnp.sum(p, axis=(0, 1)) for p in prods])
     elif mode == "variadic":  # one reduction over B, T with W accumulators

@@ -68,13 +68,13 @@ def fallback_reason(x, W: int) -> str | None:
     return why
 
 
-def _per_batch(x, dy, w, masks):
+def _per_batch(x, dy, w, masks, *, from_da):
     """[B_local, W, *C] partial sums of one shard."""
     B, T = x.shape[:2]
     chans = x.shape[2:]
     flat = lambda a: a.reshape(a.shape[:2] + (-1,))
-    part = pallas_gpu.tap_grads(flat(x), flat(dy), w.reshape(w.shape[0], -1), masks, per_batch=True,
-                                interpret=device_kind() == "cpu")
+    part = pallas_gpu.tap_grads(flat(x), flat(dy), w.reshape(w.shape[0], -1), masks, from_da=from_da,
+                                per_batch=True, interpret=device_kind() == "cpu")
     return part.reshape((B, w.shape[0]) + chans)
 
 
@@ -91,17 +91,18 @@ def _shard_specs(x):
     return None if all(a is None for a in spec) else (mesh, spec)
 
 
-def tap_grads(x, dy, w, segment_ids=None):
+def tap_grads(x, dy, w, segment_ids=None, *, from_da: bool = False):
     """dw [W, *C] float32 = sum over B, T of dy * silu'(a) * (x shifted by each tap), masked as the
-    forward masks; the caller has checked `fallback_reason(x, W)` is None."""
+    forward masks (`from_da`: dy is da = dy * silu'(a) already); the caller has checked
+    `fallback_reason(x, W)` is None."""
     B, T = x.shape[:2]
     W = w.shape[0]
     masks = tap_masks(segment_ids, B, T, W)
     specs = _shard_specs(x)
     if specs is None:
-        return _per_batch(x, dy, w, masks).sum(axis=0)
+        return _per_batch(x, dy, w, masks, from_da=from_da).sum(axis=0)
     mesh, xs = specs
     b, chans = xs[0], tuple(xs[2:])
-    run = jax.shard_map(_per_batch, mesh=mesh, in_specs=(xs, xs, P(None, *chans), P(b, None, None)),
+    run = jax.shard_map(functools.partial(_per_batch, from_da=from_da), mesh=mesh, in_specs=(xs, xs, P(None, *chans), P(b, None, None)),
                         out_specs=P(b, None, *chans), check_vma=False)
     return run(x, dy, w, masks).sum(axis=0)

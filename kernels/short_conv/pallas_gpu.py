@@ -76,7 +76,7 @@ def row_splits(B: int, T: int, C: int, sms: int = 132, block_c: int = BC) -> int
     return next((n for n in divisors if n >= want), divisors[-1])
 
 
-def _body(x_ref, dy_ref, w_ref, m_ref, out_ref, xs, dys, ms, ws, os_, bars, wbar, *, W, NT, slots, BC):
+def _body(x_ref, dy_ref, w_ref, m_ref, out_ref, xs, dys, ms, ws, os_, bars, wbar, *, W, NT, slots, BC, from_da):
     b, c, sp = lax.axis_index("b"), lax.axis_index("c"), lax.axis_index("s")
     cs = pl.ds(c * BC, BC)
     t_first = sp * (NT * BT)
@@ -114,13 +114,16 @@ def _body(x_ref, dy_ref, w_ref, m_ref, out_ref, xs, dys, ms, ws, os_, bars, wbar
                 mi = rows(plgpu.load(ms.at[slot, i, h], layout=layout.reduce(1)))  # a whole SMEM row
                 return jnp.where(mi > 0, xi, 0.0)
 
-            a = None
-            for i in range(W):
-                ai = tap(i) * wrow[i]
-                a = ai if a is None else a + ai
-            sig = 1.0 / (1.0 + jnp.exp(-a))
             dy = plgpu.load(dys.at[slot, r], layout=layout).astype(f32)
-            da = dy * (sig * (1.0 + a * (1.0 - sig)))
+            if from_da:
+                da = dy
+            else:
+                a = None
+                for i in range(W):
+                    ai = tap(i) * wrow[i]
+                    a = ai if a is None else a + ai
+                sig = 1.0 / (1.0 + jnp.exp(-a))
+                da = dy * (sig * (1.0 + a * (1.0 - sig)))
             for i in range(W):  # reloaded from SMEM: W held [64, BC] tiles would spill
                 accs[i] = accs[i] + da * tap(i)
         nxt = j + slots - 1
@@ -144,14 +147,15 @@ def _body(x_ref, dy_ref, w_ref, m_ref, out_ref, xs, dys, ms, ws, os_, bars, wbar
 
 
 def tap_grads(x, dy, w, masks, *, splits: int | None = None, slots: int = SLOTS, block_c: int = BC,
-              per_batch: bool = False, interpret: bool = False):
+              from_da: bool = False, per_batch: bool = False, interpret: bool = False):
     """x, dy [B, T, C] (bf16, f16 or f32); w [W, C]; masks [B, W, T] float32, 1 where tap i of
     row t reads a token of the same document (row W-1, the current token, is not read).
 
     Returns dw [W, C] float32: sum over B, T of dy * silu'(a) * x[t - (W-1-i)] * masks[:, i]
     ([B, W, C], the sum over T only, with `per_batch`). `splits` row ranges per (batch, channel
     block) (default `row_splits`); `slots` SMEM slots of the TMA ring; `block_c` channels per
-    program (one of BLOCK_CS).
+    program (one of BLOCK_CS). `from_da`: the second operand is da = dy * silu'(a) itself (any
+    float dtype; float32 keeps the XLA forms' rounding), so the kernel does not recompute a.
     """
     B, T, C = x.shape
     W = w.shape[0]
@@ -179,7 +183,7 @@ def tap_grads(x, dy, w, masks, *, splits: int | None = None, slots: int = SLOTS,
         plgpu.Barrier(num_barriers=(W + 2) * slots),
         plgpu.Barrier(num_barriers=1),
     ]
-    body = functools.partial(_body, W=W, NT=NT, slots=slots, BC=block_c)
+    body = functools.partial(_body, W=W, NT=NT, slots=slots, BC=block_c, from_da=from_da)
     masks = masks.astype(jnp.float32)
     part = plgpu.kernel(
         body,
@@ -190,6 +194,6 @@ def tap_grads(x, dy, w, masks, *, splits: int | None = None, slots: int = SLOTS,
         compiler_params=plgpu.CompilerParams(approx_math=False),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(x, dy, w.astype(jnp.float32), masks.at[:, :, :BT].set(0.0).reshape(B, W, T // SUB, SUB))
-    head = reference.tap_grads(x[:, :BT], dy[:, :BT], w, masks[:, :, :BT], per_batch=True)  # tile 0
+    head = reference.tap_grads(x[:, :BT], dy[:, :BT], w, masks[:, :, :BT], from_da=from_da, per_batch=True)  # tile 0
     part = part.sum(axis=1) + head
     return part if per_batch else part.sum(axis=0)

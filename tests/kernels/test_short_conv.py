@@ -35,16 +35,17 @@ def _same_dx(dx, dx_ref):
     np.testing.assert_allclose(np.asarray(dx, np.float32), np.asarray(dx_ref, np.float32), rtol=rtol, atol=rtol)
 
 
+@pytest.mark.parametrize("mode", ["pallas_gpu", "pallas_gpu_da"])
 @pytest.mark.parametrize("W,chans,dtype,segmented", [
     (4, (2, 32), jnp.bfloat16, True),
     (4, (64,), jnp.float32, False),
     (2, (2, 32), jnp.float32, True),
     (1, (32,), jnp.bfloat16, False),
 ])
-def test_kernel_matches_xla_tap_sums(W, chans, dtype, segmented):
+def test_kernel_matches_xla_tap_sums(W, chans, dtype, segmented, mode):
     x, dy, w, seg = _inputs(2, 256, chans, W, dtype, seed=W, segmented=segmented)
     dx_ref, dw_ref = _grads("stacked", x, w, seg, dy)
-    dx, dw = _grads("pallas_gpu", x, w, seg, dy)
+    dx, dw = _grads(mode, x, w, seg, dy)
     _same_dx(dx, dx_ref)
     np.testing.assert_allclose(dw, dw_ref, rtol=1e-5, atol=2e-4 * float(jnp.max(jnp.abs(dw_ref))))
     assert float(jnp.max(jnp.abs(dw_ref))) > 1.0  # a real signal, not two zero arrays
@@ -88,9 +89,9 @@ def test_on_a_mesh_matches_one_device(monkeypatch):
     """
     calls = []
 
-    def per_shard(x, dy, w, masks, *, per_batch, interpret):
+    def per_shard(x, dy, w, masks, *, from_da, per_batch, interpret):
         calls.append(x.shape)
-        return reference.tap_grads(x, dy, w, masks, per_batch=per_batch)
+        return reference.tap_grads(x, dy, w, masks, from_da=from_da, per_batch=per_batch)
 
     monkeypatch.setattr(pallas_gpu, "tap_grads", per_shard)
     x, dy, w, seg = _inputs(4, 128, (4, 32), 4, jnp.float32, seed=3, segmented=True)
@@ -162,11 +163,12 @@ def test_row_splits_fill_the_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["pallas_gpu", "pallas_gpu_da"])
 @pytest.mark.parametrize("segmented", [False, True])
-def test_gpu_real_shape(segmented):
+def test_gpu_real_shape(segmented, mode):
     """The KDA layer's shape in configs/k3_1b3_dense.py: [4, 4096, 16, 128] bf16."""
     x, dy, w, seg = _inputs(4, 4096, (16, 128), 4, jnp.bfloat16, seed=11, segmented=segmented)
     dx_ref, dw_ref = _grads("stacked", x, w, seg, dy)
-    dx, dw = _grads("pallas_gpu", x, w, seg, dy)
+    dx, dw = _grads(mode, x, w, seg, dy)
     _same_dx(dx, dx_ref)
     np.testing.assert_allclose(dw, dw_ref, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(dw_ref))))
