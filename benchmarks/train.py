@@ -13,9 +13,11 @@ Rows: device count x remat policy (kimi_jax/remat.py) x sequences per device, or
 (`devices:remat:batch[:settings]`, the settings `key=value` joined by "/": `mesh=data|fsdp`, the
 mesh axis the devices form (data parallel, or FSDP: parameters and optimizer state sharded,
 gathered per use), the KDA kernel module settings (`kernels.kda.chunk.SETTINGS`: `diag`, `rows`,
-`scores`, ...), the short conv backward's tap sums `conv_dw=stacked|per_tap|variadic|pallas_gpu|pallas_gpu_da` and the
-recurrent mixers' activation `layout=xla|row_major`, the GLUs' and the norms' backward
-`glu_vjp=autodiff|recompute`, `norm_vjp=autodiff|recompute`, read while the row is traced; `benchmarks/train_settings.py`). Every
+`scores`, ...), the short conv backward's tap sums
+`conv_dw=stacked|per_tap|variadic|pallas_gpu|pallas_gpu_da`, the recurrent mixers' activation
+`layout=xla|row_major`, the GLUs' and the norms' backward `glu_vjp=autodiff|recompute`,
+`norm_vjp=autodiff|recompute`, the attention-residual reads' outputs `attn_res_out=xla|saved`,
+read while the row is traced; `benchmarks/train_settings.py`). Every
 phase is timed apart and printed as it ends: step lowering and compile (`.lower(...).compile()`
 on abstract inputs; each row compiles in a thread while the next is traced, and nothing runs
 before all are compiled, so compiles do not disturb timings), the state's initialisation, the

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 
 from kernels.kda import chunk
-from kimi_jax import ffn, layers
+from kimi_jax import attn_res, ffn, layers
 from kimi_jax.attention import common as attention_common
 
 MESH_AXES = ("data", "fsdp")  # the axis a row's devices form
@@ -18,6 +18,7 @@ MODEL_SETTINGS = {
     "layout": (attention_common.ACTIVATION_LAYOUTS, attention_common.activation_layout),  # recurrent mixers
     "glu_vjp": (ffn.GLU_VJP_MODES, ffn.glu_vjp),  # the GLUs' backward
     "norm_vjp": (layers.NORM_VJP_MODES, layers.norm_vjp),  # the norms' backward
+    "attn_res_out": (attn_res.READ_OUT_MODES, attn_res.read_out),  # attention-residual reads' outputs
 }
 
 

@@ -18,12 +18,26 @@ Reads mix across depth only, never across time, so decoding one token needs no e
 from __future__ import annotations
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kimi_jax.layers import param, rms_normalize
+from kimi_jax.layers import param, read_setting, rms_normalize, traced_setting
+
+# What the backward may do with a read's output (read while tracing; `read_out(mode)` sets it for
+# a block): "xla" leaves it to XLA, which in the 1.3B step's profile recomputes a read from its
+# sources inside a backward fusion (one fusion of 5.8 ms at 464 GB/s reads about 40 source-sized
+# arrays; train-profile-h200-20261130T2221.json); "saved" puts the output behind an optimization
+# barrier, so the backward reads the one stored copy instead (untimed).
+READ_OUT = "xla"
+READ_OUT_MODES = ("xla", "saved")
+
+
+def read_out(mode: str | None):
+    """Within the block, trace the read sites' outputs as `mode` says (None: unchanged)."""
+    return traced_setting(sys.modules[__name__], "READ_OUT", READ_OUT_MODES, mode)
 
 
 def read_reference(sources, w, eps: float):
@@ -104,7 +118,10 @@ class AttnResRead(nnx.Module):
         if len(dims) != 1:
             raise ValueError(f"AttnResRead sources must share one shape; got {sorted(dims)}")
         w = self.norm[...].astype(jnp.float32) * self.query[...].astype(jnp.float32)
-        return read(tuple(sources), w, self.eps).astype(self.dtype)
+        out = read(tuple(sources), w, self.eps).astype(self.dtype)
+        if read_setting(sys.modules[__name__], "READ_OUT", READ_OUT_MODES) == "saved":
+            out = jax.lax.optimization_barrier(out)
+        return out
 
 
 class PlainStream:

@@ -64,3 +64,30 @@ def test_sources_of_different_shapes_are_an_error():
     site = AttnResRead(8, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="share one shape"):
         site([jnp.zeros((2, 8)), jnp.zeros((3, 8))])
+
+
+def test_saved_read_output_is_behind_a_barrier_with_the_same_values():
+    """attn_res.read_out("saved"): the output passes an optimization barrier (in the forward and
+    the backward program), values and gradients unchanged; a bad mode raises."""
+    from kimi_jax import attn_res
+
+    site = AttnResRead(16, rngs=nnx.Rngs(0))
+    site.query[...] = jax.random.normal(jax.random.PRNGKey(3), (16,))
+    sources, _, g = _inputs(3, (2, 5, 16), jnp.float32, seed=4)
+    graphdef, state = nnx.split(site)
+
+    def loss(state, src):
+        return jnp.sum(nnx.merge(graphdef, state)(list(src)) * g)
+
+    results = {}
+    for mode in attn_res.READ_OUT_MODES:
+        grad = jax.value_and_grad(lambda *a: loss(*a), argnums=(0, 1))  # a new function: traced afresh
+        with attn_res.read_out(mode):
+            text = str(jax.make_jaxpr(grad)(state, sources))
+            results[mode] = grad(state, sources)
+        assert ("optimization_barrier" in text) == (mode == "saved")
+    for a, b in zip(jax.tree.leaves(results["saved"]), jax.tree.leaves(results["xla"])):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="READ_OUT='kept'"):
+        with attn_res.read_out("kept"):
+            pass
