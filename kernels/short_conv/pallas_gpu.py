@@ -149,7 +149,7 @@ def _body(x_ref, dy_ref, w_ref, m_ref, out_ref, xs, dys, ms, ws, os_, bars, wbar
 def tap_grads(x, dy, w, masks, *, splits: int | None = None, slots: int = SLOTS, block_c: int = BC,
               from_da: bool = False, per_batch: bool = False, interpret: bool = False):
     """x, dy [B, T, C] (bf16, f16 or f32); w [W, C]; masks [B, W, T] float32, 1 where tap i of
-    row t reads a token of the same document (row W-1, the current token, is not read).
+    row t reads a token of row t's document (`ops.tap_masks`).
 
     Returns dw [W, C] float32: sum over B, T of dy * silu'(a) * x[t - (W-1-i)] * masks[:, i]
     ([B, W, C], the sum over T only, with `per_batch`). `splits` row ranges per (batch, channel
