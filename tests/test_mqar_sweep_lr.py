@@ -66,10 +66,13 @@ def test_widths_restricts_the_grid_and_keeps_trial_names():
 
 
 def test_gpu_long_grid():
-    """Every mixer x d_model {64, 128} x the four settings, lr 3e-3, 12000 steps (the softmax_forms
-    budget); widths= and settings= pick pieces with the full grid's trial names."""
+    """Every mixer x d_model {64, 128, 256} x the four settings, lr 3e-3, 12000 steps (the
+    softmax_forms budget); widths= and settings= pick pieces with the full grid's trial names."""
     full = {t.name: t for t in _trials("gpu_long")}
-    assert len(full) == 6 * 2 * 4
+    assert len(full) == 6 * 3 * 4
+    wide = _trials("gpu_long,widths=256,settings=64x4")
+    assert len(wide) == 6 and all(t.name in full for t in wide)
+    assert all(mqar.get_config(t.config.split(":", 1)[1]).model.d_model == 256 for t in wide)
     piece = _trials("gpu_long,widths=64,settings=256x16")
     assert len(piece) == 6 and {t.point["mixer"] for t in piece} == set(mqar.ABLATION_MIXERS)
     for t in piece:
@@ -79,7 +82,7 @@ def test_gpu_long_grid():
         assert (config.data.task_kwargs.seq_len, config.data.task_kwargs.num_kv_pairs) == (256, 16)
         assert t.point["lr"] == 3e-3
     hard = _trials("gpu_long,settings=512x64+64x4")
-    assert len(hard) == 6 * 2 * 2 and {t.point["seq_len"] for t in hard} == {64, 512}
+    assert len(hard) == 6 * 3 * 2 and {t.point["seq_len"] for t in hard} == {64, 512}
     assert all(mqar.get_config(t.config.split(":", 1)[1]).data.batch_size == 64 for t in hard
                if t.point["seq_len"] == 512)
     with pytest.raises(ValueError, match=r"\(512, 8\)\] not in this variant's settings"):

@@ -51,9 +51,10 @@ H200s (benchmarks/results/mqar-softmax-forms-h200x2-20261130.json): every form s
 reaches 0.48-0.52, so the budget is the cause:
     python sweep.py --config configs/sweeps/mqar.py:softmax_forms --workdir /tmp/mqar_forms \
         --devices 0,1 --trials_per_device 8 --deadline_s 540
-`:gpu_long` is every mixer x d_model {64, 128} x the four (L, K) settings on that budget (12000
-steps at the gpu batches, lr 3e-3: the lr at which attention solved (256, 16); one lr, so not
-Zoology's best-of-four), 48 trials; run it in pieces that fit a call, e.g. the 6 trials at
+`:gpu_long` is every mixer x d_model {64, 128, 256} x the four (L, K) settings on that budget
+(12000 steps at the gpu batches, lr 3e-3: the lr at which attention solved (256, 16); one lr, so
+not Zoology's best-of-four), 72 trials (the first 48, widths 64 and 128, measured as below); run it
+in pieces that fit a call, e.g. the 6 trials at
 (256, 16), d_model 64 (measured on two H200s: every mixer 0.996-1.000,
 benchmarks/results/mqar-gpu-long-h200x2-20261130.json) and the 6 at (512, 64) per width
 (measured on two H200s, 3 trials per GPU, 342 s at d_model 64 and 481 s at 128: linear attention
@@ -171,7 +172,7 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
         sweep.axes.setting = [dict(seq_len=512, num_kv_pairs=64)]
         sweep.axes.lr = [1e-3, 3e-3]
     if arg.gpu_long:  # the budget that lets softmax attention solve (256, 16); filter with widths=, settings=
-        sweep.axes.d_model = [64, 128]
+        sweep.axes.d_model = [64, 128, 256]
         sweep.axes.setting = [dict(seq_len=L, num_kv_pairs=K) for L, K in SETTINGS]
         sweep.axes.lr = [3e-3]
     if arg.softmax_forms:  # which difference from Zoology keeps softmax attention at 1/K on (256, 16)
