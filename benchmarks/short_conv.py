@@ -1,5 +1,5 @@
 """The short convolution's backward on one GPU: the tap sums of each `CONV_DW` mode side by side,
-and the Mosaic GPU tap-gradient kernel alone over its row splits and TMA ring depths.
+and the Mosaic GPU tap-gradient kernel alone over its channel blocks, row splits and ring depths.
 
     python benchmarks/short_conv.py --out FILE.json          # Hopper GPU, default shapes
     python benchmarks/short_conv.py --quick --out FILE.json  # tiny shape on CPU (kernel interpreted)
@@ -9,8 +9,8 @@ Rows:
   forward's pre-activation recomputed) per mode. Bytes: x and dy read, dx written (3 * B*T*C *
   itemsize), the least any implementation moves.
 - kind "kernel": `kernels.short_conv.pallas_gpu.tap_grads` alone (dw only) per (channels per
-  program, splits, slots),
-  and the reference (`kernels.short_conv.reference`, XLA) beside it. Bytes: x and dy read.
+  program, splits, slots), and the reference (`kernels.short_conv.reference`, XLA) beside it.
+  Bytes: x and dy read.
 Times: ms per call with calls queued back to back (`time_jax_stream`), packed documents as
 `benchmarks/train.py` feeds them (one document per row) unless --segmented.
 """

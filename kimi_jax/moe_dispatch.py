@@ -39,7 +39,9 @@ class ExpertWeights(NamedTuple):
 # backward forms dx with one grouped matmul of contraction 2F instead of two and a sum, and the
 # weight gradient with one tgmm instead of two). The concatenation is of the compute-dtype copies
 # the matmuls read anyway (MXFP4 weights: their packed codes and scales). Same values; one of the
-# fusions the small-config byte model names (README, MoE). Not yet timed on a GPU.
+# fusions the small-config byte model names (README, MoE). Timed on an H200 it is slower at both
+# workloads of benchmarks/moe.py (k3_small FFN 0.47 vs 0.43 ms, K3 per-device layer 224.2 vs
+# 215.5 ms; benchmarks/results/moe-gateup-h200-20261201T0113.json), so "separate" stays.
 GATE_UP_MODES = ("separate", "fused")
 GATE_UP = "separate"
 

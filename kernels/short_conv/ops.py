@@ -103,6 +103,7 @@ def tap_grads(x, dy, w, segment_ids=None, *, from_da: bool = False):
         return _per_batch(x, dy, w, masks, from_da=from_da).sum(axis=0)
     mesh, xs = specs
     b, chans = xs[0], tuple(xs[2:])
-    run = jax.shard_map(functools.partial(_per_batch, from_da=from_da), mesh=mesh, in_specs=(xs, xs, P(None, *chans), P(b, None, None)),
-                        out_specs=P(b, None, *chans), check_vma=False)
+    run = jax.shard_map(functools.partial(_per_batch, from_da=from_da), mesh=mesh,
+                        in_specs=(xs, xs, P(None, *chans), P(b, None, None)), out_specs=P(b, None, *chans),
+                        check_vma=False)
     return run(x, dy, w, masks).sum(axis=0)

@@ -61,9 +61,10 @@ def unsupported_reason(T: int, C: int, W: int, dtype, slots: int = SLOTS, block_
         return f"kernel_size={W} (the kernel takes 1..{MAX_W})"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
         return f"dtype {jnp.dtype(dtype).name}"
-    if smem_bytes(W, dtype, slots, block_c) > SMEM_LIMIT:
-        return (f"{slots} slots of W={W} {jnp.dtype(dtype).name} tiles need {smem_bytes(W, dtype, slots, block_c) // 1024} KiB "
-                f"of SMEM (limit {SMEM_LIMIT // 1024})")
+    smem = smem_bytes(W, dtype, slots, block_c)
+    if smem > SMEM_LIMIT:
+        return (f"{slots} slots of W={W} {jnp.dtype(dtype).name} tiles need {smem // 1024} KiB of SMEM "
+                f"(limit {SMEM_LIMIT // 1024})")
     return None
 
 
