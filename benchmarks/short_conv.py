@@ -111,7 +111,7 @@ def report(rows) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="4x4096x16x128,1x65536x16x128")
-    p.add_argument("--modes", default=",".join(layers.CONV_DW_MODES))
+    p.add_argument("--modes", default=",".join(m for m in layers.CONV_DW_MODES if m != "auto"))  # auto: one of them
     p.add_argument("--splits", default="", help="comma-separated row splits of the kernel (default: its heuristic)")
     p.add_argument("--slots", default=str(pallas_gpu.SLOTS), help="comma-separated TMA ring depths")
     p.add_argument("--block_c", default=str(pallas_gpu.BC), help="comma-separated channels per program "

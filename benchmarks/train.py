@@ -14,7 +14,7 @@ Rows: device count x remat policy (kimi_jax/remat.py) x sequences per device, or
 mesh axis the devices form (data parallel, or FSDP: parameters and optimizer state sharded,
 gathered per use), the KDA kernel module settings (`kernels.kda.chunk.SETTINGS`: `diag`, `rows`,
 `scores`, ...), the short conv backward's tap sums
-`conv_dw=stacked|per_tap|variadic|pallas_gpu|pallas_gpu_da`, the recurrent mixers' activation
+`conv_dw=auto|stacked|per_tap|variadic|pallas_gpu|pallas_gpu_da`, the recurrent mixers' activation
 `layout=xla|row_major`, the GLUs' and the norms' backward `glu_vjp=autodiff|recompute`,
 `norm_vjp=autodiff|recompute`, the attention-residual reads' outputs `attn_res_out=xla|saved`,
 read while the row is traced; `benchmarks/train_settings.py`). Every

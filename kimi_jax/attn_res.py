@@ -29,9 +29,12 @@ from kimi_jax.layers import param, read_setting, rms_normalize, traced_setting
 # What the backward may do with a read's output (read while tracing; `read_out(mode)` sets it for
 # a block): "xla" leaves it to XLA, which in the 1.3B step's profile recomputes a read from its
 # sources inside a backward fusion (one fusion of 5.8 ms at 464 GB/s reads about 40 source-sized
-# arrays; train-profile-h200-20261130T2221.json); "saved" puts the output behind an optimization
-# barrier, so the backward reads the one stored copy instead (untimed).
-READ_OUT = "xla"
+# arrays; train-profile-h200-20261130T2221.json); "saved" (default) puts the output behind an
+# optimization barrier, so the backward reads the one stored copy instead. On an H200 the step
+# took 405.9 ms with "saved" alone against 410.1 with "xla", and 393.9 with "saved" and the
+# short conv's kernel backward (`layers.CONV_DW`), the pair now the default; temporaries unchanged
+# (86.2 GiB; train-convdwda-saved-split-h200-20261201T0314.json).
+READ_OUT = "saved"
 READ_OUT_MODES = ("xla", "saved")
 
 

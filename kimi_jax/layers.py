@@ -287,26 +287,28 @@ def _conv_pre(x, w, masks):
 # H200 the KDA layer of configs/k3_1b3_dense.py alone at 4 x 4096 (forward+backward) took 11.11 ms
 # of kernels with "stacked" and 10.54 with "per_tap" (`benchmarks/kda_profile.py --mixer`), but
 # the whole train step 406.1 against 412.2 ms (`benchmarks/train.py --rows 1:none:4[:conv_dw=...]`,
-# results train-convdw-*-h200-20261130T175*.json): "stacked" stays the default. Why "stacked" is
+# results train-convdw-*-h200-20261130T175*.json): not adopted. Why "stacked" is
 # slow (16% of HBM bandwidth): in the fused body the "stacked" profile's JSON holds, XLA reduces
 # one row per (channel, tap), so each tap reads the pre-activation gradient and x again.
 # "variadic" sums the W taps as one variadic reduction (W accumulators in one pass over the
 # inputs): the layer 10.97 against 11.17 ms, the step 409.3 against 406.3 / 408.5
 # (kda-mixer-profile-screen-*, train-xlaopt-*-h200x2-20261130T1950.json): not adopted either.
 # "pallas_gpu": the tap sums by the Mosaic GPU kernel of `kernels.short_conv` (W float32
-# accumulators in registers per program), dx by XLA; calls it cannot take (no Hopper GPU, T not a
-# multiple of 128, ...) use "stacked" and say so once in the log. On CPU it runs interpreted. On
-# an H200 (benchmarks/results/short-conv-h200-20261201T0129.json, 4 x 4096 x 2048 bf16) the kernel
-# takes 0.16-0.18 ms against 0.42 ms for the whole stacked VJP, but the VJP with it is no faster
-# (0.419 ms: XLA's dx fusion then runs alone); in the step, one pair of runs in one call gave
-# 400.9 against 404.2 ms (train-convdw-*-h200-20261201T0129.json), inside the spread of earlier
-# runs of the same defaults (404-410 ms): "stacked" stays the default until more pairs say more.
+# accumulators in registers per program), dx by XLA; calls it cannot take (T not a multiple of
+# 128, ...) use "stacked" and say so once in the log. On CPU it runs interpreted. On an H200
+# (short-conv-h200-20261201T0129.json, 4 x 4096 x 2048 bf16) the kernel takes 0.16-0.18 ms
+# against 0.42 ms for the whole stacked VJP, but the VJP with it is no faster (XLA's dx fusion then
+# runs alone); in the step 400.9 against 404.2 ms (train-convdw-*-h200-20261201T0129.json).
 # "pallas_gpu_da": da = dy * silu'(a) written once by XLA (an optimization barrier keeps the dx
-# fusion from recomputing it at each tap's offset), dx from da, the kernel reading da instead of
-# recomputing it (untimed).
-CONV_DW_MODES = ("stacked", "per_tap", "variadic", "pallas_gpu", "pallas_gpu_da")
+# fusion from recomputing it at each tap's offset), dx from da, the kernel reading da.
+# "auto" (default): "pallas_gpu_da" on a Hopper GPU, "stacked" on every other device. With the
+# attention-residual reads' outputs saved (`attn_res.READ_OUT`, the default), the 1.3B step took
+# 386.0 and 393.9 ms in two calls against 406.3 and 410.1 for "stacked" with XLA's reads, while
+# either change alone gave 405.5 / 405.9 ms (train-convdwda-saved-*-h200-20261201T03*.json,
+# train-default-h200-20261201T0304.json).
+CONV_DW_MODES = ("auto", "stacked", "per_tap", "variadic", "pallas_gpu", "pallas_gpu_da")
 _KERNEL_MODES = ("pallas_gpu", "pallas_gpu_da")
-CONV_DW = "stacked"
+CONV_DW = "auto"
 
 
 @contextlib.contextmanager
@@ -357,6 +359,10 @@ def _ccs_bwd(res, dy):
     x, w, segment_ids = res
     W = w.shape[0]
     mode = read_setting(sys.modules[__name__], "CONV_DW", CONV_DW_MODES)
+    if mode == "auto":
+        from kernels.kda.hopper import device_kind
+
+        mode = "pallas_gpu_da" if device_kind() == "hopper" else "stacked"
     if mode in _KERNEL_MODES:
         from kernels.short_conv import ops as conv_ops
 

@@ -116,3 +116,23 @@ def test_conv_dw_setting_is_checked_and_restored():
     with layers.conv_dw("per_tap"):
         assert layers.CONV_DW == "per_tap"
     assert layers.CONV_DW == before
+
+
+@pytest.mark.parametrize("kind", ["cpu", "other", "hopper"])
+def test_auto_picks_the_kernel_with_da_only_on_hopper(kind, monkeypatch):
+    """CONV_DW="auto" (the default) traces the kernel backward reading da ("pallas_gpu_da": da
+    behind a barrier, the Mosaic GPU kernel) on a Hopper GPU and XLA's stacked tap sums elsewhere."""
+    from kernels.kda import hopper
+    from kernels.short_conv import ops
+
+    assert layers.CONV_DW == "auto"
+    monkeypatch.setattr(hopper, "device_kind", lambda: kind)
+    monkeypatch.setattr(ops, "device_kind", lambda: kind)
+    B, T, C, W = 2, 128, 32, 4
+    x = jax.random.normal(jax.random.key(0), (B, T, C), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (W, C), jnp.float32)
+    grad = jax.grad(lambda x, w: jnp.sum(causal_conv_silu(x, w).astype(jnp.float32)), argnums=(0, 1))
+    text = str(jax.make_jaxpr(grad)(x, w))
+    kernel = any(name in text for name in ("pallas_call", "mpmd_map"))  # how jax 0.11 names plgpu.kernel
+    assert kernel == (kind == "hopper")
+    assert ("optimization_barrier" in text) == (kind == "hopper")
