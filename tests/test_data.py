@@ -74,6 +74,44 @@ def test_iterator_state_resumes_exactly(rng):
             np.testing.assert_array_equal(got[k], want[k])
 
 
+def test_whole_row_documents_are_rows_of_their_own(rng):
+    """Documents of exactly seq_len tokens (every synthetic task's) fill a row each, with the
+    greedy rule around them unchanged: hand-worked rows for lengths 16, 5, 16, 3, 4, 16 at T = 16."""
+    lengths = [16, 5, 16, 3, 4, 16]
+    docs = [{"inputs": np.arange(n, dtype=np.int64) + 100 * d, "targets": np.arange(n) + 100 * d + 1,
+             "loss_mask": np.ones(n, bool)} for d, n in enumerate(lengths)]
+    batch = next(PackedBatches(docs, 16, batch_size=5))
+    assert batch["inputs"].dtype == np.int32 and batch["segment_ids"].dtype == np.int32
+    pad = lambda *parts: np.concatenate(list(parts) + [np.zeros(16 - sum(map(len, parts)), int)])  # noqa: E731
+    want_in = [docs[0]["inputs"], pad(docs[1]["inputs"]), docs[2]["inputs"],
+               pad(docs[3]["inputs"], docs[4]["inputs"]), docs[5]["inputs"]]
+    want_seg = [[1] * 16, [1] * 5 + [0] * 11, [1] * 16, [1] * 3 + [2] * 4 + [0] * 9, [1] * 16]
+    np.testing.assert_array_equal(batch["inputs"], np.stack(want_in))
+    np.testing.assert_array_equal(batch["segment_ids"], np.array(want_seg))
+    batch["segment_ids"][0, 0] = 7  # the batch is a copy: later rows still read 1
+    assert next(PackedBatches(docs, 16, batch_size=1))["segment_ids"][0, 0] == 1
+
+
+def test_task_source_shard_is_grain_slicing():
+    """A host's share of an on-the-fly task (TaskSource shard) is exactly what grain's slice of the
+    whole stream gives, so the data of a run does not depend on which of the two builds it."""
+    import grain
+
+    task = sources.make_task(_task_config().data)
+    whole = sources.TaskSource(task, 3, "train", block_size=8)
+    for index, count in ((0, 1), (1, 3), (2, 3)):
+        share = sources.TaskSource(task, 3, "train", block_size=8, shard=(index, count))
+        ref = grain.MapDataset.source(whole)[index::count]
+        for i in (0, 1, 5, 17):
+            for k in ("inputs", "targets", "loss_mask"):
+                np.testing.assert_array_equal(share[i][k], ref[i][k])
+                np.testing.assert_array_equal(share[i][k], whole[index + i * count][k])
+    with pytest.raises(ValueError, match="shard"):
+        sources.TaskSource(task, 3, "train", shard=(3, 3))
+    with pytest.raises(IndexError):
+        whole[-1]
+
+
 def _task_config(**task_kwargs):
     config = common.base_config()
     config.data.task_kwargs = dict(seq_len=32, num_kv_pairs=2, vocab_size=64, **task_kwargs)

@@ -13,6 +13,8 @@ that pair, so a restored iterator gives exactly the batches of an uninterrupted 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 FIELDS = ("inputs", "targets", "loss_mask", "segment_ids")
@@ -42,6 +44,13 @@ class PackedBatches:
         rows = [self._next_row() for _ in range(self.batch_size)]
         return {k: np.stack([r[k] for r in rows]) for k in FIELDS}
 
+    @staticmethod
+    @functools.cache
+    def _ones(T: int) -> np.ndarray:
+        out = np.ones(T, np.int32)
+        out.flags.writeable = False  # shared by every such row; np.stack copies it
+        return out
+
     def _document(self, index: int) -> dict:
         if self._cache[0] != index:
             try:
@@ -53,6 +62,12 @@ class PackedBatches:
 
     def _next_row(self) -> dict:
         T = self.seq_len
+        if self._offset == 0:  # a whole document of exactly one row (every synthetic task): no copy
+            doc = self._document(self._doc)
+            if len(doc["inputs"]) == T:
+                self._doc += 1
+                return {"inputs": np.asarray(doc["inputs"], np.int32), "targets": np.asarray(doc["targets"], np.int32),
+                        "loss_mask": np.asarray(doc["loss_mask"], bool), "segment_ids": self._ones(T)}
         row = {k: np.zeros(T, bool if k == "loss_mask" else np.int32) for k in FIELDS}
         pos, segment = 0, 0
         while pos < T:
