@@ -86,6 +86,30 @@ def time_torch(fn, *, warmup: int = 3, iters: int = 10) -> float:
     return 1e3 * statistics.median(times)
 
 
+def device_profile(compiled, args, calls: int, top: int = 25, folder: str | None = None, scopes=()) -> dict:
+    """Device kernels of `calls` back-to-back calls of a compiled JAX program (after two untraced
+    ones), per call, by `kimi_jax.profile_summary.summarize` (`scopes`: named scopes to sum them
+    by): where a measured time goes, and whether the device or the host's dispatch bounds it
+    (kernel ms per call against the timed ms). The trace goes to `folder` (default: a temporary one)."""
+    import tempfile
+
+    import jax
+
+    from kimi_jax import profile_summary
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = folder or tmp
+        jax.block_until_ready(compiled(*args))
+        jax.block_until_ready(compiled(*args))
+        jax.profiler.start_trace(folder)
+        for _ in range(calls):
+            out = compiled(*args)
+        jax.block_until_ready(out)
+        jax.profiler.stop_trace()
+        del out
+        return profile_summary.summarize(folder, compiled.as_text(), calls, top, scopes_in_part=scopes)
+
+
 def attempt(fn):
     """(value, None) or (None, one-line error) so that one failure does not end the run."""
     try:

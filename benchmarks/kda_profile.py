@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from benchmarks.common import PEAK_TBPS, environment, markdown_table, write_json  # noqa: E402
+from benchmarks.common import PEAK_TBPS, device_profile, environment, markdown_table, write_json  # noqa: E402
 from benchmarks.kda import LOWER_BOUND, _check_impl, chunk_settings, _parse_shapes, make_inputs  # noqa: E402
 from benchmarks.kda_decode import _decode_inputs  # noqa: E402
 from kernels.kda import chunk, kda, kda_step  # noqa: E402
@@ -44,15 +44,8 @@ def profile_call(label: str, fn, args, calls: int, top: int, body_lines: int, fo
     """Trace `calls` calls of jitted `fn(*args)` (after two untraced ones) and describe the top ops
     (`scopes`: named scopes to sum the kernels by, see `profile_summary.summarize`)."""
     compiled = jax.jit(fn).lower(*args).compile()
-    jax.block_until_ready(compiled(*args))
-    jax.block_until_ready(compiled(*args))
-    jax.profiler.start_trace(folder)
-    for _ in range(calls):
-        out = compiled(*args)
-    jax.block_until_ready(out)
-    jax.profiler.stop_trace()
     hlo = compiled.as_text()
-    summary = profile_summary.summarize(folder, hlo, calls, top, scopes_in_part=scopes)
+    summary = device_profile(compiled, args, calls, top, folder, scopes)
     profile_summary.annotate(summary, hlo, body_lines)
     return dict(impl=label, calls=calls, summary=summary, hlo=hlo)
 

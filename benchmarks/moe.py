@@ -6,6 +6,7 @@ XLA baselines, per kernel and for the whole expert FFN / routed layer, counting 
     python benchmarks/moe.py --out DIR --sweep ws --no_steps --baselines ""   # one tile family
     python benchmarks/moe.py --quick --out DIR     # tiny shapes on CPU (Pallas interpreted)
     python benchmarks/moe.py --out DIR --workloads k3_small --gate_up separate,fused   # gate/up forms
+    python benchmarks/moe.py --out DIR --workloads k3_small --profile 20   # + kernel time per step
 
 Times: ms per call with calls queued back to back (median of 3 runs of >= 50 ms), after one
 warm-up call; `ms_sync` (waiting on every call) is kept too. `--budget_s` stops starting new
@@ -46,7 +47,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import PEAK_TFLOPS, attempt, environment, markdown_table  # noqa: E402
+from benchmarks.common import PEAK_TFLOPS, attempt, device_profile, environment, markdown_table  # noqa: E402
 from kernels import mxfp4  # noqa: E402
 from kernels.gmm import ops as gmm_ops, pallas_gpu, reference  # noqa: E402
 from kimi_jax import moe_dispatch  # noqa: E402
@@ -299,7 +300,7 @@ def mxfp4_row(w, rec, base, x_sorted, gate, group_sizes, warmup, iters):
 
 
 def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines, steps=True,
-                 with_mxfp4=False, gate_up=("separate",)):
+                 with_mxfp4=False, gate_up=("separate",), profile=0):
     """Rows in order of value, so that the time budget cuts the least useful ones: baselines
     and default-tile kernels, the fwd+bwd steps with default tiles, the tile sweep, and last
     the steps with the best tile of every kernel. Pallas steps run once per `gate_up` mode
@@ -354,7 +355,10 @@ def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines, steps=Tru
                         continue
                     with moe_dispatch.gate_up(mode):  # read while `measure` traces the step
                         r = measure(_step_fn(part, impl, b, capacity), args, warmup, iters)
-                    r.pop("compiled", None)
+                    compiled = r.pop("compiled", None)
+                    if profile and impl == "pallas_gpu" and r["ms"] is not None:  # device time per call
+                        r["profile"] = attempt(lambda: device_profile(compiled, args, profile, top=12))[0]
+                    del compiled
                     rec.add(dict(base, kind="step", name=part, impl=impl, gate_up=mode, blocks=_blocks_str(b),
                                  **r), 9 * 2 * m * w["d"] * w["f"])
 
@@ -424,7 +428,9 @@ def markdown(rows) -> str:
         if r["ms"] is None:
             cells = [str(r["error"])[:80], "–", "–", "–"]
         else:
-            cells = [f"{r['ms']:.2f}", f"{r['tflops']:.1f} ({100 * r['peak_frac']:.1f}%)",
+            prof = r.get("profile") or {}
+            kern = f" (kernels {prof['kernel_ms_per_step']:.2f})" if "kernel_ms_per_step" in prof else ""
+            cells = [f"{r['ms']:.2f}{kern}", f"{r['tflops']:.1f} ({100 * r['peak_frac']:.1f}%)",
                      _ratio(base, r, "ragged_dot"), _ratio(base, r, "padded_bmm")]
         body.append([r["workload"], r["kind"], r["name"], r["impl"] + _gate_up_note(r), r["blocks"] or "–"] + cells)
     return summary(rows) + "\n" + markdown_table(header, body) + "\n"
@@ -446,6 +452,8 @@ def main(argv=None):
                         help="comma-separated moe_dispatch.GATE_UP modes the Pallas steps run with, side by side")
     parser.add_argument("--budget_s", type=float, default=260.0,
                         help="stop starting measurements after this many seconds")
+    parser.add_argument("--profile", type=int, default=0,
+                        help="trace this many calls of each Pallas step: kernel time per call by op")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
     gate_up = tuple(m for m in args.gate_up.split(",") if m)
@@ -465,7 +473,7 @@ def main(argv=None):
         last = i == len(todo) - 1
         deadline = args.budget_s if last else rec.elapsed() + w.get("share", 1.0) * args.budget_s
         run_workload(w, rec, sweep=args.sweep, iters=iters, warmup=warmup, steps=not args.no_steps,
-                     with_mxfp4=args.mxfp4, gate_up=gate_up or ("separate",),
+                     with_mxfp4=args.mxfp4, gate_up=gate_up or ("separate",), profile=args.profile,
                      deadline=min(deadline, args.budget_s), baselines=baselines)
     print(markdown(rec.rows))
     return rec.rows

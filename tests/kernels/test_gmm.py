@@ -257,6 +257,21 @@ def test_benchmark_quick_mode(tmp_path):
     assert "| quick | step | layer | pallas_gpu |" in (tmp_path / "moe_quick.md").read_text()
 
 
+def test_benchmark_profile_rows(tmp_path):
+    """--profile N traces N calls of each Pallas step and keeps the kernel time per call by op
+    (on CPU: the XLA threads' ops of the interpreted kernels), shown beside the timed ms."""
+    bench = _load_benchmark()
+    rows = bench.main(["--quick", "--profile", "2", "--baselines", "", "--out", str(tmp_path)])
+    steps = [r for r in rows if r["kind"] == "step"]
+    assert [r["name"] for r in steps] == ["ffn", "layer"]
+    for r in steps:
+        prof = r["profile"]
+        assert prof["steps"] == 2 and prof["kernel_ms_per_step"] > 0 and prof["top_ops"]
+        assert abs(sum(prof["by_kind"].values()) - prof["kernel_ms_per_step"]) < 1e-2
+    assert all("profile" not in r for r in rows if r["kind"] == "kernel")
+    assert "(kernels " in (tmp_path / "moe_quick.md").read_text()
+
+
 def test_benchmark_gate_up_rows(tmp_path, monkeypatch):
     """--gate_up runs each Pallas step once per mode, traced under that mode (the measurement is
     replaced by a stub that records moe_dispatch.GATE_UP at trace time), baselines once, and
