@@ -1,0 +1,205 @@
+"""Registers and spills of every Mosaic GPU kernel, from ptxas, at the shapes the benchmarks time.
+
+    JAX_PLATFORMS=cuda python benchmarks/mosaic_ptxas.py [--cases kda_fwd,kda_train,...] [--out J]
+
+A kernel that spills registers to local memory (the warpgroup's f32 [64, 64] tiles are 32
+registers per thread each) runs far below what its SMEM traffic allows; ptxas says so, but only
+when asked. Each case compiles and runs the ops that launch our kernels (at the shapes of
+`benchmarks/kda.py`, `benchmarks/short_conv.py` and `benchmarks/moe.py`) with
+`MOSAIC_GPU_DUMP_PTXAS=1`, which makes Mosaic GPU's compiler print ptxas's verbose report on the
+process's standard output; the report is captured at the file-descriptor level and parsed into
+one row per compiled kernel (registers per thread, spill stores and loads, stack frame). The
+JSON (default benchmarks/results/mosaic-ptxas-<time>.json) keeps the raw report too.
+
+Needs a Hopper GPU: on any other device the kernels run interpreted or not at all, and the script
+stops with that reason instead of writing an empty table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from benchmarks.common import environment, markdown_table, write_json  # noqa: E402
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+
+
+def parse_ptxas(text: str) -> list[dict]:
+    """ptxas -v report -> [{function, arch, registers, stack_frame, spill_stores, spill_loads}] in
+    the order the entry functions were compiled (fields a report lacks stay None)."""
+    rows = []
+    for line in text.splitlines():
+        if m := _ENTRY.search(line):
+            rows.append(dict(function=m.group(1), arch=m.group(2), registers=None, stack_frame=None,
+                             spill_stores=None, spill_loads=None))
+        elif rows and (m := _FRAME.search(line)):
+            rows[-1].update(stack_frame=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        elif rows and (m := _USED.search(line)):
+            rows[-1]["registers"] = int(m.group(1))
+    return rows
+
+
+@contextlib.contextmanager
+def captured_fd_stdout():
+    """Within the block, file descriptor 1 (where C++ code such as Mosaic GPU's compiler prints)
+    goes to a temporary file; the yielded list receives its text at exit."""
+    out: list[str] = []
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile() as f:
+        os.dup2(f.fileno(), 1)
+        try:
+            yield out
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+            f.seek(0)
+            out.append(f.read().decode(errors="replace"))
+
+
+def _kda_inputs(B, T, H, D):
+    from kernels.kda.pallas_gpu_bench import inputs
+
+    return inputs(B, T, H, D)
+
+
+def _case_kda_fwd():
+    """impl="pallas_gpu" forward at 8 x 4096 x 16 x 128: the bf16 intra kernel and the state kernel."""
+    from kernels.kda import kda
+
+    args = _kda_inputs(8, 4096, 16, 128)
+    return lambda *a: kda(*a, lower_bound=-5.0, impl="pallas_gpu")[0], args
+
+
+def _case_kda_train():
+    """impl="chunk_mosaic" forward + backward at 8 x 4096 x 16 x 128: the two serial passes."""
+    from kernels.kda import kda
+
+    args = _kda_inputs(8, 4096, 16, 128)
+
+    def loss(*a):
+        return jnp.sum(kda(*a, lower_bound=-5.0, impl="chunk_mosaic")[0].astype(jnp.float32))
+
+    return jax.grad(loss, argnums=(0, 1, 2, 3, 4)), args
+
+
+def _case_kda_scores_bwd():
+    """chunk_mosaic forward + backward with the scores-backward kernel (`scores_bwd=mosaic`)."""
+    from kernels.kda import chunk
+
+    fn, args = _case_kda_train()
+
+    def run(*a):
+        with chunk.settings(scores_bwd="mosaic"):
+            return fn(*a)
+
+    return run, args
+
+
+def _case_kda_decode():
+    """kda_step impl="pallas_gpu" for B = 64, H = 32, K = V = 128 (benchmarks/kda_decode.py's inputs)."""
+    from benchmarks.kda_decode import _decode_inputs
+    from kernels.kda import kda_step
+
+    x = _decode_inputs(64, 32, 128, 128)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    args = (jnp.asarray(x["state"]), bf(x["q"]), bf(x["k"]), bf(x["v"]), jnp.asarray(x["g"]), jnp.asarray(x["beta"]))
+    return lambda *a: kda_step(*a, impl="pallas_gpu"), args
+
+
+def _case_short_conv():
+    """The short convolution's tap-gradient kernel at 4 x 4096 x 2048 bf16, W = 4."""
+    from kernels.short_conv import ops, pallas_gpu
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    B, T, C, W = 4, 4096, 2048, 4
+    x, dy = (jax.random.normal(k, (B, T, C), jnp.bfloat16) for k in keys[:2])
+    w = jax.random.normal(keys[2], (W, C), jnp.float32)
+    masks = ops.tap_masks(None, B, T, W)
+    return lambda *a: pallas_gpu.tap_grads(*a), (x, dy, w, masks)
+
+
+def _case_gmm():
+    """gmm forward, its input gradient and tgmm at the k3_small expert shapes (65536 x 256 x 224, 8 experts)."""
+    from kernels.gmm import ops as gmm_ops
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    M, K, N, G = 65536, 256, 224, 8
+    x = jax.random.normal(keys[0], (M, K), jnp.bfloat16)
+    w = jax.random.normal(keys[1], (G, K, N), jnp.bfloat16)
+    sizes = jnp.full((G,), M // G, jnp.int32)
+
+    def loss(x, w):
+        return jnp.sum(gmm_ops.gmm(x, w, sizes, impl="pallas_gpu").astype(jnp.float32) ** 2)
+
+    return jax.grad(loss, argnums=(0, 1)), (x, w)
+
+
+CASES = dict(kda_fwd=_case_kda_fwd, kda_train=_case_kda_train, kda_scores_bwd=_case_kda_scores_bwd,
+             kda_decode=_case_kda_decode, short_conv=_case_short_conv, gmm=_case_gmm)
+
+
+def run_case(name: str) -> dict:
+    """Compile and run case `name` once with ptxas's report captured; its kernels' rows."""
+    fn, args = CASES[name]()
+    os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+    try:
+        with captured_fd_stdout() as text:
+            jax.block_until_ready(jax.jit(fn)(*args))
+    finally:
+        os.environ.pop("MOSAIC_GPU_DUMP_PTXAS", None)
+    kernels = parse_ptxas(text[0])
+    return dict(case=name, doc=CASES[name].__doc__, kernels=kernels, report=text[0])
+
+
+def markdown(results: list[dict]) -> str:
+    rows = []
+    for r in results:
+        for i, k in enumerate(r["kernels"]):
+            rows.append([r["case"], f"{i}: {k['function']}", str(k["registers"]), str(k["spill_stores"]),
+                         str(k["spill_loads"]), str(k["stack_frame"])])
+        if not r["kernels"]:
+            rows.append([r["case"], "no ptxas report (" + (r.get("error") or "nothing compiled") + ")", "", "", "", ""])
+    return markdown_table(["case", "kernel", "registers", "spill stores B", "spill loads B", "stack frame B"], rows)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {list(CASES)}")
+    p.add_argument("--out", help="JSON path (default benchmarks/results/mosaic-ptxas-<time>.json)")
+    a = p.parse_args(argv)
+    names = [n for n in a.cases.split(",") if n]
+    for n in names:
+        if n not in CASES:
+            p.error(f"--cases: {n!r} is not one of {list(CASES)}")
+    from kernels.kda.hopper import device_kind
+
+    if device_kind() != "hopper":
+        raise SystemExit(f"mosaic_ptxas needs a Hopper GPU to compile the kernels (device kind {device_kind()!r})")
+    results = []
+    for n in names:
+        try:
+            results.append(run_case(n))
+        except Exception as e:  # noqa: BLE001 - a failing case is recorded, the others still run
+            results.append(dict(case=n, doc=CASES[n].__doc__, kernels=[], error=f"{type(e).__name__}: {e}"[:500]))
+        print(markdown(results[-1:]), flush=True)
+    path = write_json(dict(env=environment(), results=results), a.out, "mosaic-ptxas")
+    print(markdown(results) + f"\nwrote {path}", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()

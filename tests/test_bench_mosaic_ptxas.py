@@ -1,0 +1,49 @@
+"""benchmarks/mosaic_ptxas.py: the ptxas report parser, the stdout capture at the descriptor
+level, and the refusal to run where no kernel is compiled."""
+
+import importlib.util
+import os
+
+import pytest
+
+_SPEC = importlib.util.spec_from_file_location(
+    "mosaic_ptxas", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "mosaic_ptxas.py"))
+bench = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(bench)
+
+REPORT = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'intra_kernel' for 'sm_90a'
+ptxas info    : Function properties for intra_kernel
+    96 bytes stack frame, 120 bytes spill stores, 88 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers, 528 bytes cmem[0]
+ptxas info    : Compiling entry function 'state_kernel' for 'sm_90a'
+ptxas info    : Function properties for state_kernel
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 90 registers, used 1 barriers, 528 bytes cmem[0]
+"""
+
+
+def test_parse_ptxas_rows_in_compile_order():
+    rows = bench.parse_ptxas(REPORT)
+    assert rows == [
+        dict(function="intra_kernel", arch="sm_90a", registers=168, stack_frame=96, spill_stores=120, spill_loads=88),
+        dict(function="state_kernel", arch="sm_90a", registers=90, stack_frame=0, spill_stores=0, spill_loads=0),
+    ]
+    assert bench.parse_ptxas("no report here\n") == []
+    md = bench.markdown([dict(case="kda_fwd", kernels=rows), dict(case="gmm", kernels=[], error="boom")])
+    assert "| kda_fwd | 0: intra_kernel | 168 | 120 | 88 | 96 |" in md and "boom" in md
+
+
+def test_capture_reads_what_is_written_to_descriptor_one(capsys):
+    with capsys.disabled():
+        with bench.captured_fd_stdout() as text:
+            os.write(1, b"ptxas info    : Used 7 registers\n")
+    assert text == ["ptxas info    : Used 7 registers\n"]
+
+
+def test_refuses_without_a_hopper_gpu_and_unknown_cases():
+    with pytest.raises(SystemExit, match="Hopper GPU"):
+        bench.main(["--cases", "kda_fwd"])
+    with pytest.raises(SystemExit):
+        bench.main(["--cases", "kda_everything"])
