@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels.kda.mosaic_intra import MAX_EXP, _rows_in, _split_store, per_block as _per_block, split_parts
+from kernels import profiling
 from kernels.kda.mosaic_state import C, _smem
 
 SUB = 16
@@ -98,6 +99,8 @@ def _mm_pair(pairs, m_s, dt, a_s=None):
 def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_ref, *rest, H, KH, VH, scale, dt):
     q_s, k_s, kl_s, an_s, b_s, a_o, union, bars, *a_s = rest
     g_s, (parts, bt_s), kc_s, (v_s, m_s) = union
+    phase = profiling.phases()  # named profiler ranges (kernels.profiling), free when not profiling
+    phase("load")
     n = lax.axis_index("n")
     bh = lax.axis_index("bh")
     b, h = lax.div(bh, H), lax.rem(bh, H)
@@ -117,6 +120,7 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
     blocks = lambda fn: _per_block(rows.shape, fn, NB)  # noqa: E731 - rows of block I hold fn(I) [HW]
     anchor = lambda i, j: plgpu.load(an_s.at[i, half(j)], layout=_W.reduce(0))  # noqa: E731 - [HW]
 
+    phase("cumsum")
     # D = G - a_I, the block-local cumsum: BlockTri (g_hi + g_lo), BlockTri[r, s] = 1 for s in
     # r's block, after its first row, up to r.
     gs = [plgpu.load(g_s.at[j], layout=_W) for j in range(KH)]
@@ -138,6 +142,7 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
 
     Ds = pl.run_scoped(block_cumsum, *[plgpu.ACC((C, HW), f32) for _ in range(KH)])
 
+    phase("row_side")
     # Row side, half by half: Rq, Rk in place of q, k; Kl; and from the same registers the outputs
     # qg = scale Rq exp(a_I), kg = Kl exp(G_last - a_I), staged in the scores' column-operand
     # memory (free until the scores start).
@@ -164,6 +169,7 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
             return None
         return jnp.ones((HW,), f32) if J == I else jnp.exp(anchor(I, j) - anchor(J, j))
 
+    phase("scores")
     # Transposed scores, one row block I at a time: A^T[:, block I] = sum_j Kc_I,j Rq[block I, j]^T.
     def scores(acc_q, acc_k):
         for I in range(NB):
@@ -195,6 +201,7 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(a_o, a_ref.at[bh, n])
 
+    phase("inverse")
     # (I + U)^{-1} = Ai^T, U = L^T strictly upper: diagonal blocks Dg = (I + Ud)^{-1}, then
     # I + U = (I + Ud)(I + Dg Uo) with N = Dg Uo block-nilpotent (N^4 = 0).
     diag = same_block
@@ -217,6 +224,7 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
     (N2Y,) = mm([(N2, Y)])
     AiT = Y + N2Y
 
+    phase("wy")
     # w = (Ai diag beta)(k exp G), u = (Ai diag beta) v: the A operand is the transposed view of
     # diag(beta) Ai^T, stored as hi + lo bf16 in m_s[0], m_s[1]; -w goes to m_s[2:].
     beta_c = lax.broadcast_in_dim(plgpu.load(b_s, layout=_W.reduce(1)), (C, C), [0])
@@ -242,7 +250,9 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
         plgpu.copy_smem_to_gmem(m_s.at[2 + j], wn_ref.at[bh, n, :, half(j)])
     for j in range(VH):
         plgpu.copy_smem_to_gmem(v_s.at[j], u_ref.at[bh, n, :, half(j)])
+    phase("store")
     plgpu.wait_smem_to_gmem(0)
+    phase(None)
 
 
 def intra_bf16(q, k, v, g, beta_t, *, scale, interpret=False):
@@ -290,7 +300,7 @@ def intra_bf16(q, k, v, g, beta_t, *, scale, interpret=False):
         scratch_types=scratch,
         grid=(NT, B * H),
         grid_names=("n", "bh"),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=profiling.compiler_params(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q, k, v, g, an, beta_t)
     d = jnp.exp(an[:, :, :, NB]).reshape(B * H, NT, K)

@@ -22,18 +22,28 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels import profiling
+
 C = 64  # chunk length (rows of every wgmma's M side except the state update)
 
 
 def launch_bh_v(body, out_type, scratch, args, *, BH, V, BV, interpret):
-    """One program per (batch*head, V-block of BV): the chunk-walking kernels and the decode step."""
+    """One program per (batch*head, V-block of BV): the chunk-walking kernels and the decode step.
+    The body runs in one named scope (its function's name: a profiler range, `kernels.profiling`)."""
+    fn = body.func if isinstance(body, functools.partial) else body
+    name = f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__.strip('_')}"  # e.g. "mosaic_scan.fwd_body"
+
+    def scoped(*refs):
+        with jax.named_scope(name):
+            body(*refs)
+
     return plgpu.kernel(
-        body,
+        scoped,
         out_type=out_type,
         scratch_types=scratch,
         grid=(BH, V // BV),
         grid_names=("bh", "v"),
-        compiler_params=plgpu.CompilerParams(approx_math=False),
+        compiler_params=profiling.compiler_params(approx_math=False),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(*args)
 
