@@ -32,8 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels.kda.mosaic_intra import MAX_EXP, _rows_in, _split_store, per_block as _per_block, split_parts
 from kernels import profiling
+from kernels.kda.mosaic_intra import MAX_EXP, _rows_in, _split_store, per_block as _per_block, split_parts
 from kernels.kda.mosaic_state import C, _smem
 
 SUB = 16
