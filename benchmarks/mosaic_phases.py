@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 from benchmarks.common import environment, markdown_table, write_json  # noqa: E402
-from benchmarks.mosaic_ptxas import CASES  # noqa: E402
+from benchmarks.mosaic_ptxas import CASES, run_cases  # noqa: E402
 from kernels import profiling  # noqa: E402
 
 
@@ -65,22 +65,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--space", type=int, default=64, help="profiler events per warpgroup")
     p.add_argument("--out", help="JSON path (default benchmarks/results/mosaic-phases-<time>.json)")
     a = p.parse_args(argv)
-    names = [n for n in a.cases.split(",") if n]
-    for n in names:
-        if n not in CASES:
-            p.error(f"--cases: {n!r} is not one of {list(CASES)}")
-    from kernels.kda.hopper import device_kind
-
-    if device_kind() != "hopper":
-        raise SystemExit(f"mosaic_phases needs a Hopper GPU: the interpreter records no profile "
-                         f"(device kind {device_kind()!r})")
-    results = []
-    for n in names:
-        try:
-            results.append(run_case(n, a.space))
-        except Exception as e:  # noqa: BLE001 - a failing case is recorded, the others still run
-            results.append(dict(case=n, doc=CASES[n].__doc__, kernels=[], error=f"{type(e).__name__}: {e}"[:500]))
-        print(markdown(results[-1:]), flush=True)
+    results = run_cases(p, a.cases, lambda n: run_case(n, a.space), markdown, "mosaic_phases",
+                        "the interpreter records no profile")
     path = write_json(dict(env=environment(), space=a.space, results=results), a.out, "mosaic-phases")
     print(f"wrote {path}", flush=True)
     return results

@@ -176,26 +176,34 @@ def markdown(results: list[dict]) -> str:
     return markdown_table(["case", "kernel", "registers", "spill stores B", "spill loads B", "stack frame B"], rows)
 
 
+def run_cases(parser, cases: str, run, markdown_of, tool: str, why: str) -> list[dict]:
+    """`run(name)` for each name of comma-separated `cases` (each checked against CASES by the
+    `parser`), on a Hopper GPU only (`why` says what the tool cannot do elsewhere); a failing case
+    is recorded with its error and the others still run; each case's table is printed."""
+    names = [n for n in cases.split(",") if n]
+    for n in names:
+        if n not in CASES:
+            parser.error(f"--cases: {n!r} is not one of {list(CASES)}")
+    from kernels.kda.hopper import device_kind
+
+    if device_kind() != "hopper":
+        raise SystemExit(f"{tool} needs a Hopper GPU: {why} (device kind {device_kind()!r})")
+    results = []
+    for n in names:
+        try:
+            results.append(run(n))
+        except Exception as e:  # noqa: BLE001 - a failing case is recorded, the others still run
+            results.append(dict(case=n, doc=CASES[n].__doc__, kernels=[], error=f"{type(e).__name__}: {e}"[:500]))
+        print(markdown_of(results[-1:]), flush=True)
+    return results
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {list(CASES)}")
     p.add_argument("--out", help="JSON path (default benchmarks/results/mosaic-ptxas-<time>.json)")
     a = p.parse_args(argv)
-    names = [n for n in a.cases.split(",") if n]
-    for n in names:
-        if n not in CASES:
-            p.error(f"--cases: {n!r} is not one of {list(CASES)}")
-    from kernels.kda.hopper import device_kind
-
-    if device_kind() != "hopper":
-        raise SystemExit(f"mosaic_ptxas needs a Hopper GPU to compile the kernels (device kind {device_kind()!r})")
-    results = []
-    for n in names:
-        try:
-            results.append(run_case(n))
-        except Exception as e:  # noqa: BLE001 - a failing case is recorded, the others still run
-            results.append(dict(case=n, doc=CASES[n].__doc__, kernels=[], error=f"{type(e).__name__}: {e}"[:500]))
-        print(markdown(results[-1:]), flush=True)
+    results = run_cases(p, a.cases, run_case, markdown, "mosaic_ptxas", "elsewhere no kernel is compiled")
     path = write_json(dict(env=environment(), results=results), a.out, "mosaic-ptxas")
     print(markdown(results) + f"\nwrote {path}", flush=True)
     return results
