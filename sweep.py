@@ -258,9 +258,11 @@ def write_summary(sweep, rows: list[dict], root: str, records: dict | None = Non
     plot_summary(sweep, rows, os.path.join(root, "summary.png"))
 
 
-def plot_summary(sweep, rows: list[dict], path: str) -> None:
+def plot_summary(sweep, rows: list[dict], path: str, reference=()) -> list[str]:
     """One panel per `plot.panel` value, x = `plot.x`, one line per `plot.line` value; with a
-    single `plot.x` value (one width, say) one bar per `plot.line` value instead."""
+    single `plot.x` value (one width, say) one bar per `plot.line` value instead. `reference`:
+    (label, {panel value: {x value: score}}) pairs, e.g. published figures, drawn dashed in grey
+    beside ours (markers on the bars' panels). Returns the legend labels of the first panel."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -280,6 +282,14 @@ def plot_summary(sweep, rows: list[dict], path: str) -> None:
                 ax.text(i, pts[0][1] + 0.01, f"{pts[0][1]:.2f}", ha="center", va="bottom", fontsize=7)
             elif pts:
                 ax.plot(*zip(*pts), marker="o", label=str(name), color=f"C{i}")
+        for j, (label, table) in enumerate(reference):
+            pts = sorted((k, v) for k, v in table.get(p, {}).items() if k in xs)
+            style = dict(color=str(0.15 + 0.15 * j), linestyle="--", linewidth=1, marker="xs^v+"[j % 5],
+                         markersize=4, label=label)
+            if pts and len(xs) == 1:
+                ax.plot([-0.4, len(names) - 0.6], [pts[0][1]] * 2, **style)
+            elif pts:
+                ax.plot(*zip(*pts), **style)
         ax.set_title(str(p) + (f" ({x}={xs[0]})" if len(xs) == 1 else ""), fontsize=9)
         ax.set_ylabel("accuracy (best lr)")
         ax.set_ylim(-0.02, 1.08)
@@ -288,14 +298,17 @@ def plot_summary(sweep, rows: list[dict], path: str) -> None:
         else:
             ax.set_xlabel(x)
             ax.set_xscale("log", base=2)
-    if len(xs) > 1 and any(r["score"] is not None for r in rows):
-        axes[0][0].legend(fontsize=7)
+    labels = []
+    if (len(xs) > 1 and any(r["score"] is not None for r in rows)) or reference:
+        axes[0][0].legend(fontsize=6)
+        labels = [t.get_text() for t in axes[0][0].get_legend().get_texts()]
     note = partial_note(rows)
     if note:
         fig.suptitle(note.split(";")[0], fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return labels
 
 
 def host_warning(parallel: int, cores: int) -> str:

@@ -26,7 +26,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import shutil
 import statistics
 import sys
 
@@ -220,14 +219,29 @@ def merge(paths: list[str]) -> dict:
             "published": first["published"]}
 
 
-def _plot_merged(record: dict, path: str) -> None:
-    """The sweep summary plot (sweep.plot_summary) of a merged record, laid out as its first config says."""
+def published_lines(rows: list[dict]) -> list[tuple[str, dict]]:
+    """Zoology's Fig. 2 models as plot references: (label, {setting: {d_model: accuracy}}) for the
+    settings among `rows` (a range such as attention's "0.97-1.0" drawn at its middle)."""
+    settings = {(r["seq_len"], r["num_kv_pairs"]): r["setting"] for r in rows}
+    value = lambda v: sum(map(float, v.split("-"))) / len(v.split("-")) if isinstance(v, str) else v  # noqa: E731
+    return [(f"{model} (Zoology Fig. 2)", {settings[s]: {d: value(v) for d, v in by_d.items()}
+                                          for s, by_d in table.items() if s in settings})
+            for model, table in ZOOLOGY_FIG2.items()]
+
+
+def _plot(record: dict, path: str) -> list[str]:
+    """The sweep summary plot (sweep.plot_summary) of a report or merged record, laid out as its
+    (first) config says, with Zoology's published curves beside ours."""
     import types
 
-    _, sweep = load_sweep(record["sweep"]["config"][0])
+    config = record["sweep"]["config"]
+    _, sweep = load_sweep(config[0] if isinstance(config, list) else config)
     import sweep as sweep_lib  # the repo's sweep.py (load_sweep put the repo on the path)
 
-    sweep_lib.plot_summary(types.SimpleNamespace(plot=dict(sweep.plot)), record["rows"], path)
+    plot = dict(sweep.plot)
+    zoology_layout = plot["x"] == "d_model" and plot["panel"] == "setting"  # Fig. 2's axes
+    return sweep_lib.plot_summary(types.SimpleNamespace(plot=plot), record["rows"], path,
+                                  reference=published_lines(record["rows"]) if zoology_layout else ())
 
 
 def write(record: dict, out_dir: str, name: str) -> None:
@@ -251,7 +265,7 @@ def main(argv=None) -> dict:
             p.error("--merge takes report JSONs and --name, not --sweep_dir")
         record = merge(args.merge)
         write(record, args.out_dir, args.name)
-        _plot_merged(record, os.path.join(args.out_dir, f"{args.name}.png"))
+        _plot(record, os.path.join(args.out_dir, f"{args.name}.png"))
         print(f"{args.out_dir}/{args.name}.{{json,md,png}}: {len(record['rows'])} cells from {len(args.merge)} records")
         return record
     if not args.sweep_dir:
@@ -272,9 +286,8 @@ def main(argv=None) -> dict:
                       "source": ZOOLOGY_SOURCE, "other": OTHER_PUBLISHED},
     }
     write(record, args.out_dir, name)
-    png = os.path.join(args.sweep_dir, "summary.png")
-    if os.path.exists(png):
-        shutil.copyfile(png, os.path.join(args.out_dir, f"{name}.png"))
+    if rows:
+        _plot(record, os.path.join(args.out_dir, f"{name}.png"))
     print(f"{args.out_dir}/{name}.{{json,md,png}}: {record['trials_finished']}/{record['trials_total']} trials")
     return record
 

@@ -125,3 +125,19 @@ def test_merge_refuses_records_of_different_budgets(tmp_path):
         (tmp_path / "b.json").write_text(json.dumps(other))
         with pytest.raises(ValueError, match="cannot merge b.json"):
             report.merge([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+
+
+def test_published_lines_and_plot_references(tmp_path):
+    """Zoology's Fig. 2 as plot references for the settings present (attention's "0.97-1.0" at
+    0.985), drawn beside ours: the legend has our mixers and the five published models."""
+    rows = _record("2026-11-30T10:00:00+00:00", [("kda", 64, 64, 4, 0.5), ("kda", 128, 64, 4, 0.7),
+                                                 ("softmax", 64, 512, 64, 0.1)])["rows"]
+    lines = dict(report.published_lines(rows))
+    assert list(lines) == [f"{m} (Zoology Fig. 2)" for m in ("attention", "BaseConv", "H3", "RWKV", "Hyena")]
+    assert lines["attention (Zoology Fig. 2)"]["seq_len64_num_kv_pairs4"] == {64: 0.985, 128: 0.985, 256: 0.985}
+    assert lines["H3 (Zoology Fig. 2)"] == {"seq_len64_num_kv_pairs4": {64: 0.91, 128: 0.97, 256: 0.97},
+                                           "seq_len512_num_kv_pairs64": {64: 0.02, 128: 0.03, 256: 0.03}}
+    record = _record("2026-11-30T10:00:00+00:00", [("kda", 64, 64, 4, 0.5), ("kda", 128, 64, 4, 0.7)])
+    labels = report._plot(record, str(tmp_path / "p.png"))
+    assert labels == ["kda"] + list(lines)
+    assert (tmp_path / "p.png").stat().st_size > 1000
