@@ -14,8 +14,10 @@ machine's devices and package versions. Published figures are as read in the sou
 
 merges records of one budget written by separate runs (pieces of a grid that fit a job each) into
 one record, table and plot. The records must agree on the steps, evaluation size, the axis the
-best is taken over, the batch per setting and the device; a cell measured by several keeps the
-latest record that has a score for it, and each row names its source record.
+best is taken over, the batch per setting and the device. A cell measured by several keeps the
+latest score at its best lr (a re-run at the same lr replaces the earlier one; a run at another
+lr wins only with a higher score, so pieces run at different learning rates merge into Zoology's
+best-of-lrs), and each row names its source record.
 """
 
 from __future__ import annotations
@@ -199,11 +201,15 @@ def merge(paths: list[str]) -> dict:
             merged = axes.setdefault(axis, [])
             merged += [v for v in values if v not in merged]
     extra = [k for k in axes if k not in ("mixer", "d_model", "setting", first["sweep"]["select_over"])]
-    cells = {}
-    for name, rec in sorted(records, key=lambda nr: nr[1]["env"]["date"]):  # later records win
+    cells, sel = {}, first["sweep"]["select_over"]
+    for name, rec in sorted(records, key=lambda nr: nr[1]["env"]["date"]):
         for row in rec["rows"]:
             key = _row_key(row, extra)
-            if row["score"] is not None or key not in cells:
+            old = cells.get(key)
+            # A later run of the cell's lr replaces it (a re-run); a run at another lr replaces it
+            # only with a higher score (the best lr over all runs); an unscored row never replaces.
+            if old is None or row["score"] is not None and (
+                    old["score"] is None or row.get(sel) == old.get(sel) or row["score"] > old["score"]):
                 cells[key] = {**row, "source": name}
     order = list(MIXER_NAMES)
     rows = sorted(cells.values(), key=lambda r: (r["seq_len"], r["num_kv_pairs"], r["d_model"],

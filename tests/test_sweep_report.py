@@ -141,3 +141,38 @@ def test_published_lines_and_plot_references(tmp_path):
     labels = report._plot(record, str(tmp_path / "p.png"))
     assert labels == ["kda"] + list(lines)
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def _lr_record(date, rows):
+    rec = _record(date, [r[:5] for r in rows])
+    for row, r in zip(rec["rows"], rows):
+        row["lr"] = r[5]
+    rec["sweep"]["axes"]["lr"] = sorted({r[5] for r in rows})
+    return rec
+
+
+def test_merge_keeps_the_best_lr_over_runs(tmp_path):
+    """Pieces at other learning rates: a higher score at another lr wins, a lower one does not;
+    a re-run at the cell's own lr replaces it even when lower; the lr axis is the union."""
+    a = _lr_record("2026-11-30T10:00:00+00:00", [("kda", 64, 64, 4, 0.50, 3e-3), ("softmax", 64, 64, 4, 0.90, 3e-3),
+                                                 ("deltanet", 64, 64, 4, 0.70, 3e-3)])
+    b = _lr_record("2026-11-30T11:00:00+00:00", [("kda", 64, 64, 4, 0.80, 1e-2), ("softmax", 64, 64, 4, 0.20, 1e-2),
+                                                 ("deltanet", 64, 64, 4, 0.60, 3e-3)])
+    paths = []
+    for name, rec in (("a.json", a), ("b.json", b)):
+        (tmp_path / name).write_text(json.dumps(rec))
+        paths.append(str(tmp_path / name))
+    record = report.main(["--merge", *paths, "--out_dir", str(tmp_path / "out"), "--name", "lrs"])
+    cells = {r["mixer"]: (r["score"], r["lr"], r["source"]) for r in record["rows"]}
+    assert cells == {"kda": (0.80, 1e-2, "b.json"), "softmax": (0.90, 3e-3, "a.json"),
+                     "deltanet": (0.60, 3e-3, "b.json")}
+    assert record["sweep"]["axes"]["lr"] == [3e-3, 1e-2]
+
+
+def test_lrs_replaces_the_lr_axis():
+    sweep = mqar.get_config("gpu_long,settings=512x64,lrs=1e-2+1e-4+4.6e-4")
+    assert sweep.axes.lr == [1e-4, 4.6e-4, 1e-2]
+    with pytest.raises(ValueError, match="joined by"):
+        mqar.get_config("gpu_long,lrs=fast")
+    with pytest.raises(ValueError, match="positive"):
+        mqar.get_config("gpu_long,lrs=0+1e-3")

@@ -76,7 +76,9 @@ hybrid longest: at (256, 16), d_model 128, 250 s alone on an H200, unfinished in
         --workdir /tmp/mqar_long --devices 0,1 --trials_per_device 3 --deadline_s 540
 `mixers=softmax+linear` restricts any variant to those mixers, `widths=128` (or `64+128`) to
 those widths and `settings=512x64` (or `64x4+512x64`) to those (L, K) settings (same trial names,
-so the trials join a workdir of the full grid).
+so the trials join a workdir of the full grid). `lrs=1e-4+4.6e-4+1e-2` replaces the lr axis: a
+piece run at other learning rates merges with the earlier ones (`mqar_sweep_report.py --merge`),
+each cell keeping its best lr over all of them, as Zoology's best-of-four does.
 
 The same file is the trial config: `configs/sweeps/mqar.py:trial,mixer=kda,d_model=64,seq_len=64,
 num_kv_pairs=4` is the full training config of one grid point (sweep.py adds `--config.optim.lr`).
@@ -188,6 +190,14 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
         sweep.plot = dict(x="steps", line="form", panel="setting")
     if arg.hi_lr:  # Zoology's top lr on top of the variant's (see the docstring)
         sweep.axes.lr = sorted(set(sweep.axes.lr) | {1e-2})
+    if arg.lrs:  # the lr axis itself, e.g. the rest of Zoology's grid for a piece: lrs=1e-4+4.6e-4+1e-2
+        try:
+            lrs = sorted({float(x) for x in str(arg.lrs).split("+")})
+        except ValueError:
+            raise ValueError(f"lrs={arg.lrs!r}: expected learning rates joined by '+'") from None
+        if lrs[0] <= 0:
+            raise ValueError(f"lrs={arg.lrs!r}: learning rates must be positive")
+        sweep.axes.lr = lrs
     # Subsets of an axis, "+"-separated; the trials keep the full grid's names.
     if arg.mixers:
         sweep.axes.mixer = _subset(sweep.axes.mixer, arg.mixers, "mixers", "mixer", str, "mixer names")
@@ -218,7 +228,7 @@ def get_config(arg=None):
     arg = common.parse_arg(arg_str, **{**TRIAL_ARGS, "steps": 12500, "batch_size": 0},
                            mixer="kda", d_model=64, num_layers=2, seq_len=64, num_kv_pairs=4,
                            vocab_size=8192, cpu=False, gpu=False, gpu_small=False, gpu_hard=False,
-                           softmax_forms=False, gpu_long=False, hi_lr=False, mixers="", widths="", settings="", rope=True,
+                           softmax_forms=False, gpu_long=False, hi_lr=False, mixers="", widths="", settings="", lrs="", rope=True,
                            mlp=True)
     given = {item.partition("=")[0] for item in arg_str.split(",")}
     arg.gpu = arg.gpu or arg.gpu_small or arg.gpu_hard or arg.softmax_forms or arg.gpu_long  # the gpu budget
