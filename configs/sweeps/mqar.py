@@ -228,8 +228,8 @@ def get_config(arg=None):
     arg = common.parse_arg(arg_str, **{**TRIAL_ARGS, "steps": 12500, "batch_size": 0},
                            mixer="kda", d_model=64, num_layers=2, seq_len=64, num_kv_pairs=4,
                            vocab_size=8192, cpu=False, gpu=False, gpu_small=False, gpu_hard=False,
-                           softmax_forms=False, gpu_long=False, hi_lr=False, mixers="", widths="", settings="", lrs="", rope=True,
-                           mlp=True)
+                           softmax_forms=False, gpu_long=False, hi_lr=False, mixers="", widths="", settings="",
+                           lrs="", rope=True, mlp=True)
     given = {item.partition("=")[0] for item in arg_str.split(",")}
     arg.gpu = arg.gpu or arg.gpu_small or arg.gpu_hard or arg.softmax_forms or arg.gpu_long  # the gpu budget
     for name, values in VARIANTS.items():
