@@ -6,8 +6,8 @@ Each case of `benchmarks/mosaic_ptxas.py` (same ops, same shapes) is traced insi
 `kernels.profiling.profiled`, so the kernels that opt in (the bf16 intra kernel with its phases
 load, cumsum, row_side, scores, inverse, wy, store; the chunk-walking kernels of
 `mosaic_state.launch_bh_v` as one range each) record every warpgroup's entry and exit of each
-phase. The case runs twice; the second call's traces (one per kernel launch) are summarised by
-`kernels.profiling.phase_times`: the kernel's span, the mean busy time of one program, and per
+phase. The case runs once as a warm-up, then once compiled with the profiler; its traces (one per
+kernel launch) are summarised by `kernels.profiling.phase_times`: the kernel's span, the mean busy time of one program, and per
 phase its mean duration and share of the programs' busy time. A kernel that is slow as a whole
 (the intra kernel: 10% of its memory roofline) shows here which phase to rewrite. The profiler
 costs a few cycles per recorded event.
@@ -32,17 +32,16 @@ from kernels import profiling  # noqa: E402
 
 
 def run_case(name: str, space: int) -> dict:
-    """Two calls of case `name` with the profiler on; the second call's kernel summaries."""
+    """Case `name` run once without the profiler (warm-up), then compiled with it and run once:
+    its kernel launches' summaries (a profiled program writes its traces on its first call only)."""
+    fn, args = CASES[name]()
+    jax.block_until_ready(jax.jit(fn)(*args))
     with tempfile.TemporaryDirectory() as folder:
         with profiling.profiled(folder, space):
-            fn, args = CASES[name]()
-            f = jax.jit(fn)  # traced inside the block: the kernels get the profiler's parameters
-            jax.block_until_ready(f(*args))
+            profiled = jax.jit(lambda *a: fn(*a))  # a new function: traced with the profiler's parameters
+            jax.block_until_ready(profiled(*args))
             jax.effects_barrier()  # the trace dumps run as host callbacks
-            first = len(profiling.read_traces(folder))
-            jax.block_until_ready(f(*args))
-            jax.effects_barrier()
-        kernels = profiling.read_traces(folder)[first:]
+        kernels = profiling.read_traces(folder)
     return dict(case=name, doc=CASES[name].__doc__, kernels=kernels)
 
 
@@ -53,7 +52,7 @@ def markdown(results: list[dict]) -> str:
             rows.append([r["case"], "-", "no trace (" + (r.get("error") or "no kernel opted in") + ")", "", "", "", ""])
         for i, k in enumerate(r["kernels"]):
             for name, p in sorted(k["phases"].items(), key=lambda kv: -kv[1]["total_us"]):
-                rows.append([r["case"], f"{i}: {k['kernel_us']:.1f} us, {k['programs']} programs of "
+                rows.append([r["case"], f"{i} {k.get('kernel', '')}: {k['kernel_us']:.1f} us, {k['programs']} programs of "
                              f"{k['mean_program_us']:.1f} us", name, str(p["count"]), f"{p['mean_us']:.2f}",
                              f"{100 * p['share']:.1f}%", ""])
     return markdown_table(["case", "kernel launch", "phase", "ranges", "mean us", "share of busy time", ""], rows)

@@ -1,6 +1,8 @@
 """In-kernel timelines of the Mosaic GPU kernels: Mosaic GPU's profiler records, per warpgroup, the
 global timer at the entry and exit of every `jax.named_scope` inside a kernel body and writes
-them as a Chrome trace (`<ns>-trace.json`) after each call.
+them as a Chrome trace, `<kernel>-<ns>-trace.json`. Pallas fixes that name when it lowers the
+kernel, so a compiled program writes its traces on its first call only (later calls find the
+files there and skip them, with a warning).
 
 Kernels opt in by building their compiler parameters with `compiler_params(...)`; the profiler is
 off (no cost, no extra SMEM) unless a caller traces them inside `profiled(folder)`. Read while
@@ -91,10 +93,15 @@ def phase_times(trace: dict) -> dict:
 
 
 def read_traces(folder: str) -> list[dict]:
-    """`phase_times` of every `*-trace.json` in `folder`, oldest first."""
-    names = sorted((f for f in os.listdir(folder) if f.endswith("-trace.json")), key=lambda f: int(f.split("-")[0]))
+    """`phase_times` of every `<kernel>-<ns>-trace.json` in `folder` (also `<ns>-trace.json`, the
+    name of Mosaic GPU's own kernels), in the order they were named, each with its kernel's name."""
+    found = []
+    for name in os.listdir(folder):
+        if name.endswith("-trace.json"):
+            kernel, _, ns = name[: -len("-trace.json")].rpartition("-")
+            found.append((int(ns), kernel, name))
     out = []
-    for name in names:
+    for _, kernel, name in sorted(found):
         with open(os.path.join(folder, name)) as f:
-            out.append(dict(file=name, **phase_times(json.load(f))))
+            out.append(dict(file=name, kernel=kernel, **phase_times(json.load(f))))
     return out

@@ -54,12 +54,16 @@ def test_phase_times_hand_worked(tmp_path):
     assert ph["load"] == dict(count=2, mean_us=2.5, total_us=5.0, share=5 / 12)
     assert ph["math"] == dict(count=2, mean_us=3.5, total_us=7.0, share=7 / 12)
     assert ph["mma"] == dict(count=1, mean_us=2.0, total_us=2.0, share=2 / 12)
-    (tmp_path / "200-trace.json").write_text(json.dumps(trace))
-    (tmp_path / "100-trace.json").write_text(json.dumps({"traceEvents": trace["traceEvents"][:2]}))
+    # Pallas names a trace <kernel>-<ns>-trace.json (kernel names may hold "-" too), Mosaic GPU <ns>-trace.json
+    (tmp_path / "intra_body-300-trace.json").write_text(json.dumps(trace))
+    (tmp_path / "state-kernel-200-trace.json").write_text(json.dumps({"traceEvents": trace["traceEvents"][:2]}))
+    (tmp_path / "100-trace.json").write_text(json.dumps({"traceEvents": []}))
     (tmp_path / "notes.txt").write_text("not a trace")
     files = profiling.read_traces(str(tmp_path))
-    assert [f["file"] for f in files] == ["100-trace.json", "200-trace.json"]
-    assert files[0]["phases"] == {"load": dict(count=1, mean_us=2.0, total_us=2.0, share=1.0)}
+    assert [(f["file"], f["kernel"]) for f in files] == [
+        ("100-trace.json", ""), ("state-kernel-200-trace.json", "state-kernel"), ("intra_body-300-trace.json", "intra_body")]
+    assert files[1]["phases"] == {"load": dict(count=1, mean_us=2.0, total_us=2.0, share=1.0)}
+    assert files[0]["programs"] == 0 and files[2]["programs"] == 2
 
 
 def test_unbalanced_traces_are_refused():
