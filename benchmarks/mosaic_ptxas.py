@@ -172,7 +172,8 @@ def markdown(results: list[dict]) -> str:
             rows.append([r["case"], f"{i}: {k['function']}", str(k["registers"]), str(k["spill_stores"]),
                          str(k["spill_loads"]), str(k["stack_frame"])])
         if not r["kernels"]:
-            rows.append([r["case"], "no ptxas report (" + (r.get("error") or "nothing compiled") + ")", "", "", "", ""])
+            why = r.get("error") or f"none among {len(r.get('report', ''))} captured characters: kernels cached or not compiled here"
+            rows.append([r["case"], f"no ptxas report ({why})", "", "", "", ""])
     return markdown_table(["case", "kernel", "registers", "spill stores B", "spill loads B", "stack frame B"], rows)
 
 
