@@ -27,8 +27,8 @@ the 3:1 hybrid has 4 layers (3 KDA + 1 MLA, the shortest 3:1 stack), the other m
 (measured on CPU at d_model 128, L=256: train-step compile 8 s for softmax to 36 s for the
 hybrid, start and init 10-25 s, eval.py 10-40 s) and the MQAR generator, 0.31 ms per batch of
 256 at L=64 and 0.75 ms per batch of 128 at L=256 on one core (1.2 s / 3 s per 4000-step trial);
-the input pipeline around it (grain's per-example path, row packing) took 8.9 ms per batch of 256
-at L=64 until it read task examples directly and took whole-row examples as rows (2.1 ms).
+the input pipeline around it builds a batch of 256 at L=64 in 2.3 ms, 6.6 ms through grain's
+per-example path (`benchmarks/data_pipeline.py`, data-pipeline-cpu2-20261201.json, 2 cores).
 The learning rate is a runtime argument of the train step, so a grid point's two lrs compile one
 program: the second trial loads it from the sweep's compilation cache. Every mixer x d_model
 {64, 128} x (L, K) in {(64, 4), (256, 16)} x lr {1e-3, 3e-3} (48 trials), 4000 steps at batch
