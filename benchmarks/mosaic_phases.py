@@ -1,6 +1,6 @@
 """Where the time goes inside our Mosaic GPU kernels: per named phase, from Mosaic GPU's profiler.
 
-    JAX_PLATFORMS=cuda python benchmarks/mosaic_phases.py [--cases kda_fwd,kda_train] [--out J]
+    JAX_PLATFORMS=cuda,cpu python benchmarks/mosaic_phases.py [--cases kda_fwd,kda_train] [--out J]
 
 Each case of `benchmarks/mosaic_ptxas.py` (same ops, same shapes) is traced inside
 `kernels.profiling.profiled`, so the kernels that opt in (the bf16 intra kernel with its phases
@@ -12,7 +12,8 @@ phase its mean duration and share of the programs' busy time. A kernel that is s
 (the intra kernel: 10% of its memory roofline) shows here which phase to rewrite. The profiler
 costs a few cycles per recorded event.
 
-Needs a Hopper GPU (the interpreter records nothing).
+Needs a Hopper GPU (the interpreter records nothing) and JAX's CPU backend (the traces are written
+by host callbacks); a JAX_PLATFORMS without cpu gets it appended.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if os.environ.get("JAX_PLATFORMS") and "cpu" not in os.environ["JAX_PLATFORMS"].split(","):
+    os.environ["JAX_PLATFORMS"] += ",cpu"
 
 import jax  # noqa: E402
 

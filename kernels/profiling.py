@@ -30,12 +30,25 @@ def profiled(folder: str, space: int = 64):
     global _PROFILE
     if space < 1:
         raise ValueError(f"profiler space must be positive, got {space}")
+    _require_cpu_backend()
     os.makedirs(folder, exist_ok=True)
     old, _PROFILE = _PROFILE, (folder, int(space))
     try:
         yield folder
     finally:
         _PROFILE = old
+
+
+def _require_cpu_backend():
+    """Mosaic GPU writes its traces from a host callback, which needs JAX's CPU backend; without
+    it the kernel runs and the dump fails only at the end, after the whole run."""
+    import jax
+
+    try:
+        jax.devices("cpu")
+    except RuntimeError as e:
+        raise RuntimeError("the Mosaic GPU profiler writes its traces through a host callback, which "
+                           "needs the CPU backend: add cpu to JAX_PLATFORMS (e.g. JAX_PLATFORMS=cuda,cpu)") from e
 
 
 def phases():

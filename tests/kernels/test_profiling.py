@@ -26,6 +26,17 @@ def test_compiler_params_carry_the_profiler_only_inside_profiled(tmp_path):
             pass
 
 
+def test_profiled_refuses_without_a_cpu_backend(tmp_path, monkeypatch):
+    def no_cpu(backend=None):
+        raise RuntimeError(f"Unknown backend {backend}")
+
+    monkeypatch.setattr(jax, "devices", no_cpu)
+    with pytest.raises(RuntimeError, match="JAX_PLATFORMS"):
+        with profiling.profiled(str(tmp_path / "p")):
+            pass
+    assert profiling.compiler_params().profile_space == 0
+
+
 def test_phases_name_consecutive_parts_of_a_program():
     def f(x):
         phase = profiling.phases()
