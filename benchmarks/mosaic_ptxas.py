@@ -77,11 +77,21 @@ def _kda_inputs(B, T, H, D):
 
 
 def _case_kda_fwd():
-    """impl="pallas_gpu" forward at 8 x 4096 x 16 x 128: the bf16 intra kernel and the state kernel."""
+    """impl="pallas_gpu" forward at 8 x 4096 x 16 x 128: the default intra stage (XLA) and the state kernel."""
     from kernels.kda import kda
 
     args = _kda_inputs(8, 4096, 16, 128)
     return lambda *a: kda(*a, lower_bound=-5.0, impl="pallas_gpu")[0], args
+
+
+def _case_kda_intra_bf16():
+    """The bf16 intra-chunk kernel alone (`mosaic_intra_bf16.intra_bf16`, pallas_gpu's intra="mosaic_bf16")
+    at 8 x 4096 x 16 x 128 with the bounded gate."""
+    from kernels.kda import mosaic_intra_bf16
+
+    q, k, v, g, beta = _kda_inputs(8, 4096, 16, 128)
+    fn = lambda q, k, v, g, bt: mosaic_intra_bf16.intra_bf16(q, k, v, g, bt, scale=128 ** -0.5)  # noqa: E731
+    return fn, (q, k, v, g, jnp.moveaxis(beta, 1, 2))
 
 
 def _case_kda_train():
@@ -148,7 +158,7 @@ def _case_gmm():
     return jax.grad(loss, argnums=(0, 1)), (x, w)
 
 
-CASES = dict(kda_fwd=_case_kda_fwd, kda_train=_case_kda_train, kda_scores_bwd=_case_kda_scores_bwd,
+CASES = dict(kda_fwd=_case_kda_fwd, kda_intra_bf16=_case_kda_intra_bf16, kda_train=_case_kda_train, kda_scores_bwd=_case_kda_scores_bwd,
              kda_decode=_case_kda_decode, short_conv=_case_short_conv, gmm=_case_gmm)
 
 
