@@ -158,8 +158,9 @@ def _case_gmm():
     return jax.grad(loss, argnums=(0, 1)), (x, w)
 
 
-CASES = dict(kda_fwd=_case_kda_fwd, kda_intra_bf16=_case_kda_intra_bf16, kda_train=_case_kda_train, kda_scores_bwd=_case_kda_scores_bwd,
-             kda_decode=_case_kda_decode, short_conv=_case_short_conv, gmm=_case_gmm)
+CASES = dict(kda_fwd=_case_kda_fwd, kda_intra_bf16=_case_kda_intra_bf16, kda_train=_case_kda_train,
+             kda_scores_bwd=_case_kda_scores_bwd, kda_decode=_case_kda_decode, short_conv=_case_short_conv,
+             gmm=_case_gmm)
 
 
 def run_case(name: str) -> dict:

@@ -15,6 +15,7 @@ and computes y_n = sum_j weights[n, j] * Expert_{expert_idx[n, j]}(x_n).
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Callable, NamedTuple
 
@@ -94,14 +95,64 @@ def sort_by_expert(expert_idx, num_experts: int):
     return order, token, group_sizes
 
 
-def combine_sorted(y_sorted, order, weights):
+# The row gathers of the sort and the un-sort. Autodiff transposes a gather into a scatter-add,
+# which XLA runs with atomic adds; knowing the indices form a permutation, the backward of each is
+# a gather by the inverse permutation instead (and, for the k copies of a token, a sum).
+
+
+@jax.custom_vjp
+def permute_rows(x, perm, inverse):
+    """x[perm] for a permutation `perm` [M] of x's rows, `inverse` = argsort(perm); its backward
+    is the gather dy[inverse] (no scatter)."""
+    return x[perm]
+
+
+def _permute_rows_fwd(x, perm, inverse):
+    return x[perm], inverse
+
+
+def _permute_rows_bwd(inverse, dy):
+    return dy[inverse], None, None
+
+
+permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
+def gather_pairs(x, order, inverse):
+    """Rows of the sorted (token, expert) pairs: x [N, D] -> x[order // k] [N*k, D], k = len(order) / N,
+    with `order` the pairs' sort (`sort_by_expert`) and `inverse` = argsort(order). The backward
+    gathers the pairs back into token order and sums each token's k rows (in float32)."""
+    if order.shape[0] % x.shape[0]:
+        raise ValueError(f"gather_pairs: {order.shape[0]} pairs are not a multiple of {x.shape[0]} tokens")
+    return _gather_pairs(x, order, inverse, order.shape[0] // x.shape[0])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gather_pairs(x, order, inverse, k):
+    return x[order // k]
+
+
+def _gather_pairs_fwd(x, order, inverse, k):
+    return x[order // k], inverse
+
+
+def _gather_pairs_bwd(k, inverse, dy):
+    dx = dy[inverse].reshape(-1, k, dy.shape[-1]).astype(jnp.float32).sum(1)
+    return dx.astype(dy.dtype), None, None
+
+
+_gather_pairs.defvjp(_gather_pairs_fwd, _gather_pairs_bwd)
+
+
+def combine_sorted(y_sorted, order, weights, inverse=None):
     """Undo the sort and sum each token's k expert outputs with its weights.
 
-    y_sorted [N*k, D], order [N*k], weights [N, k] -> [N, D] float32.
+    y_sorted [N*k, D], order [N*k] (inverse = argsort(order), computed if not given),
+    weights [N, k] -> [N, D] float32.
     """
     N, k = weights.shape
-    inverse = jnp.argsort(order)
-    y = y_sorted[inverse].reshape(N, k, -1).astype(jnp.float32)
+    inverse = jnp.argsort(order) if inverse is None else inverse
+    y = permute_rows(y_sorted, inverse, order).reshape(N, k, -1).astype(jnp.float32)
     return jnp.einsum("nkd,nk->nd", y, weights.astype(jnp.float32))
 
 
@@ -109,9 +160,10 @@ def ragged_dispatch(x, expert_idx, weights, experts: ExpertWeights, activation,
                     *, matmul: Callable = jax.lax.ragged_dot):
     """Dropless sort + grouped matmul + un-sort (see module docstring)."""
     _check(x, expert_idx, weights, experts)
-    order, token, group_sizes = sort_by_expert(expert_idx, experts.gate.shape[0])
-    y_sorted = grouped_ffn(x[token], group_sizes, experts, activation, matmul=matmul)
-    return combine_sorted(y_sorted, order, weights)
+    order, _, group_sizes = sort_by_expert(expert_idx, experts.gate.shape[0])
+    inverse = jnp.argsort(order)
+    y_sorted = grouped_ffn(gather_pairs(x, order, inverse), group_sizes, experts, activation, matmul=matmul)
+    return combine_sorted(y_sorted, order, weights, inverse)
 
 
 def dense_dispatch(x, expert_idx, weights, experts: ExpertWeights, activation):

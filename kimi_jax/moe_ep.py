@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from kernels import gmm as gmm_ops
 from kernels import mxfp4
-from kimi_jax.moe_dispatch import DISPATCH, ExpertWeights, _check, grouped_ffn, ragged_dispatch
+from kimi_jax.moe_dispatch import DISPATCH, ExpertWeights, _check, grouped_ffn, permute_rows, ragged_dispatch
 from kimi_jax.sharding import LOGICAL_AXIS_RULES
 
 EXPERT_AXIS = "expert"
@@ -84,20 +84,21 @@ def _local_experts(x, expert_idx, weights, experts, activation, *, num_shards, c
     rank = jnp.zeros_like(rank_sorted).at[order].set(rank_sorted)
     keep = rank < cap
     slot = jnp.where(keep, dest * cap + rank, num_shards * cap)  # out of range = dropped
-    token = jnp.arange(flat.shape[0]) // k
-    send_x = jnp.zeros((num_shards * cap, d), x.dtype).at[slot].set(x[token], mode="drop")
+    pairs_x = jnp.broadcast_to(x[:, None], (n_tok, k, d)).reshape(n_tok * k, d)  # backward: a sum, not a scatter
+    send_x = jnp.zeros((num_shards * cap, d), x.dtype).at[slot].set(pairs_x, mode="drop")
     send_e = jnp.full((num_shards * cap,), e_local, jnp.int32).at[slot].set(local, mode="drop")
     if ep_axis is not None:
         send_x = jax.lax.all_to_all(send_x, ep_axis, 0, 0, tiled=True)
         send_e = jax.lax.all_to_all(send_e, ep_axis, 0, 0, tiled=True)
     # received rows: sort by local expert; padding (id e_local) sorts last and yields zeros
     order2 = jnp.argsort(send_e, stable=True)
+    inverse2 = jnp.argsort(order2)
     group_sizes = jnp.zeros((e_local,), jnp.int32).at[send_e].add(1, mode="drop")
-    y_sorted = grouped_ffn(send_x[order2], group_sizes, experts, activation,
+    y_sorted = grouped_ffn(permute_rows(send_x, order2, inverse2), group_sizes, experts, activation,
                            matmul=grouped_matmul).astype(jnp.float32)
     if tensor_axis is not None:
         y_sorted = jax.lax.psum(y_sorted, tensor_axis)
-    y_rows = jnp.zeros_like(y_sorted).at[order2].set(y_sorted).astype(x.dtype)
+    y_rows = permute_rows(y_sorted, inverse2, order2).astype(x.dtype)
     if ep_axis is not None:
         y_rows = jax.lax.all_to_all(y_rows, ep_axis, 0, 0, tiled=True)
     y_pair = jnp.take(y_rows, slot, axis=0, mode="fill", fill_value=0)

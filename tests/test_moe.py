@@ -13,7 +13,7 @@ from kimi_jax import moe_balance
 from kimi_jax.config import MoEConfig
 from kimi_jax.ffn import glu_activation, situ_glu
 from kimi_jax.moe import MoE, RouterBias, apply_balancing
-from kimi_jax.moe_dispatch import ExpertWeights, dispatch_fn
+from kimi_jax.moe_dispatch import ExpertWeights, dispatch_fn, gather_pairs, permute_rows, sort_by_expert
 
 
 def _experts(key, E=6, D=8, F=12):
@@ -49,6 +49,38 @@ def test_dense_and_ragged_dispatch_agree_with_gradients(activation):
     for n in range(N):
         ref = sum(float(w[n, j]) * _expert_np(x[n], experts, int(idx[n, j]), act) for j in range(k))
         np.testing.assert_allclose(y_dense[n], ref, rtol=1e-5, atol=1e-5)
+
+
+def _primitives(jaxpr, out):
+    for e in jaxpr.eqns:
+        out.add(e.primitive.name)
+        for p in e.params.values():
+            inner = p if hasattr(p, "eqns") else getattr(p, "jaxpr", None)
+            if hasattr(inner, "eqns"):
+                _primitives(inner, out)
+    return out
+
+
+def test_pair_gathers_have_gather_backwards_equal_to_autodiff():
+    """gather_pairs / permute_rows against the plain gathers' autodiff (a scatter-add), with no
+    scatter left in their backward."""
+    key = jax.random.key(5)
+    N, k, E, D = 7, 3, 4, 5
+    idx = jax.random.randint(jax.random.fold_in(key, 1), (N, k), 0, E)
+    order, token, _ = sort_by_expert(idx, E)
+    inverse = jnp.argsort(order)
+    x = jax.random.normal(jax.random.fold_in(key, 2), (N, D))
+    ct = jax.random.normal(jax.random.fold_in(key, 3), (N * k, D))
+    ours = lambda x: jnp.vdot(ct, jnp.sin(permute_rows(gather_pairs(x, order, inverse), inverse, order)))  # noqa: E731
+    plain = lambda x: jnp.vdot(ct, jnp.sin(x[token][inverse]))  # noqa: E731
+    np.testing.assert_allclose(ours(x), plain(x), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(ours)(x), jax.grad(plain)(x), rtol=1e-5, atol=1e-6)
+    assert np.asarray(gather_pairs(x, order, inverse)).tolist() == np.asarray(x[order // k]).tolist()
+    assert "scatter-add" in _primitives(jax.make_jaxpr(jax.grad(plain))(x).jaxpr, set())
+    prims = _primitives(jax.make_jaxpr(jax.grad(ours))(x).jaxpr, set())
+    assert not {p for p in prims if p.startswith("scatter")}, prims
+    with pytest.raises(ValueError, match="multiple"):
+        gather_pairs(x, order[:-1], inverse[:-1])
 
 
 def _expert_np(x, w: ExpertWeights, e, act):

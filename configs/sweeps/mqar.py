@@ -29,6 +29,11 @@ hybrid, start and init 10-25 s, eval.py 10-40 s) and the MQAR generator, 0.31 ms
 256 at L=64 and 0.75 ms per batch of 128 at L=256 on one core (1.2 s / 3 s per 4000-step trial);
 the input pipeline around it builds a batch of 256 at L=64 in 2.3 ms, 6.6 ms through grain's
 per-example path (`benchmarks/data_pipeline.py`, data-pipeline-cpu2-20261201.json, 2 cores).
+On the device a trial's step is many small kernels: KDA at d_model 256, (64, 4), batch 256 alone
+on an H200 takes 7.6 ms per step, 612 kernels of 7.7 ms in all (`benchmarks/train.py --config
+"configs/sweeps/mqar.py:trial,mixer=kda,d_model=256,seq_len=64,num_kv_pairs=4" --rows 1:none:256
+--seq_len 64 --profile_steps 1`, train-mqar-trial-h200-20261201T0511.json), against 14 ms with
+three trials sharing the GPU, so trials sharing a device finish more steps per second in all.
 The learning rate is a runtime argument of the train step, so a grid point's two lrs compile one
 program: the second trial loads it from the sweep's compilation cache. Every mixer x d_model
 {64, 128} x (L, K) in {(64, 4), (256, 16)} x lr {1e-3, 3e-3} (48 trials), 4000 steps at batch

@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import profiling
-from kernels.kda.mosaic_intra import MAX_EXP, _rows_in, _split_store, per_block as _per_block, split_parts
+from kernels.kda.mosaic_intra import MAX_EXP, _split_store, per_block as _per_block, split_parts
 from kernels.kda.mosaic_state import C, _smem
 
 SUB = 16
@@ -115,9 +115,17 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
     for i in range(len(loads)):
         plgpu.barrier_wait(bars.at[i])
     f32 = jnp.float32
-    rows = plgpu.broadcasted_iota(jnp.int32, (C, HW), 0, layout=_W)  # HW == C: also the [C, C] index
-    cols = plgpu.broadcasted_iota(jnp.int32, (C, HW), 1, layout=_W)
-    blocks = lambda fn: _per_block(rows.shape, fn, NB)  # noqa: E731 - rows of block I hold fn(I) [HW]
+    # Tile indices (HW == C: also the [C, C] ones) as a row and a column vector, broadcast where a
+    # mask is formed: a full int32 index tile would hold 32 registers per thread for the whole
+    # kernel, which runs at the register limit.
+    r1 = plgpu.broadcasted_iota(jnp.int32, (C,), 0, layout=_W.reduce(1))
+    c1 = plgpu.broadcasted_iota(jnp.int32, (HW,), 0, layout=_W.reduce(0))
+    rows = lambda: lax.broadcast_in_dim(r1, (C, HW), [0])  # noqa: E731
+    cols = lambda: lax.broadcast_in_dim(c1, (C, HW), [1])  # noqa: E731
+    block_of = lambda v: sum(jnp.where(v >= I * SUB, 1, 0) for I in range(1, NB))  # noqa: E731
+    same_block = lambda: (lax.broadcast_in_dim(block_of(r1), (C, HW), [0])  # noqa: E731
+                          == lax.broadcast_in_dim(block_of(c1), (C, HW), [1]))
+    blocks = lambda fn: _per_block((C, HW), fn, NB)  # noqa: E731 - rows of block I hold fn(I) [HW]
     anchor = lambda i, j: plgpu.load(an_s.at[i, half(j)], layout=_W.reduce(0))  # noqa: E731 - [HW]
 
     phase("cumsum")
@@ -127,11 +135,8 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
     plgpu.commit_smem()  # every thread has read g before its memory holds the split parts
     for j in range(KH):
         _split_store(gs[j], parts.at[j, 0], parts.at[j, 1], dt)
-    same_block, later_col = rows < 0, rows >= 0
-    for I in range(NB):
-        same_block = same_block | (_rows_in(rows, I * SUB, (I + 1) * SUB) & _rows_in(cols, I * SUB, (I + 1) * SUB))
-        later_col = later_col & (cols != I * SUB)
-    bt_s[...] = jnp.where(same_block & (cols <= rows) & later_col, 1.0, 0.0).astype(dt)
+    later_col = lax.broadcast_in_dim(block_of(c1) * SUB != c1, (C, HW), [1])  # not a block's first column
+    bt_s[...] = jnp.where(same_block() & (cols() <= rows()) & later_col, 1.0, 0.0).astype(dt)
     plgpu.commit_smem()
 
     def block_cumsum(*accs):
@@ -147,6 +152,7 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
     # qg = scale Rq exp(a_I), kg = Kl exp(G_last - a_I), staged in the scores' column-operand
     # memory (free until the scores start).
     qg_o, kg_o = kc_s.at[0], kc_s.at[1]
+    sub = jax.named_scope  # sub-phases, nested in the phase's range
     for j, D in enumerate(Ds):
         e = jnp.exp(D)
         rq = plgpu.load(q_s.at[j], layout=_W).astype(f32) * e
@@ -158,10 +164,11 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
         kl_s.at[j][...] = kl.astype(dt)
         kg_o.at[j][...] = (kl * blocks(lambda I: jnp.exp(anchor(NB, j) - anchor(I, j)))).astype(dt)
     plgpu.commit_smem()
-    for j in range(KH):
-        plgpu.copy_smem_to_gmem(qg_o.at[j], qg_ref.at[bh, n, :, half(j)])
-        plgpu.copy_smem_to_gmem(kg_o.at[j], kg_ref.at[bh, n, :, half(j)])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staged outputs read before the scores reuse it
+    with sub("row_side_out"):
+        for j in range(KH):
+            plgpu.copy_smem_to_gmem(qg_o.at[j], qg_ref.at[bh, n, :, half(j)])
+            plgpu.copy_smem_to_gmem(kg_o.at[j], kg_ref.at[bh, n, :, half(j)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staged outputs read before the scores reuse it
 
     def col_factor(I, J, j):
         """Column block J's factor for row block I: exp(a_I - a_J) <= 1, 1 on the diagonal, 0 above."""
@@ -175,24 +182,29 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
         for I in range(NB):
             slot = I % 2
             if I >= 2:
-                plgpu.wgmma_wait(2 * KH)  # block I - 2's products (the last readers of this slot) are done
-            for j in range(KH):
-                kl = plgpu.load(kl_s.at[j], layout=_W).astype(f32)
-                kc_s.at[slot, j][...] = (kl * blocks(lambda J: col_factor(I, J, j))).astype(dt)
-            plgpu.commit_smem()
+                with sub("scores_wait"):
+                    plgpu.wgmma_wait(2 * KH)  # block I - 2's products (the last readers of this slot) are done
+            with sub("scores_operand"):
+                for j in range(KH):
+                    kl = plgpu.load(kl_s.at[j], layout=_W).astype(f32)
+                    kc_s.at[slot, j][...] = (kl * blocks(lambda J: col_factor(I, J, j))).astype(dt)
+                plgpu.commit_smem()
             blk = pl.ds(I * SUB, SUB)
-            for j in range(KH):
-                plgpu.wgmma(acc_q.at[:, blk], kc_s.at[slot, j], q_s.at[j, blk].transpose((1, 0)))
-                plgpu.wgmma(acc_k.at[:, blk], kc_s.at[slot, j], k_s.at[j, blk].transpose((1, 0)))
-        return acc_q[...], acc_k[...]
+            with sub("scores_issue"):
+                for j in range(KH):
+                    plgpu.wgmma(acc_q.at[:, blk], kc_s.at[slot, j], q_s.at[j, blk].transpose((1, 0)))
+                    plgpu.wgmma(acc_k.at[:, blk], kc_s.at[slot, j], k_s.at[j, blk].transpose((1, 0)))
+        with sub("scores_drain"):
+            return acc_q[...], acc_k[...]
 
     AT, LT = pl.run_scoped(scores, plgpu.ACC((C, C), f32), plgpu.ACC((C, C), f32))
+    phase("scores_out")
     for j in range(VH):  # v lands while the inverse runs (its memory held the column operand)
         plgpu.copy_gmem_to_smem(v_ref.at[b, rows_t, h, half(j)], v_s.at[j], bars.at[len(loads) + j])
     # rows: column c of the scores; cols: row r.
     beta_r = lax.broadcast_in_dim(plgpu.load(b_s, layout=_W.reduce(0)), (C, C), [1])
-    a_o[...] = (jnp.where(cols >= rows, AT, 0.0) * scale).astype(dt)  # Aqk^T
-    U = jnp.where(cols > rows, LT * beta_r, 0.0)  # L^T
+    a_o[...] = (jnp.where(cols() >= rows(), AT, 0.0) * scale).astype(dt)  # Aqk^T
+    U = jnp.where(cols() > rows(), LT * beta_r, 0.0)  # L^T
 
     # k exp(G) = Rk exp(a_I) in place for w (Rk's last reads were the scores).
     for j in range(KH):
@@ -204,9 +216,8 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
     phase("inverse")
     # (I + U)^{-1} = Ai^T, U = L^T strictly upper: diagonal blocks Dg = (I + Ud)^{-1}, then
     # I + U = (I + Ud)(I + Dg Uo) with N = Dg Uo block-nilpotent (N^4 = 0).
-    diag = same_block
-    eye = jnp.where(rows == cols, 1.0, 0.0)
-    Ud = jnp.where(diag, U, 0.0)
+    eye = jnp.where(rows() == cols(), 1.0, 0.0)
+    Ud = jnp.where(same_block(), U, 0.0)
     Uo = U - Ud
     mm = functools.partial(_mm_pair, m_s=m_s, dt=dt, a_s=a_s[0] if a_s else None)
     (P,) = mm([(Ud, Ud)])

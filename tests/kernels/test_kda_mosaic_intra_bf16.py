@@ -144,3 +144,31 @@ def test_whole_forward_backward_lowers_for_cuda(monkeypatch, intra):
     text = f.trace(bf, bf, bf, g, beta).lower(lowering_platforms=("cuda",)).as_text()
     kernels = len(re.findall(r"custom_call @mosaic_gpu", text))
     assert kernels >= (2 if intra == "mosaic_bf16" else 1)  # (the intra kernel and) the state kernel
+
+
+def _scopes(jaxpr, out):
+    """Name stacks of every equation of `jaxpr` and of the programs nested in it, in order."""
+    for e in jaxpr.eqns:
+        out.append(str(e.source_info.name_stack))
+        for p in e.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else [p]:
+                inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
+                if hasattr(inner, "eqns"):
+                    _scopes(inner, out)
+    return out
+
+
+def test_kernel_marks_its_profiler_phases_in_order():
+    """The phases and sub-phases that `benchmarks/mosaic_phases.py` reports are named scopes of
+    the kernel body, in program order."""
+    q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+    g = jnp.zeros((1, 64, 1, 64), jnp.float32)
+    fn = lambda *a: mosaic_intra_bf16.intra_bf16(*a, scale=1.0, interpret=True)  # noqa: E731
+    seen = []
+    for name in _scopes(jax.make_jaxpr(fn)(q, q, q, g, jnp.zeros((1, 1, 64), jnp.float32)).jaxpr, []):
+        name = name.split("/")[-1]
+        if name and name not in seen:
+            seen.append(name)
+    want = ["load", "cumsum", "row_side", "row_side_out", "scores", "scores_operand", "scores_issue",
+            "scores_wait", "scores_drain", "scores_out", "inverse", "wy", "store"]
+    assert [s for s in seen if s in want] == want
