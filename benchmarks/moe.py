@@ -5,7 +5,7 @@ XLA baselines, per kernel and for the whole expert FFN / routed layer, counting 
     python benchmarks/moe.py --out DIR --sweep     # + a tile sweep, best tile per kernel
     python benchmarks/moe.py --out DIR --sweep ws --no_steps --baselines ""   # one tile family
     python benchmarks/moe.py --quick --out DIR     # tiny shapes on CPU (Pallas interpreted)
-    python benchmarks/moe.py --out DIR --workloads k3_small --gate_up separate,fused   # gate/up forms
+    python benchmarks/moe.py --out DIR --workloads k3_small --gate_up separate,fused,fused_bwd   # gate/up forms
     python benchmarks/moe.py --out DIR --workloads k3_small --profile 20   # + kernel time per step
 
 Times: ms per call with calls queued back to back (median of 3 runs of >= 50 ms), after one
@@ -399,7 +399,8 @@ def _ratio(base, r, impl):
 
 
 def _gate_up_note(r) -> str:
-    return " (fused gate/up)" if r.get("gate_up") == "fused" else ""
+    mode = r.get("gate_up", "separate")
+    return "" if mode == "separate" else f" (gate/up {mode})"
 
 
 def summary(rows) -> str:

@@ -43,7 +43,9 @@ class ExpertWeights(NamedTuple):
 # fusions the small-config byte model names (README, MoE). Timed on an H200 it is slower at both
 # workloads of benchmarks/moe.py (k3_small FFN 0.47 vs 0.43 ms, K3 per-device layer 224.2 vs
 # 215.5 ms; benchmarks/results/moe-gateup-h200-20261201T0113.json), so "separate" stays.
-GATE_UP_MODES = ("separate", "fused")
+# "fused_bwd": the forward of "separate" with the backward of "fused" (`_gate_up_fused_bwd`): the
+# fused forward's one matmul of width 2F is what made it slower, its backward is the saving.
+GATE_UP_MODES = ("separate", "fused", "fused_bwd")
 GATE_UP = "separate"
 
 
@@ -71,15 +73,42 @@ def grouped_ffn(x_sorted, group_sizes, w: ExpertWeights, activation,
     up run as GATE_UP says.
     """
     dtype = x_sorted.dtype
-    if read_setting(sys.modules[__name__], "GATE_UP", GATE_UP_MODES) == "fused":
+    mode = read_setting(sys.modules[__name__], "GATE_UP", GATE_UP_MODES)
+    if mode == "fused":
         F = w.gate.shape[2]
         gu = matmul(x_sorted, concat_n(w.gate.astype(dtype), w.up.astype(dtype)), group_sizes)
         gate, up = gu[:, :F], gu[:, F:]
+    elif mode == "fused_bwd":
+        gate, up = _gate_up_fused_bwd(x_sorted, w.gate.astype(dtype), w.up.astype(dtype), group_sizes, matmul)
     else:
         gate = matmul(x_sorted, w.gate.astype(dtype), group_sizes)
         up = matmul(x_sorted, w.up.astype(dtype), group_sizes)
     h = activation(gate, up).astype(dtype)
     return matmul(h, w.down.astype(dtype), group_sizes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _gate_up_fused_bwd(x, w_gate, w_up, group_sizes, matmul):
+    """(x @ w_gate, x @ w_up) by group as two grouped matmuls; the backward runs the concatenated
+    product's: dx with one grouped matmul of contraction 2F (no sum of two input gradients) and
+    the weight gradients with one transposed grouped matmul of width 2F."""
+    return matmul(x, w_gate, group_sizes), matmul(x, w_up, group_sizes)
+
+
+def _gate_up_fused_bwd_fwd(x, w_gate, w_up, group_sizes, matmul):
+    return _gate_up_fused_bwd(x, w_gate, w_up, group_sizes, matmul), (x, w_gate, w_up, group_sizes)
+
+
+def _gate_up_fused_bwd_bwd(matmul, res, cts):
+    x, w_gate, w_up, group_sizes = res
+    F = w_gate.shape[2]
+    # The product's own backward; its forward output is unused, so the compiler drops it.
+    _, vjp = jax.vjp(lambda x, w: matmul(x, w, group_sizes), x, concat_n(w_gate, w_up))
+    dx, dw = vjp(jnp.concatenate([c.astype(x.dtype) for c in cts], axis=1))
+    return dx, dw[:, :, :F], dw[:, :, F:], None
+
+
+_gate_up_fused_bwd.defvjp(_gate_up_fused_bwd_fwd, _gate_up_fused_bwd_bwd)
 
 
 def sort_by_expert(expert_idx, num_experts: int):

@@ -1,6 +1,6 @@
-"""moe_dispatch.GATE_UP: gate and up as one grouped matmul against [gate | up] give the values and
-gradients of two, through XLA's ragged_dot, the Pallas grouped matmul (interpreted) and packed
-MXFP4 experts."""
+"""moe_dispatch.GATE_UP: gate and up as one grouped matmul against [gate | up] ("fused"), or two
+with the backward of one ("fused_bwd"), give the values and gradients of two, through XLA's
+ragged_dot, the Pallas grouped matmul (interpreted) and packed MXFP4 experts."""
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +38,9 @@ def _value_and_grads(mode, matmul, x, idx, w, experts):
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, experts)
 
 
+@pytest.mark.parametrize("mode", ["fused", "fused_bwd"])
 @pytest.mark.parametrize("path", ["ragged_dot", "pallas_gpu"])
-def test_fused_gate_up_matches_separate(path):
+def test_fused_gate_up_matches_separate(path, mode):
     if path == "ragged_dot":
         x, idx, w, experts = _inputs()
         matmul, tol = jax.lax.ragged_dot, dict(rtol=1e-5, atol=1e-5)
@@ -49,12 +50,27 @@ def test_fused_gate_up_matches_separate(path):
         matmul = lambda a, b, gs: pallas_gpu.gmm_vjp(a, b, gs, blocks, True)  # noqa: E731
         tol = dict(rtol=2e-2, atol=2e-2)
     (_, y_sep), g_sep = _value_and_grads("separate", matmul, x, idx, w, experts)
-    (_, y_fused), g_fused = _value_and_grads("fused", matmul, x, idx, w, experts)
+    (_, y_fused), g_fused = _value_and_grads(mode, matmul, x, idx, w, experts)
     np.testing.assert_allclose(np.asarray(y_fused, np.float32), np.asarray(y_sep, np.float32), **tol)
     for a, b in zip(jax.tree.leaves(g_sep), jax.tree.leaves(g_fused)):
         assert a.shape == b.shape and a.dtype == b.dtype
         np.testing.assert_allclose(np.asarray(b, np.float32), np.asarray(a, np.float32), **tol)
     assert float(jnp.abs(g_fused[1].up).max()) > 0 and float(jnp.abs(g_fused[1].gate).max()) > 0
+
+
+def test_fused_bwd_runs_seven_products():
+    """fused_bwd's step compiles to seven matmuls: gate, up and down forward, down's two
+    gradients, and one each for the input and the weight gradient of [gate | up]; the unused
+    forward product inside its backward is dropped (separate: nine, fused: six)."""
+    x, _, _, experts = _inputs(N=32)
+    gs = jnp.array([8, 8, 16, 0], jnp.int32)
+    act = glu_activation("swiglu")
+    counts = {}
+    for mode in ("separate", "fused", "fused_bwd"):
+        with gate_up(mode):
+            f = jax.jit(jax.grad(lambda x, ex: jnp.sum(jnp.sin(grouped_ffn(x, gs, ex, act))), argnums=(0, 1)))
+            counts[mode] = f.lower(x, experts).compile().as_text().count(" dot(")
+    assert counts == dict(separate=9, fused=6, fused_bwd=7)
 
 
 def test_fused_gate_up_reads_packed_mxfp4_experts():

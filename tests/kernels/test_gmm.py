@@ -292,7 +292,7 @@ def test_benchmark_gate_up_rows(tmp_path, monkeypatch):
     assert steps == [(p, i, m) for p in ("ffn", "layer") for i, m in
                      (("pallas_gpu", "separate"), ("pallas_gpu", "fused"), ("ragged_dot", "separate"))]
     assert seen == [m for _, _, m in steps] and moe_dispatch.GATE_UP == "separate"
-    assert "| quick | step | ffn | pallas_gpu (fused gate/up) |" in (tmp_path / "moe_quick.md").read_text()
+    assert "| quick | step | ffn | pallas_gpu (gate/up fused) |" in (tmp_path / "moe_quick.md").read_text()
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--gate_up", "interleaved", "--out", str(tmp_path)])
 
