@@ -129,6 +129,11 @@ def sort_by_expert(expert_idx, num_experts: int):
 # a gather by the inverse permutation instead (and, for the k copies of a token, a sum).
 
 
+def inverse_permutation(perm):
+    """argsort(perm) for a permutation `perm` [M] of 0..M-1, as one scatter (no second sort)."""
+    return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype), unique_indices=True)
+
+
 @jax.custom_vjp
 def permute_rows(x, perm, inverse):
     """x[perm] for a permutation `perm` [M] of x's rows, `inverse` = argsort(perm); its backward
@@ -180,7 +185,7 @@ def combine_sorted(y_sorted, order, weights, inverse=None):
     weights [N, k] -> [N, D] float32.
     """
     N, k = weights.shape
-    inverse = jnp.argsort(order) if inverse is None else inverse
+    inverse = inverse_permutation(order) if inverse is None else inverse
     y = permute_rows(y_sorted, inverse, order).reshape(N, k, -1).astype(jnp.float32)
     return jnp.einsum("nkd,nk->nd", y, weights.astype(jnp.float32))
 
@@ -190,7 +195,7 @@ def ragged_dispatch(x, expert_idx, weights, experts: ExpertWeights, activation,
     """Dropless sort + grouped matmul + un-sort (see module docstring)."""
     _check(x, expert_idx, weights, experts)
     order, _, group_sizes = sort_by_expert(expert_idx, experts.gate.shape[0])
-    inverse = jnp.argsort(order)
+    inverse = inverse_permutation(order)
     y_sorted = grouped_ffn(gather_pairs(x, order, inverse), group_sizes, experts, activation, matmul=matmul)
     return combine_sorted(y_sorted, order, weights, inverse)
 

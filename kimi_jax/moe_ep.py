@@ -33,7 +33,8 @@ from jax.sharding import PartitionSpec as P
 
 from kernels import gmm as gmm_ops
 from kernels import mxfp4
-from kimi_jax.moe_dispatch import DISPATCH, ExpertWeights, _check, grouped_ffn, permute_rows, ragged_dispatch
+from kimi_jax.moe_dispatch import (DISPATCH, ExpertWeights, _check, grouped_ffn, inverse_permutation, permute_rows,
+                                   ragged_dispatch)
 from kimi_jax.sharding import LOGICAL_AXIS_RULES
 
 EXPERT_AXIS = "expert"
@@ -92,7 +93,7 @@ def _local_experts(x, expert_idx, weights, experts, activation, *, num_shards, c
         send_e = jax.lax.all_to_all(send_e, ep_axis, 0, 0, tiled=True)
     # received rows: sort by local expert; padding (id e_local) sorts last and yields zeros
     order2 = jnp.argsort(send_e, stable=True)
-    inverse2 = jnp.argsort(order2)
+    inverse2 = inverse_permutation(order2)
     group_sizes = jnp.zeros((e_local,), jnp.int32).at[send_e].add(1, mode="drop")
     y_sorted = grouped_ffn(permute_rows(send_x, order2, inverse2), group_sizes, experts, activation,
                            matmul=grouped_matmul).astype(jnp.float32)

@@ -13,7 +13,8 @@ from kimi_jax import moe_balance
 from kimi_jax.config import MoEConfig
 from kimi_jax.ffn import glu_activation, situ_glu
 from kimi_jax.moe import MoE, RouterBias, apply_balancing
-from kimi_jax.moe_dispatch import ExpertWeights, dispatch_fn, gather_pairs, permute_rows, sort_by_expert
+from kimi_jax.moe_dispatch import (ExpertWeights, dispatch_fn, gather_pairs, inverse_permutation, permute_rows,
+                                   sort_by_expert)
 
 
 def _experts(key, E=6, D=8, F=12):
@@ -68,7 +69,8 @@ def test_pair_gathers_have_gather_backwards_equal_to_autodiff():
     N, k, E, D = 7, 3, 4, 5
     idx = jax.random.randint(jax.random.fold_in(key, 1), (N, k), 0, E)
     order, token, _ = sort_by_expert(idx, E)
-    inverse = jnp.argsort(order)
+    inverse = inverse_permutation(order)
+    assert np.asarray(inverse).tolist() == np.argsort(np.asarray(order)).tolist()
     x = jax.random.normal(jax.random.fold_in(key, 2), (N, D))
     ct = jax.random.normal(jax.random.fold_in(key, 3), (N * k, D))
     ours = lambda x: jnp.vdot(ct, jnp.sin(permute_rows(gather_pairs(x, order, inverse), inverse, order)))  # noqa: E731
