@@ -134,19 +134,24 @@ def inverse_permutation(perm):
     return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype), unique_indices=True)
 
 
+def _take_rows(x, idx):
+    return jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
+
+
 @jax.custom_vjp
 def permute_rows(x, perm, inverse):
-    """x[perm] for a permutation `perm` [M] of x's rows, `inverse` = argsort(perm); its backward
-    is the gather dy[inverse] (no scatter)."""
-    return x[perm]
+    """x[perm] [M', D] for `perm` [M'] that maps rows one to one (out-of-range entries: zero rows)
+    and `inverse` [M] its inverse (argsort(perm) for a permutation; out of range for rows of x
+    that `perm` does not take). Its backward is the gather dy[inverse] (no scatter)."""
+    return _take_rows(x, perm)
 
 
 def _permute_rows_fwd(x, perm, inverse):
-    return x[perm], inverse
+    return _take_rows(x, perm), inverse
 
 
 def _permute_rows_bwd(inverse, dy):
-    return dy[inverse], None, None
+    return _take_rows(dy, inverse), None, None
 
 
 permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)

@@ -85,8 +85,12 @@ def _local_experts(x, expert_idx, weights, experts, activation, *, num_shards, c
     rank = jnp.zeros_like(rank_sorted).at[order].set(rank_sorted)
     keep = rank < cap
     slot = jnp.where(keep, dest * cap + rank, num_shards * cap)  # out of range = dropped
-    pairs_x = jnp.broadcast_to(x[:, None], (n_tok, k, d)).reshape(n_tok * k, d)  # backward: a sum, not a scatter
-    send_x = jnp.zeros((num_shards * cap, d), x.dtype).at[slot].set(pairs_x, mode="drop")
+    # Rows of the send buffer <-> kept pairs, one to one: gathers both ways (no scatter of rows,
+    # and gather backwards: `permute_rows`); the broadcast's backward sums each token's k rows.
+    pair_of_slot = jnp.full((num_shards * cap,), flat.shape[0], jnp.int32).at[slot].set(
+        jnp.arange(flat.shape[0], dtype=jnp.int32), mode="drop")
+    pairs_x = jnp.broadcast_to(x[:, None], (n_tok, k, d)).reshape(n_tok * k, d)
+    send_x = permute_rows(pairs_x, pair_of_slot, slot)
     send_e = jnp.full((num_shards * cap,), e_local, jnp.int32).at[slot].set(local, mode="drop")
     if ep_axis is not None:
         send_x = jax.lax.all_to_all(send_x, ep_axis, 0, 0, tiled=True)
@@ -102,7 +106,7 @@ def _local_experts(x, expert_idx, weights, experts, activation, *, num_shards, c
     y_rows = permute_rows(y_sorted, inverse2, order2).astype(x.dtype)
     if ep_axis is not None:
         y_rows = jax.lax.all_to_all(y_rows, ep_axis, 0, 0, tiled=True)
-    y_pair = jnp.take(y_rows, slot, axis=0, mode="fill", fill_value=0)
+    y_pair = permute_rows(y_rows, slot, pair_of_slot)  # dropped pairs: zero rows
     y = jnp.einsum("nkd,nk->nd", y_pair.reshape(n_tok, k, d).astype(jnp.float32),
                    weights.astype(jnp.float32))
     return y, jnp.sum(~keep).astype(jnp.int32)

@@ -93,6 +93,16 @@ def test_capacity_drops_are_reported_and_exact(rng, shape):
     assert int(dropped) == int((~keep).sum()) and int(none_dropped) == 0
     want = dense_dispatch(x, idx, jnp.where(jnp.asarray(keep), w, 0.0), ex, ACT)
     assert_close("capped", want, y, 1e-5)
+    # Gradients with drops: those of the reference whose dropped pairs have zero weight.
+    capped = lambda *a: moe_ep.expert_parallel_dispatch(*a, capacity_factor=cf)  # noqa: E731
+    masked = lambda x, idx, w, ex, act: dense_dispatch(x, idx, jnp.where(jnp.asarray(keep), w, 0.0), ex, act)  # noqa: E731
+    (_, want_y), want_g = _grads(masked, x, w, ex, idx)
+    with jax.set_mesh(_mesh(shape)):
+        (_, y), g = _grads(capped, x, w, ex, idx)
+    assert_close("capped y", want_y, y, 1e-5)
+    for name, a, b in zip(("dx", "dw", "dgate", "dup", "ddown"), jax.tree.leaves(want_g), jax.tree.leaves(g)):
+        assert_close(name, a, b, 1e-5)
+    assert float(jnp.abs(jnp.where(jnp.asarray(keep), 0.0, g[1])).max()) == 0.0  # no gradient to dropped weights
 
 
 def test_without_mesh_and_gmm_dispatch(rng):
