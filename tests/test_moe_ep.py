@@ -95,7 +95,10 @@ def test_capacity_drops_are_reported_and_exact(rng, shape):
     assert_close("capped", want, y, 1e-5)
     # Gradients with drops: those of the reference whose dropped pairs have zero weight.
     capped = lambda *a: moe_ep.expert_parallel_dispatch(*a, capacity_factor=cf)  # noqa: E731
-    masked = lambda x, idx, w, ex, act: dense_dispatch(x, idx, jnp.where(jnp.asarray(keep), w, 0.0), ex, act)  # noqa: E731
+
+    def masked(x, idx, w, ex, act):
+        return dense_dispatch(x, idx, jnp.where(jnp.asarray(keep), w, 0.0), ex, act)
+
     (_, want_y), want_g = _grads(masked, x, w, ex, idx)
     with jax.set_mesh(_mesh(shape)):
         (_, y), g = _grads(capped, x, w, ex, idx)
