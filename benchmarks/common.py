@@ -86,11 +86,13 @@ def time_torch(fn, *, warmup: int = 3, iters: int = 10) -> float:
     return 1e3 * statistics.median(times)
 
 
-def device_profile(compiled, args, calls: int, top: int = 25, folder: str | None = None, scopes=()) -> dict:
+def device_profile(compiled, args, calls: int, top: int = 25, folder: str | None = None, scopes=(),
+                   hlo: str | None = None) -> dict:
     """Device kernels of `calls` back-to-back calls of a compiled JAX program (after two untraced
     ones), per call, by `kimi_jax.profile_summary.summarize` (`scopes`: named scopes to sum them
     by): where a measured time goes, and whether the device or the host's dispatch bounds it
-    (kernel ms per call against the timed ms). The trace goes to `folder` (default: a temporary one)."""
+    (kernel ms per call against the timed ms). The trace goes to `folder` (default: a temporary one);
+    `hlo`: the program's text if the caller has it already (else `compiled.as_text()`)."""
     import tempfile
 
     import jax
@@ -107,7 +109,8 @@ def device_profile(compiled, args, calls: int, top: int = 25, folder: str | None
         jax.block_until_ready(out)
         jax.profiler.stop_trace()
         del out
-        return profile_summary.summarize(folder, compiled.as_text(), calls, top, scopes_in_part=scopes)
+        hlo = compiled.as_text() if hlo is None else hlo
+        return profile_summary.summarize(folder, hlo, calls, top, scopes_in_part=scopes)
 
 
 def attempt(fn):

@@ -45,7 +45,7 @@ def profile_call(label: str, fn, args, calls: int, top: int, body_lines: int, fo
     (`scopes`: named scopes to sum the kernels by, see `profile_summary.summarize`)."""
     compiled = jax.jit(fn).lower(*args).compile()
     hlo = compiled.as_text()
-    summary = device_profile(compiled, args, calls, top, folder, scopes)
+    summary = device_profile(compiled, args, calls, top, folder, scopes, hlo=hlo)
     profile_summary.annotate(summary, hlo, body_lines)
     return dict(impl=label, calls=calls, summary=summary, hlo=hlo)
 

@@ -15,6 +15,7 @@ from kimi_jax.ffn import glu_activation, situ_glu
 from kimi_jax.moe import MoE, RouterBias, apply_balancing
 from kimi_jax.moe_dispatch import (ExpertWeights, dispatch_fn, gather_pairs, inverse_permutation, permute_rows,
                                    sort_by_expert)
+from tests.jaxprs import equations
 
 
 def _experts(key, E=6, D=8, F=12):
@@ -52,14 +53,8 @@ def test_dense_and_ragged_dispatch_agree_with_gradients(activation):
         np.testing.assert_allclose(y_dense[n], ref, rtol=1e-5, atol=1e-5)
 
 
-def _primitives(jaxpr, out):
-    for e in jaxpr.eqns:
-        out.add(e.primitive.name)
-        for p in e.params.values():
-            inner = p if hasattr(p, "eqns") else getattr(p, "jaxpr", None)
-            if hasattr(inner, "eqns"):
-                _primitives(inner, out)
-    return out
+def _primitives(jaxpr):
+    return {e.primitive.name for e in equations(jaxpr)}
 
 
 def test_pair_gathers_have_gather_backwards_equal_to_autodiff():
@@ -78,8 +73,8 @@ def test_pair_gathers_have_gather_backwards_equal_to_autodiff():
     np.testing.assert_allclose(ours(x), plain(x), rtol=1e-6)
     np.testing.assert_allclose(jax.grad(ours)(x), jax.grad(plain)(x), rtol=1e-5, atol=1e-6)
     assert np.asarray(gather_pairs(x, order, inverse)).tolist() == np.asarray(x[order // k]).tolist()
-    assert "scatter-add" in _primitives(jax.make_jaxpr(jax.grad(plain))(x).jaxpr, set())
-    prims = _primitives(jax.make_jaxpr(jax.grad(ours))(x).jaxpr, set())
+    assert "scatter-add" in _primitives(jax.make_jaxpr(jax.grad(plain))(x).jaxpr)
+    prims = _primitives(jax.make_jaxpr(jax.grad(ours))(x).jaxpr)
     assert not {p for p in prims if p.startswith("scatter")}, prims
     with pytest.raises(ValueError, match="multiple"):
         gather_pairs(x, order[:-1], inverse[:-1])

@@ -12,6 +12,7 @@ import pytest
 from kernels.kda import mosaic_intra_bf16, pallas_gpu, pallas_gpu_prep
 from kernels.kda.pallas_gpu_bench import inputs
 from kernels.testing import assert_close
+from tests.jaxprs import equations
 
 BF16_TOL = dict(o=0.005, S=0.005, dq=0.008, dk=0.008, dv=0.008, dg=0.02, dbeta=0.02, dh0=0.008)
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -146,18 +147,6 @@ def test_whole_forward_backward_lowers_for_cuda(monkeypatch, intra):
     assert kernels >= (2 if intra == "mosaic_bf16" else 1)  # (the intra kernel and) the state kernel
 
 
-def _scopes(jaxpr, out):
-    """Name stacks of every equation of `jaxpr` and of the programs nested in it, in order."""
-    for e in jaxpr.eqns:
-        out.append(str(e.source_info.name_stack))
-        for p in e.params.values():
-            for sub in p if isinstance(p, (list, tuple)) else [p]:
-                inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
-                if hasattr(inner, "eqns"):
-                    _scopes(inner, out)
-    return out
-
-
 def test_kernel_marks_its_profiler_phases_in_order():
     """The phases and sub-phases that `benchmarks/mosaic_phases.py` reports are named scopes of
     the kernel body, in program order."""
@@ -165,8 +154,8 @@ def test_kernel_marks_its_profiler_phases_in_order():
     g = jnp.zeros((1, 64, 1, 64), jnp.float32)
     fn = lambda *a: mosaic_intra_bf16.intra_bf16(*a, scale=1.0, interpret=True)  # noqa: E731
     seen = []
-    for name in _scopes(jax.make_jaxpr(fn)(q, q, q, g, jnp.zeros((1, 1, 64), jnp.float32)).jaxpr, []):
-        name = name.split("/")[-1]
+    for e in equations(jax.make_jaxpr(fn)(q, q, q, g, jnp.zeros((1, 1, 64), jnp.float32)).jaxpr):
+        name = str(e.source_info.name_stack).split("/")[-1]
         if name and name not in seen:
             seen.append(name)
     want = ["load", "cumsum", "row_side", "row_side_out", "scores", "scores_operand", "scores_issue",
