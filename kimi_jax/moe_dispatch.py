@@ -44,7 +44,9 @@ class ExpertWeights(NamedTuple):
 # workloads of benchmarks/moe.py (k3_small FFN 0.47 vs 0.43 ms, K3 per-device layer 224.2 vs
 # 215.5 ms; benchmarks/results/moe-gateup-h200-20261201T0113.json), so "separate" stays.
 # "fused_bwd": the forward of "separate" with the backward of "fused" (`_gate_up_fused_bwd`): the
-# fused forward's one matmul of width 2F is what made it slower, its backward is the saving.
+# fused forward's one matmul of width 2F is what made it slower, its backward is the saving. Timed
+# at k3_small it ties with "separate" (layer 0.528 vs 0.525 ms; moe-k3small-h200-20261201T0706.json):
+# two fewer launches (0.27 vs 0.31 ms of Mosaic time), but XLA concatenates the two cotangents (36 us).
 GATE_UP_MODES = ("separate", "fused", "fused_bwd")
 GATE_UP = "separate"
 
