@@ -5,7 +5,7 @@ XLA baselines, per kernel and for the whole expert FFN / routed layer, counting 
     python benchmarks/moe.py --out DIR --sweep     # + a tile sweep, best tile per kernel
     python benchmarks/moe.py --out DIR --sweep ws --no_steps --baselines ""   # one tile family
     python benchmarks/moe.py --quick --out DIR     # tiny shapes on CPU (Pallas interpreted)
-    python benchmarks/moe.py --out DIR --workloads k3_small --gate_up separate,fused,fused_bwd   # gate/up forms
+    python benchmarks/moe.py --out DIR --workloads k3_small --gate_up separate,fused,fused_bwd,fused_glu   # gate/up forms
     python benchmarks/moe.py --out DIR --workloads k3_small --profile 20   # + kernel time per step
 
 Times: ms per call with calls queued back to back (median of 3 runs of >= 50 ms), after one
@@ -50,7 +50,9 @@ import numpy as np  # noqa: E402
 from benchmarks.common import PEAK_TFLOPS, attempt, device_profile, environment, markdown_table  # noqa: E402
 from kernels import mxfp4  # noqa: E402
 from kernels.gmm import ops as gmm_ops, pallas_gpu, reference  # noqa: E402
+from kernels.gmm.glu import DEFAULT_GLU_BLOCKS, glu_ffn  # noqa: E402
 from kimi_jax import moe_dispatch  # noqa: E402
+from kimi_jax.ffn import glu_activation  # noqa: E402
 from kimi_jax.moe_dispatch import (  # noqa: E402
     ExpertWeights, grouped_ffn, ragged_dispatch, sort_by_expert)
 
@@ -106,8 +108,7 @@ def _inputs(w, seed=0):
     return x, idx, weights, experts
 
 
-def _swiglu(gate, up):
-    return jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
+_swiglu = glu_activation("swiglu")  # silu(gate) * up in float32, named for the fused GLU kernels
 
 
 def padded_bmm(capacity: int):
@@ -176,12 +177,16 @@ def _step_fn(part, impl, blocks, capacity):
         matmul = reference.gmm
     else:
         matmul = padded_bmm(capacity)[0]
+    glu = None  # GATE_UP="fused_glu": the FFN with its activation in the kernels, same plain tiles
+    if impl == "pallas_gpu":
+        def glu(x, wg, wu, wd, gs, act):
+            return glu_ffn(x, wg, wu, wd, gs, kind=act.kind, impl="pallas_gpu", blocks=blocks)
     if part == "ffn":
         def loss(xs, ex, gs):
-            return jnp.sum(grouped_ffn(xs, gs, ex, _swiglu, matmul=matmul).astype(jnp.float32))
+            return jnp.sum(grouped_ffn(xs, gs, ex, _swiglu, matmul=matmul, glu_ffn=glu).astype(jnp.float32))
     else:
         def loss(x, ex, idx, wts):
-            return jnp.sum(ragged_dispatch(x, idx, wts, ex, _swiglu, matmul=matmul))
+            return jnp.sum(ragged_dispatch(x, idx, wts, ex, _swiglu, matmul=matmul, glu_ffn=glu))
     return jax.value_and_grad(loss, argnums=(0, 1))
 
 
@@ -359,7 +364,10 @@ def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines, steps=Tru
                     if profile and impl == "pallas_gpu" and r["ms"] is not None:  # device time per call
                         r["profile"] = attempt(lambda: device_profile(compiled, args, profile, top=12))[0]
                     del compiled
-                    rec.add(dict(base, kind="step", name=part, impl=impl, gate_up=mode, blocks=_blocks_str(b),
+                    tiles = _blocks_str(b)
+                    if mode == "fused_glu":
+                        tiles += f" glu {_blocks_str(DEFAULT_GLU_BLOCKS)}"
+                    rec.add(dict(base, kind="step", name=part, impl=impl, gate_up=mode, blocks=tiles,
                                  **r), 9 * 2 * m * w["d"] * w["f"])
 
     default = dict(gmm_fwd_gate=DEFAULT[0], gmm_fwd_down=DEFAULT[0], gmm_dlhs=DEFAULT[1],

@@ -7,6 +7,7 @@ becomes SwiGLU, silu(g) u.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels.gmm.glu_math import glu_backward, glu_forward
 from kimi_jax.layers import Linear, read_setting, traced_setting
 from kimi_jax.sharding import constrain
 
@@ -33,34 +35,18 @@ def glu_vjp(mode: str | None):
     return traced_setting(sys.modules[__name__], "GLU_VJP", GLU_VJP_MODES, mode)
 
 
-def _glu(kind: str, gate, up, beta: float, linear_beta: float):
-    """The activation in float32 (see swiglu / situ_glu)."""
-    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
-    if kind == "swiglu":
-        return jax.nn.silu(gate) * up
-    act = beta * jnp.tanh(gate / beta) * jax.nn.sigmoid(gate)
-    return act * (linear_beta * jnp.tanh(up / linear_beta))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
 def _glu_recompute(kind, gate, up, beta, linear_beta):
-    return _glu(kind, gate, up, beta, linear_beta)
+    return glu_forward(kind, gate, up, beta, linear_beta)
 
 
 def _glu_recompute_fwd(kind, gate, up, beta, linear_beta):
-    return _glu(kind, gate, up, beta, linear_beta), (gate, up)
+    return glu_forward(kind, gate, up, beta, linear_beta), (gate, up)
 
 
 def _glu_recompute_bwd(kind, beta, linear_beta, res, ct):
     gate, up = res
-    g, u = gate.astype(jnp.float32), up.astype(jnp.float32)
-    s = jax.nn.sigmoid(g)
-    if kind == "swiglu":  # d/dg [g s(g)] = s (1 + g (1 - s))
-        dg, du = ct * u * s * (1 + g * (1 - s)), ct * g * s
-    else:  # a = beta tanh(g / beta) s(g), u' = linear_beta tanh(u / linear_beta)
-        t1, t2 = jnp.tanh(g / beta), jnp.tanh(u / linear_beta)
-        da = (1 - t1 * t1) * s + beta * t1 * s * (1 - s)
-        dg, du = ct * linear_beta * t2 * da, ct * beta * t1 * s * (1 - t2 * t2)
+    dg, du = glu_backward(kind, gate, up, ct, beta, linear_beta)
     return dg.astype(gate.dtype), du.astype(up.dtype)
 
 
@@ -70,7 +56,7 @@ _glu_recompute.defvjp(_glu_recompute_fwd, _glu_recompute_bwd)
 def _differentiated(kind: str, gate, up, beta: float, linear_beta: float):
     if read_setting(sys.modules[__name__], "GLU_VJP", GLU_VJP_MODES) == "recompute":
         return _glu_recompute(kind, gate, up, float(beta), float(linear_beta))
-    return _glu(kind, gate, up, beta, linear_beta)
+    return glu_forward(kind, gate, up, beta, linear_beta)
 
 
 def swiglu(gate, up):
@@ -83,12 +69,25 @@ def situ_glu(gate, up, *, beta: float = 4.0, linear_beta: float = 25.0):
     return _differentiated("situ", gate, up, beta, linear_beta)
 
 
-def glu_activation(name: str, *, beta: float = 4.0, linear_beta: float = 25.0):
+@dataclasses.dataclass(frozen=True)
+class GLU:
+    """A resolved activation: (gate, up) -> hidden in float32. `kind`, `beta` and `linear_beta`
+    name it for the fused expert kernels (`kernels.gmm.glu_ffn`)."""
+
+    kind: str
+    beta: float = 0.0
+    linear_beta: float = 0.0
+
+    def __call__(self, gate, up):
+        return _differentiated(self.kind, gate, up, self.beta, self.linear_beta)
+
+
+def glu_activation(name: str, *, beta: float = 4.0, linear_beta: float = 25.0) -> GLU:
     """The one place an FFN activation name is resolved: (gate, up) -> hidden, float32."""
     if name == "swiglu":
-        return swiglu
+        return GLU("swiglu")
     if name == "situ":
-        return functools.partial(situ_glu, beta=beta, linear_beta=linear_beta)
+        return GLU("situ", float(beta), float(linear_beta))
     raise ValueError(f"Unknown activation={name!r}; expected one of ['situ', 'swiglu']")
 
 

@@ -47,7 +47,10 @@ class ExpertWeights(NamedTuple):
 # fused forward's one matmul of width 2F is what made it slower, its backward is the saving. Timed
 # at k3_small it ties with "separate" (layer 0.528 vs 0.525 ms; moe-k3small-h200-20261201T0706.json):
 # two fewer launches (0.27 vs 0.31 ms of Mosaic time), but XLA concatenates the two cotangents (36 us).
-GATE_UP_MODES = ("separate", "fused", "fused_bwd")
+# "fused_glu": gate, up and the activation in one kernel, and the activation's backward in the
+# down projection's input-gradient kernel (`kernels.gmm.glu_ffn`); needs the dispatch's fused GLU
+# (`glu_ffn=`, given by the gmm and expert-parallel dispatches) and dense expert weights.
+GATE_UP_MODES = ("separate", "fused", "fused_bwd", "fused_glu")
 GATE_UP = "separate"
 
 
@@ -66,16 +69,23 @@ def concat_n(a, b):
 
 
 def grouped_ffn(x_sorted, group_sizes, w: ExpertWeights, activation,
-                *, matmul: Callable = jax.lax.ragged_dot):
+                *, matmul: Callable = jax.lax.ragged_dot, glu_ffn: Callable | None = None):
     """Expert FFN over tokens sorted by expert.
 
     x_sorted [M, D] (rows of expert e are contiguous, experts in order), group_sizes [E] int32
     (sum <= M; trailing rows beyond the sum give zeros), w: ExpertWeights -> [M, D] in x's dtype.
     `matmul(lhs [M, K], rhs [E, K, N], group_sizes [E]) -> [M, N]` is the grouped matmul; gate and
-    up run as GATE_UP says.
+    up run as GATE_UP says. `glu_ffn(x, w_gate, w_up, w_down, group_sizes, activation) -> [M, D]`
+    is the whole FFN with the activation fused, which GATE_UP="fused_glu" runs.
     """
     dtype = x_sorted.dtype
     mode = read_setting(sys.modules[__name__], "GATE_UP", GATE_UP_MODES)
+    if mode == "fused_glu":
+        if glu_ffn is None:
+            raise ValueError("GATE_UP='fused_glu' needs a fused GLU kernel; the 'gmm' and 'expert_parallel' "
+                             "dispatches have one (kernels.gmm.glu_ffn), this dispatch passes none")
+        return glu_ffn(x_sorted, w.gate.astype(dtype), w.up.astype(dtype), w.down.astype(dtype), group_sizes,
+                       activation)
     if mode == "fused":
         F = w.gate.shape[2]
         gu = matmul(x_sorted, concat_n(w.gate.astype(dtype), w.up.astype(dtype)), group_sizes)
@@ -198,12 +208,13 @@ def combine_sorted(y_sorted, order, weights, inverse=None):
 
 
 def ragged_dispatch(x, expert_idx, weights, experts: ExpertWeights, activation,
-                    *, matmul: Callable = jax.lax.ragged_dot):
-    """Dropless sort + grouped matmul + un-sort (see module docstring)."""
+                    *, matmul: Callable = jax.lax.ragged_dot, glu_ffn: Callable | None = None):
+    """Dropless sort + grouped matmul + un-sort (see module docstring; `glu_ffn`: see grouped_ffn)."""
     _check(x, expert_idx, weights, experts)
     order, _, group_sizes = sort_by_expert(expert_idx, experts.gate.shape[0])
     inverse = inverse_permutation(order)
-    y_sorted = grouped_ffn(gather_pairs(x, order, inverse), group_sizes, experts, activation, matmul=matmul)
+    y_sorted = grouped_ffn(gather_pairs(x, order, inverse), group_sizes, experts, activation, matmul=matmul,
+                           glu_ffn=glu_ffn)
     return combine_sorted(y_sorted, order, weights, inverse)
 
 

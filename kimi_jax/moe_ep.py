@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from kernels import gmm as gmm_ops
 from kernels import mxfp4
+from kimi_jax.ffn import GLU
 from kimi_jax.moe_dispatch import (DISPATCH, ExpertWeights, _check, grouped_ffn, inverse_permutation, permute_rows,
                                    ragged_dispatch)
 from kimi_jax.sharding import LOGICAL_AXIS_RULES
@@ -48,9 +49,21 @@ def grouped_matmul(lhs, rhs, group_sizes):
     return gmm_ops.gmm(lhs, rhs, group_sizes)
 
 
+def fused_glu_ffn(x, w_gate, w_up, w_down, group_sizes, activation):
+    """The expert FFN with its activation fused into the grouped matmuls (`kernels.gmm.glu_ffn`),
+    for GATE_UP="fused_glu": dense weights and a GLU activation from `ffn.glu_activation`."""
+    if any(isinstance(w, mxfp4.MXFP4Weight) for w in (w_gate, w_up, w_down)):
+        raise ValueError("GATE_UP='fused_glu' runs dense expert weights; MXFP4 experts take 'separate' or 'fused'")
+    if not isinstance(activation, GLU):
+        raise ValueError(f"GATE_UP='fused_glu' needs a named GLU activation (ffn.glu_activation); got {activation!r}")
+    return gmm_ops.glu_ffn(x, w_gate, w_up, w_down, group_sizes, kind=activation.kind, beta=activation.beta,
+                           linear_beta=activation.linear_beta)
+
+
 def gmm_dispatch(x, expert_idx, weights, experts: ExpertWeights, activation):
     """Dropless single-device dispatch through `kernels.gmm` (Pallas on Hopper)."""
-    return ragged_dispatch(x, expert_idx, weights, experts, activation, matmul=grouped_matmul)
+    return ragged_dispatch(x, expert_idx, weights, experts, activation, matmul=grouped_matmul,
+                           glu_ffn=fused_glu_ffn)
 
 
 def _batch_axes(mesh) -> tuple[str, ...]:
@@ -100,7 +113,7 @@ def _local_experts(x, expert_idx, weights, experts, activation, *, num_shards, c
     inverse2 = inverse_permutation(order2)
     group_sizes = jnp.zeros((e_local,), jnp.int32).at[send_e].add(1, mode="drop")
     y_sorted = grouped_ffn(permute_rows(send_x, order2, inverse2), group_sizes, experts, activation,
-                           matmul=grouped_matmul).astype(jnp.float32)
+                           matmul=grouped_matmul, glu_ffn=fused_glu_ffn).astype(jnp.float32)
     if tensor_axis is not None:
         y_sorted = jax.lax.psum(y_sorted, tensor_axis)
     y_rows = permute_rows(y_sorted, inverse2, order2).astype(x.dtype)

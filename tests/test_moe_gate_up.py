@@ -12,7 +12,7 @@ from kernels.gmm import pallas_gpu
 from kimi_jax import moe_dispatch
 from kimi_jax.ffn import glu_activation
 from kimi_jax.moe_dispatch import ExpertWeights, concat_n, gate_up, grouped_ffn, ragged_dispatch
-from kimi_jax.moe_ep import grouped_matmul
+from kimi_jax.moe_ep import gmm_dispatch, grouped_matmul
 
 
 def _inputs(E=4, D=64, F=64, N=24, k=2, dtype=jnp.float32):
@@ -83,9 +83,11 @@ def test_fused_gate_up_reads_packed_mxfp4_experts():
     act = glu_activation("swiglu")
     x = x.astype(jnp.bfloat16)
     ys = {}
-    for mode in moe_dispatch.GATE_UP_MODES:
+    for mode in ("separate", "fused", "fused_bwd"):
         with gate_up(mode):
             ys[mode] = np.asarray(ragged_dispatch(x, idx, w, packed, act, matmul=grouped_matmul))
+    with gate_up("fused_glu"), pytest.raises(ValueError, match="dense expert weights"):
+        gmm_dispatch(x, idx, w, packed, act)
     np.testing.assert_allclose(ys["fused"], ys["separate"], rtol=1e-6, atol=1e-6)
     # The concatenation is exact: dequantised, the halves are the two packed weights.
     np.testing.assert_array_equal(mxfp4.dequantize(both.packed, both.scales)[:, :32],
@@ -106,3 +108,31 @@ def test_gate_up_rejects_unknown_modes_and_mixed_weights():
             grouped_ffn(jnp.zeros((4, 64)), jnp.array([4, 0, 0, 0], jnp.int32), experts, glu_activation("swiglu"))
     finally:
         moe_dispatch.GATE_UP = old
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "situ"])
+def test_fused_glu_matches_separate_through_the_gmm_dispatch(activation):
+    """GATE_UP="fused_glu" hands the whole expert FFN to kernels.gmm.glu_ffn (its reference on the
+    CPU; the Pallas kernels have their own parity tests): same values and gradients as separate.
+    A dispatch without a fused GLU, or an activation that is not a named GLU, is refused."""
+    x, idx, w, experts = _inputs()
+    act = glu_activation(activation)
+
+    def run(mode):
+        def loss(x, experts):
+            y = gmm_dispatch(x, idx, w, experts, act)
+            return jnp.sum(jnp.sin(y)), y
+
+        with gate_up(mode):
+            return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, experts)
+
+    (_, y_sep), g_sep = run("separate")
+    (_, y_glu), g_glu = run("fused_glu")
+    np.testing.assert_allclose(np.asarray(y_glu), np.asarray(y_sep), rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g_sep), jax.tree.leaves(g_glu)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
+    with gate_up("fused_glu"):
+        with pytest.raises(ValueError, match="fused GLU kernel"):
+            ragged_dispatch(x, idx, w, experts, act)
+        with pytest.raises(ValueError, match="named GLU"):
+            gmm_dispatch(x, idx, w, experts, lambda g, u: g * u)

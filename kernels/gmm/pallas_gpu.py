@@ -122,29 +122,45 @@ def _check_dtypes(*xs):
 
 
 def grouped_rows_kernel(group_acc, group_sizes, inputs, *, shape, tile, out_dtype, scratch=(),
-                        band=8, interpret=False):
+                        band=8, interpret=False, tiles=1, prologue=None, epilogue=None,
+                        out_shapes=None):
     """Run the (M block, N block) program shared by the grouped matmuls that produce rows.
 
     `group_acc(g, mb, nb, in_refs, scratch_refs) -> [bm, bn] f32` computes M block mb of the
     rows against group g's weights for N block nb; this keeps, per group, only that group's rows
     (a row mask; each row belongs to one group) and stores the tile once. `inputs` are padded
     GMEM operands, `shape` = (M, N) padded to `tile` = (bm, bn); `band`: see `_banded`.
+
+    Fused epilogues: with `tiles` > 1, `group_acc` returns that many tiles, each merged into its
+    own [bm, bn] SMEM tile (out_dtype). `epilogue(tile_smems, in_refs, out_refs, scratch_refs,
+    row0, nb)` then replaces the default store (tile 0 to out[row0:row0+bm, nb*bn:nb*bn+bn]) and
+    issues its own TMA stores into `out_shapes` (ShapeDtypeStructs; the kernel returns a tuple).
+    `prologue(in_refs, scratch_refs, row0, nb)` runs before the matmuls (e.g. to start TMA loads
+    that the epilogue waits for).
     """
     bm, bn = tile
     num_m, num_n = shape[0] // bm, shape[1] // bn
     offsets = _offsets(group_sizes)
     first, last = _block_groups(offsets, num_m, bm)
     n_in = len(inputs)
+    outs = list(out_shapes) if out_shapes is not None else [jax.ShapeDtypeStruct(shape, out_dtype)]
+    n_out = len(outs)
+    if epilogue is None and (tiles != 1 or out_shapes is not None):
+        raise ValueError("grouped_rows_kernel: several tiles or outputs need an epilogue to store them")
 
     def body(off_ref, first_ref, last_ref, *refs):
-        in_refs, (out_ref, o_smem, *scratch_refs) = refs[:n_in], refs[n_in:]
+        in_refs, out_refs = refs[:n_in], refs[n_in:n_in + n_out]
+        smems, scratch_refs = refs[n_in + n_out:n_in + n_out + tiles], refs[n_in + n_out + tiles:]
         mb, nb = _banded(jax.lax.axis_index("t"), num_m, num_n, min(band, num_n))
         row0 = mb * bm
         g0, g1 = first_ref[mb], last_ref[mb]  # g0 < g1: group g0 holds row0 (non-empty)
+        if prologue is not None:
+            prologue(in_refs, scratch_refs, row0, nb)
 
         @pl.when(g0 >= g1)  # every row past the total
         def _():
-            o_smem[...] = jnp.zeros((bm, bn), out_dtype)
+            for o_smem in smems:
+                o_smem[...] = jnp.zeros((bm, bn), out_dtype)
 
         def one_group(g, carry):
             start, end = off_ref[g], off_ref[g + 1]
@@ -152,11 +168,13 @@ def grouped_rows_kernel(group_acc, group_sizes, inputs, *, shape, tile, out_dtyp
 
             @pl.when(end > start)
             def _():
-                acc = group_acc(g, mb, nb, in_refs, scratch_refs)
+                accs = group_acc(g, mb, nb, in_refs, scratch_refs)
+                accs = tuple(accs) if tiles > 1 else (accs,)
 
                 @pl.when(whole)
                 def _():
-                    o_smem[...] = acc.astype(out_dtype)
+                    for o_smem, acc in zip(smems, accs):
+                        o_smem[...] = acc.astype(out_dtype)
 
                 def keep():
                     rows = row0 + _row_iota((bm, bn))
@@ -164,29 +182,62 @@ def grouped_rows_kernel(group_acc, group_sizes, inputs, *, shape, tile, out_dtyp
 
                 @pl.when(~whole & (g == g0))  # the first group: nothing to merge with yet
                 def _():
-                    o_smem[...] = jnp.where(keep(), acc.astype(out_dtype), 0).astype(out_dtype)
+                    for o_smem, acc in zip(smems, accs):
+                        o_smem[...] = jnp.where(keep(), acc.astype(out_dtype), 0).astype(out_dtype)
 
                 @pl.when(~whole & (g != g0))
                 def _():
-                    o_smem[...] = jnp.where(keep(), acc.astype(out_dtype), o_smem[...])
+                    for o_smem, acc in zip(smems, accs):
+                        o_smem[...] = jnp.where(keep(), acc.astype(out_dtype), o_smem[...])
 
             return carry
 
         jax.lax.fori_loop(g0, g1, one_group, 0)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(row0, bm), pl.ds(nb * bn, bn)])
-        plgpu.wait_smem_to_gmem(0)
+        if epilogue is None:
+            plgpu.copy_smem_to_gmem(smems[0], out_refs[0].at[pl.ds(row0, bm), pl.ds(nb * bn, bn)])
+            plgpu.wait_smem_to_gmem(0)
+        else:
+            epilogue(smems, in_refs, out_refs, scratch_refs, row0, nb)
 
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct(shape, out_dtype),
-        scratch_types=[plgpu.SMEM((bm, bn), out_dtype), *scratch],
+        out_type=outs if out_shapes is not None else outs[0],
+        scratch_types=[plgpu.SMEM((bm, bn), out_dtype)] * tiles + list(scratch),
         grid=(num_m * num_n,),  # 1-D: CUDA caps the y and z grid axes at 65535
         grid_names=("t",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_params(interpret),
     )
     return kernel(offsets, first, last, *inputs)
+
+
+def group_products(lhs_ref, rhs_refs, g, mb, nb, *, tile, num_k, stages, transpose_rhs=False):
+    """Tuple of [bm, bn] f32 tiles, lhs[M block mb] @ rhs[g][:, N block nb] for every rhs in
+    `rhs_refs` ([G, K, N] each, or [G, N, K] with transpose_rhs): one K-pipeline that loads the
+    lhs block once per step for all of them (one wgmma per rhs)."""
+    bm, bn, bk = tile
+    n = len(rhs_refs)
+
+    def acc_scope(*acc_refs):
+        def step(_, lhs_smem, *rhs_smems):
+            for acc_ref, rhs_smem in zip(acc_refs, rhs_smems):
+                plgpu.wgmma(acc_ref, lhs_smem, rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem)
+            plgpu.wgmma_wait(n)  # the previous step's products are done: its buffers can go
+
+        rhs_block = (bn, bk) if transpose_rhs else (bk, bn)
+        rhs_index = (lambda kk: (nb, kk)) if transpose_rhs else (lambda kk: (kk, nb))
+        plgpu.emit_pipeline(
+            step,
+            grid=(num_k,),
+            in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (mb, kk), delay_release=1)]
+                     + [plgpu.BlockSpec(rhs_block, rhs_index, delay_release=1)] * n,
+            max_concurrent_steps=stages,
+        )(lhs_ref, *(r.at[g] for r in rhs_refs))
+        plgpu.wgmma_wait(0)
+        return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+    return pl.run_scoped(acc_scope, *[plgpu.ACC((bm, bn))] * n)
 
 
 def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, blocks=Blocks(), interpret=False,
@@ -206,32 +257,12 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, blocks=Blocks(), interpre
     rhs_p = _pad_to(_pad_to(rhs, 1, bn if transpose_rhs else bk), 2, bk if transpose_rhs else bn)
     mp, kp = lhs_p.shape
     np_ = rhs_p.shape[1] if transpose_rhs else rhs_p.shape[2]
-    num_k = kp // bk
 
     def group_acc(g, mb, nb, in_refs, scratch_refs):
         lhs_ref, rhs_ref = in_refs
-
-        def acc_scope(acc_ref):
-            def step(_, lhs_smem, rhs_smem):
-                b = rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
-                plgpu.wgmma(acc_ref, lhs_smem, b)
-                plgpu.wgmma_wait(1)
-
-            rhs_block = (bn, bk) if transpose_rhs else (bk, bn)
-            rhs_index = (lambda kk: (nb, kk)) if transpose_rhs else (lambda kk: (kk, nb))
-            plgpu.emit_pipeline(
-                step,
-                grid=(num_k,),
-                in_specs=[
-                    plgpu.BlockSpec((bm, bk), lambda kk: (mb, kk), delay_release=1),
-                    plgpu.BlockSpec(rhs_block, rhs_index, delay_release=1),
-                ],
-                max_concurrent_steps=blocks.stages,
-            )(lhs_ref, rhs_ref.at[g])
-            plgpu.wgmma_wait(0)
-            return acc_ref[...]
-
-        return pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
+        (acc,) = group_products(lhs_ref, (rhs_ref,), g, mb, nb, tile=(bm, bn, bk), num_k=kp // bk,
+                                stages=blocks.stages, transpose_rhs=transpose_rhs)
+        return acc
 
     out = grouped_rows_kernel(group_acc, group_sizes, (lhs_p, rhs_p), shape=(mp, np_),
                               tile=(bm, bn), out_dtype=out_dtype, band=blocks.band,

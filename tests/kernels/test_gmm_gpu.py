@@ -98,7 +98,7 @@ def test_mxfp4_gmm_at_k3_shapes():
     assert not np.any(_f32(out[int(sizes.sum()):]))
 
 
-@pytest.mark.parametrize("mode", ["separate", "fused_bwd"])
+@pytest.mark.parametrize("mode", ["separate", "fused_bwd", "fused_glu"])
 def test_gmm_dispatch_layer_at_k3_small_shapes(mode):
     """The routed layer through the Pallas kernels (`gmm` dispatch: pair gathers, grouped FFN,
     combine) at k3_small's shapes (8192 tokens x top-8 of 8 experts, D=256, F=224), forward and
