@@ -7,6 +7,7 @@ XLA baselines, per kernel and for the whole expert FFN / routed layer, counting 
     python benchmarks/moe.py --quick --out DIR     # tiny shapes on CPU (Pallas interpreted)
     python benchmarks/moe.py --out DIR --workloads k3_small --gate_up separate,fused,fused_bwd,fused_glu   # gate/up forms
     python benchmarks/moe.py --out DIR --workloads k3_small --profile 20   # + kernel time per step
+    python benchmarks/moe.py --out DIR --workloads k3_small --gate_up fused_glu --glu_blocks 64x128x64/3,64x128x64/4
 
 Times: ms per call with calls queued back to back (median of 3 runs of >= 50 ms), after one
 warm-up call; `ms_sync` (waiting on every call) is kept too. `--budget_s` stops starting new
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -169,7 +171,19 @@ def _kernel_mkn(kernel, w):
             "tgmm": (m, d, f)}[kernel]
 
 
-def _step_fn(part, impl, blocks, capacity):
+def parse_tiles(text: str) -> tuple:
+    """"64x128x64/3,64x64x64/4/band4" -> Blocks per comma-separated bm x bn x bk / stages [/ band]."""
+    out = []
+    for item in (t for t in text.split(",") if t):
+        m = re.fullmatch(r"(\d+)x(\d+)x(\d+)/(\d+)(?:/band(\d+))?", item)
+        if m is None:
+            raise ValueError(f"tile {item!r}: expected BMxBNxBK/STAGES[/bandN], e.g. 64x128x64/3")
+        bm, bn, bk, stages, band = (int(g) if g else None for g in m.groups())
+        out.append(Blocks(bm, bn, bk, stages, band=band or 8))
+    return tuple(out)
+
+
+def _step_fn(part, impl, blocks, capacity, glu_blocks=None):
     if impl == "pallas_gpu":
         interpret = jax.devices()[0].platform != "gpu"
         matmul = lambda a, b, gs: pallas_gpu.gmm_vjp(a, b, gs, blocks, interpret)  # noqa: E731
@@ -180,7 +194,8 @@ def _step_fn(part, impl, blocks, capacity):
     glu = None  # GATE_UP="fused_glu": the FFN with its activation in the kernels, same plain tiles
     if impl == "pallas_gpu":
         def glu(x, wg, wu, wd, gs, act):
-            return glu_ffn(x, wg, wu, wd, gs, kind=act.kind, impl="pallas_gpu", blocks=blocks)
+            return glu_ffn(x, wg, wu, wd, gs, kind=act.kind, impl="pallas_gpu", blocks=blocks,
+                           glu_blocks=glu_blocks)
     if part == "ffn":
         def loss(xs, ex, gs):
             return jnp.sum(grouped_ffn(xs, gs, ex, _swiglu, matmul=matmul, glu_ffn=glu).astype(jnp.float32))
@@ -305,11 +320,12 @@ def mxfp4_row(w, rec, base, x_sorted, gate, group_sizes, warmup, iters):
 
 
 def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines, steps=True,
-                 with_mxfp4=False, gate_up=("separate",), profile=0):
+                 with_mxfp4=False, gate_up=("separate",), profile=0, glu_tiles=(DEFAULT_GLU_BLOCKS,)):
     """Rows in order of value, so that the time budget cuts the least useful ones: baselines
     and default-tile kernels, the fwd+bwd steps with default tiles, the tile sweep, and last
     the steps with the best tile of every kernel. Pallas steps run once per `gate_up` mode
-    (`moe_dispatch.GATE_UP`), baselines with separate gate and up."""
+    (`moe_dispatch.GATE_UP`; "fused_glu" once per tile of the fused kernels in `glu_tiles`),
+    baselines with separate gate and up."""
     x, idx, weights, experts = _inputs(w)
     order, token, group_sizes = sort_by_expert(idx, w["experts"])
     x_sorted = x[token]
@@ -354,19 +370,20 @@ def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines, steps=Tru
         for part, args in (("ffn", (x_sorted, experts, group_sizes)),
                            ("layer", (x, experts, idx, weights))):
             for impl, b in variants:
-                for mode in gate_up if impl == "pallas_gpu" else ("separate",):
+                modes = gate_up if impl == "pallas_gpu" else ("separate",)
+                for mode, gb in ((m, t) for m in modes for t in (glu_tiles if m == "fused_glu" else (None,))):
                     if rec.elapsed() > deadline:
                         print(f"time budget spent: skipping {part} {impl} gate_up={mode}", flush=True)
                         continue
                     with moe_dispatch.gate_up(mode):  # read while `measure` traces the step
-                        r = measure(_step_fn(part, impl, b, capacity), args, warmup, iters)
+                        r = measure(_step_fn(part, impl, b, capacity, gb), args, warmup, iters)
                     compiled = r.pop("compiled", None)
                     if profile and impl == "pallas_gpu" and r["ms"] is not None:  # device time per call
                         r["profile"] = attempt(lambda: device_profile(compiled, args, profile, top=12))[0]
                     del compiled
                     tiles = _blocks_str(b)
                     if mode == "fused_glu":
-                        tiles += f" glu {_blocks_str(DEFAULT_GLU_BLOCKS)}"
+                        tiles += f" glu {_blocks_str(gb)}"
                     rec.add(dict(base, kind="step", name=part, impl=impl, gate_up=mode, blocks=tiles,
                                  **r), 9 * 2 * m * w["d"] * w["f"])
 
@@ -459,6 +476,9 @@ def main(argv=None):
     parser.add_argument("--baselines", default="ragged_dot,padded_bmm")
     parser.add_argument("--gate_up", default="separate",
                         help="comma-separated moe_dispatch.GATE_UP modes the Pallas steps run with, side by side")
+    parser.add_argument("--glu_blocks", default="",
+                        help="with --gate_up fused_glu: the fused GLU kernels' tiles, comma-separated "
+                             "BMxBNxBK/STAGES (default kernels.gmm.glu.DEFAULT_GLU_BLOCKS)")
     parser.add_argument("--budget_s", type=float, default=260.0,
                         help="stop starting measurements after this many seconds")
     parser.add_argument("--profile", type=int, default=0,
@@ -469,6 +489,10 @@ def main(argv=None):
     for mode in gate_up:
         if mode not in moe_dispatch.GATE_UP_MODES:
             parser.error(f"--gate_up {mode!r}: expected modes from {moe_dispatch.GATE_UP_MODES}")
+    try:
+        glu_tiles = parse_tiles(args.glu_blocks) or (DEFAULT_GLU_BLOCKS,)
+    except ValueError as e:
+        parser.error(f"--glu_blocks: {e}")
     iters = args.iters or (1 if args.quick else 5)
     warmup = 0 if args.quick else 1
     meta = dict(environment(), quick=args.quick, iters=iters, warmup=warmup, sweep=args.sweep,
@@ -483,6 +507,7 @@ def main(argv=None):
         deadline = args.budget_s if last else rec.elapsed() + w.get("share", 1.0) * args.budget_s
         run_workload(w, rec, sweep=args.sweep, iters=iters, warmup=warmup, steps=not args.no_steps,
                      with_mxfp4=args.mxfp4, gate_up=gate_up or ("separate",), profile=args.profile,
+                     glu_tiles=glu_tiles,
                      deadline=min(deadline, args.budget_s), baselines=baselines)
     print(markdown(rec.rows))
     return rec.rows

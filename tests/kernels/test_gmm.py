@@ -330,3 +330,16 @@ def test_kernels_lower_for_cuda():
                          bm=64, bn=256, bk=128, stages=3, wgs=2)), (lhs, dout, gs))):
         module = export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
         assert "mosaic_gpu" in module
+
+
+def test_benchmark_parses_fused_glu_tiles():
+    """`--glu_blocks` tiles: bm x bn x bk / stages [/ band]; anything else is refused."""
+    bench = _load_benchmark()
+    assert bench.parse_tiles("64x128x64/3,64x64x128/4/band2") == (
+        pallas_gpu.Blocks(64, 128, 64, 3), pallas_gpu.Blocks(64, 64, 128, 4, band=2))
+    assert bench.parse_tiles("") == ()
+    for bad in ("64x128/3", "64x128x64", "64x128x64/3/ws"):
+        with pytest.raises(ValueError, match="BMxBNxBK"):
+            bench.parse_tiles(bad)
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--glu_blocks", "big"])
