@@ -40,20 +40,20 @@ def check_glu_blocks(blocks: Blocks) -> None:
                          f"{MAX_TILE_ELEMENTS}, e.g. 64x128")
 
 
-def padded_width(n: int, blocks: Blocks) -> int:
-    """Np: the expert width padded to the fused kernels' bn (gu holds [gate | up] at 0 and Np)."""
-    return -(-n // blocks.bn) * blocks.bn
+def _padded_lhs(lhs, *others, blocks: Blocks):
+    """Check the operands and tiles; lhs [M, K] zero-padded to [Mp, Kp] (tile multiples)."""
+    _check_dtypes(lhs, *others)
+    check_glu_blocks(blocks)
+    return _pad_to(_pad_to(lhs, 0, blocks.bm), 1, blocks.bk)
 
 
 def glu_gmm(x, w_gate, w_up, group_sizes, *, act, blocks, interpret=False):
     """(h [Mp, Np], gu [Mp, 2 Np]) in x's dtype; `act` = (kind, beta, linear_beta); rows past
     sum(group_sizes) and columns past N are zero."""
-    _check_dtypes(x, w_gate, w_up)
-    check_glu_blocks(blocks)
+    x_p = _padded_lhs(x, w_gate, w_up, blocks=blocks)
     kind, beta, linear_beta = act
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
     dtype = x.dtype
-    x_p = _pad_to(_pad_to(x, 0, bm), 1, bk)
     wg_p, wu_p = (_pad_to(_pad_to(w, 1, bk), 2, bn) for w in (w_gate, w_up))
     mp, kp = x_p.shape
     np_ = wg_p.shape[2]
@@ -86,12 +86,10 @@ def glu_gmm(x, w_gate, w_up, group_sizes, *, act, blocks, interpret=False):
 def glu_gmm_bwd(dy, w_down, gu, group_sizes, *, act, blocks, interpret=False):
     """[dgate | dup] [Mp, 2 Np] in dy's dtype from dy [M, D], w_down [G, N, D] and the forward's
     gu [Mp, 2 Np] (same `blocks`)."""
-    _check_dtypes(dy, w_down, gu)
-    check_glu_blocks(blocks)
+    dy_p = _padded_lhs(dy, w_down, gu, blocks=blocks)
     kind, beta, linear_beta = act
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
     dtype = dy.dtype
-    dy_p = _pad_to(_pad_to(dy, 0, bm), 1, bk)
     wd_p = _pad_to(_pad_to(w_down, 1, bn), 2, bk)  # [G, Np, Kp]: the transposed operand
     mp, kp = dy_p.shape
     np_ = wd_p.shape[1]
