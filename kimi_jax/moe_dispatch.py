@@ -195,16 +195,56 @@ def _gather_pairs_bwd(k, inverse, dy):
 _gather_pairs.defvjp(_gather_pairs_fwd, _gather_pairs_bwd)
 
 
+def combine_rows(rows, src, weights, dst):
+    """Each token's k expert outputs, weighted and summed: y[n] = sum_j weights[n, j] * rows[src[n k + j]]
+    -> [N, D] float32, from rows [R, D], src [N*k] (the row of every (token, slot) pair; out of range:
+    a dropped pair, zero) and dst [R] its inverse (the pair each row holds; out of range: none).
+
+    One gather-and-reduce each way instead of an un-permute, a [N, k, D] float32 copy and a batched
+    product: the backward forms rows' gradient as dy[dst // k] * weights[dst] in one gather (no
+    [N, k, D] outer product) and the weights' as a gather-and-reduce of rows against dy."""
+    if src.shape != (weights.size,) or dst.shape != (rows.shape[0],):
+        raise ValueError(f"combine_rows: src {src.shape} must be [N*k] = [{weights.size}] and dst {dst.shape} "
+                         f"[{rows.shape[0]}] (one entry per row)")
+    return _combine_rows(rows, src, weights, dst)
+
+
+def _weighted_sum(rows, src, weights):
+    N, k = weights.shape
+    y = _take_rows(rows, src).reshape(N, k, -1).astype(jnp.float32)
+    return jnp.sum(y * weights.astype(jnp.float32)[:, :, None], axis=1)
+
+
+@jax.custom_vjp
+def _combine_rows(rows, src, weights, dst):
+    return _weighted_sum(rows, src, weights)
+
+
+def _combine_rows_fwd(rows, src, weights, dst):
+    return _weighted_sum(rows, src, weights), (rows, src, weights, dst)
+
+
+def _combine_rows_bwd(res, dy):
+    rows, src, weights, dst = res
+    N, k = weights.shape
+    w_flat = _take_rows(weights.reshape(-1).astype(jnp.float32), dst)  # 0 where a row holds no pair
+    drows = (_take_rows(dy, dst // k) * w_flat[:, None]).astype(rows.dtype)
+    picked = _take_rows(rows, src).reshape(N, k, -1).astype(jnp.float32)
+    dw = jnp.sum(picked * dy[:, None, :], axis=2).astype(weights.dtype)
+    return drows, None, dw, None
+
+
+_combine_rows.defvjp(_combine_rows_fwd, _combine_rows_bwd)
+
+
 def combine_sorted(y_sorted, order, weights, inverse=None):
     """Undo the sort and sum each token's k expert outputs with its weights.
 
     y_sorted [N*k, D], order [N*k] (inverse = argsort(order), computed if not given),
     weights [N, k] -> [N, D] float32.
     """
-    N, k = weights.shape
     inverse = inverse_permutation(order) if inverse is None else inverse
-    y = permute_rows(y_sorted, inverse, order).reshape(N, k, -1).astype(jnp.float32)
-    return jnp.einsum("nkd,nk->nd", y, weights.astype(jnp.float32))
+    return combine_rows(y_sorted, inverse, weights, order)
 
 
 def ragged_dispatch(x, expert_idx, weights, experts: ExpertWeights, activation,

@@ -34,8 +34,8 @@ from jax.sharding import PartitionSpec as P
 from kernels import gmm as gmm_ops
 from kernels import mxfp4
 from kimi_jax.ffn import GLU
-from kimi_jax.moe_dispatch import (DISPATCH, ExpertWeights, _check, grouped_ffn, inverse_permutation, permute_rows,
-                                   ragged_dispatch)
+from kimi_jax.moe_dispatch import (DISPATCH, ExpertWeights, _check, combine_rows, grouped_ffn, inverse_permutation,
+                                   permute_rows, ragged_dispatch)
 from kimi_jax.sharding import LOGICAL_AXIS_RULES
 
 EXPERT_AXIS = "expert"
@@ -119,9 +119,7 @@ def _local_experts(x, expert_idx, weights, experts, activation, *, num_shards, c
     y_rows = permute_rows(y_sorted, inverse2, order2).astype(x.dtype)
     if ep_axis is not None:
         y_rows = jax.lax.all_to_all(y_rows, ep_axis, 0, 0, tiled=True)
-    y_pair = permute_rows(y_rows, slot, pair_of_slot)  # dropped pairs: zero rows
-    y = jnp.einsum("nkd,nk->nd", y_pair.reshape(n_tok, k, d).astype(jnp.float32),
-                   weights.astype(jnp.float32))
+    y = combine_rows(y_rows, slot, weights, pair_of_slot)  # dropped pairs: zero rows
     return y, jnp.sum(~keep).astype(jnp.int32)
 
 

@@ -13,7 +13,7 @@ from kimi_jax import moe_balance
 from kimi_jax.config import MoEConfig
 from kimi_jax.ffn import glu_activation, situ_glu
 from kimi_jax.moe import MoE, RouterBias, apply_balancing
-from kimi_jax.moe_dispatch import (ExpertWeights, dispatch_fn, gather_pairs, inverse_permutation, permute_rows,
+from kimi_jax.moe_dispatch import (ExpertWeights, combine_rows, dispatch_fn, gather_pairs, inverse_permutation, permute_rows,
                                    sort_by_expert)
 from tests.jaxprs import equations
 
@@ -78,6 +78,42 @@ def test_pair_gathers_have_gather_backwards_equal_to_autodiff():
     assert not {p for p in prims if p.startswith("scatter")}, prims
     with pytest.raises(ValueError, match="multiple"):
         gather_pairs(x, order[:-1], inverse[:-1])
+
+
+def test_combine_rows_matches_the_plain_weighted_sum_with_dropped_pairs():
+    """combine_rows against autodiff of the un-permute and einsum it replaces: values and both
+    gradients, with two pairs dropped (src out of range: zero rows) and a spare row that holds no
+    pair (dst out of range: zero gradient); its backward has no scatter and no batched product."""
+    key = jax.random.key(7)
+    N, k, D, R = 6, 3, 5, 20
+    perm = np.asarray(jax.random.permutation(jax.random.fold_in(key, 1), R))
+    src = perm[:N * k].copy()
+    src[[2, 7]] = R  # dropped pairs
+    dst = np.full(R, N * k)
+    kept = src < R
+    dst[src[kept]] = np.arange(N * k)[kept]
+    src, dst = jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32)
+    rows = jax.random.normal(jax.random.fold_in(key, 2), (R, D), jnp.bfloat16)
+    w = jax.random.uniform(jax.random.fold_in(key, 3), (N, k))
+    ct = jax.random.normal(jax.random.fold_in(key, 4), (N, D))
+
+    def plain(rows, w):
+        y = jnp.take(rows, src, axis=0, mode="fill", fill_value=0).reshape(N, k, D).astype(jnp.float32)
+        return jnp.vdot(ct, jnp.einsum("nkd,nk->nd", y, w))
+
+    ours = lambda rows, w: jnp.vdot(ct, combine_rows(rows, src, w, dst))  # noqa: E731
+    np.testing.assert_allclose(ours(rows, w), plain(rows, w), rtol=1e-5)
+    (dr, dw), (pr, pw) = jax.grad(ours, argnums=(0, 1))(rows, w), jax.grad(plain, argnums=(0, 1))(rows, w)
+    assert dr.dtype == jnp.bfloat16 and dw.dtype == w.dtype
+    np.testing.assert_allclose(np.asarray(dr, np.float32), np.asarray(pr, np.float32), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(dw, pw, rtol=1e-5, atol=1e-5)
+    assert not np.any(np.asarray(dr, np.float32)[np.asarray(dst) >= N * k]), "rows with no pair get no gradient"
+    assert not np.any(np.asarray(dw).reshape(-1)[[2, 7]]), "dropped pairs' weights get no gradient"
+    _, vjp = jax.vjp(lambda r, w: combine_rows(r, src, w, dst), rows, w)
+    prims = _primitives(jax.make_jaxpr(vjp)(ct).jaxpr)
+    assert not {p for p in prims if p.startswith("scatter")} and "dot_general" not in prims, prims
+    with pytest.raises(ValueError, match="one entry per row"):
+        combine_rows(rows, src, w, dst[:-1])
 
 
 def _expert_np(x, w: ExpertWeights, e, act):
