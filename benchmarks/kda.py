@@ -277,10 +277,12 @@ def chunk_settings(opt: str) -> dict:
         return {}
     if "=" not in opt:
         opt = f"scores={opt}"
-    out = dict(item.split("=", 1) for item in opt.split("/"))
-    for key, value in out.items():
-        if key not in chunk.SETTINGS or value not in chunk.setting_values(key):
+    out = {}
+    for key, value in (item.split("=", 1) for item in opt.split("/")):
+        choices = {str(c): c for c in chunk.setting_values(key)} if key in chunk.SETTINGS else {}
+        if value not in choices:
             raise ValueError(f"chunk setting {key}={value!r}: expected a key of {chunk.SETTINGS} with one of its values")
+        out[key] = choices[value]  # "segments=8" -> 8
     return out
 
 

@@ -29,7 +29,8 @@ def test_benchmark_script_quick(tmp_path):
     assert variant["error"] is None and variant["o_rel_err_vs_chunk"] < 1e-5
     assert bench.chunk_settings("tiled") == {"scores": "tiled"}
     assert bench.chunk_settings("forward_only=chunk") == {"forward_only": "chunk"}
-    for bad in ("cumsum=prefix", "tile=16", "chunk:nope", "forward_only=pallas"):
+    assert bench.chunk_settings("segments=8/inverse=doubling") == {"segments": 8, "inverse": "doubling"}
+    for bad in ("cumsum=prefix", "tile=16", "chunk:nope", "forward_only=pallas", "segments=3"):
         with pytest.raises(ValueError, match="Unknown impl"):
             bench._check_impl(bad if bad.startswith("chunk:") else f"chunk_mosaic:{bad}")
 

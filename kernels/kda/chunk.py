@@ -29,7 +29,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
-from kernels.kda import chunk_intra
+from kernels.kda import chunk_intra, chunk_segments
 from kernels.kda.chunk_intra import (
     CHUNK,
     SAFE_LOWER_BOUND,
@@ -123,7 +123,8 @@ def _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass, sc
         _, w, u = _wy(nm, P)
     else:
         w, u = None, v.astype(nm.cd)
-    states, vn, S = _state_scan(nm, h0, w, u, P["kg"], P["decay"], state_pass)
+    states, vn, S = chunk_segments.state_scan(lambda *a: _state_scan(nm, *a, state_pass), h0, w, u, P["kg"],
+                                              P["decay"], chunk_segments.SEGMENTS)
     o = nm.mm("nbhck,nbhkv->nbhcv", P["qg"], states) + nm.mm("nbhrc,nbhcv->nbhrv", P["Aqk"], vn)
     return o, S, states
 
@@ -169,11 +170,14 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
     dS_final = dS_final.astype(nm.sdt)
     if state_pass == "xla":
         dS_out = nm.mm("nbhck,nbhcv->nbhkv", P["qg"], do)
-        dhs, dvn, dh0 = _grad_scan(nm, dS_final, w, P["kg"], P["decay"], dS_out, dvn_intra)
+        scan = lambda dS, c, src: _grad_scan(nm, dS, c[0], c[1], c[2], *src)  # noqa: E731
+        chunked, sources = (w, P["kg"], P["decay"]), (dS_out, dvn_intra)
     else:  # the kernel forms dS_out = qg^T do per chunk itself
         ms, interpret = _mosaic_scan(state_pass)
-        dhs, dvn, dh0 = ms.grad_scan_chunks(dS_final, w, P["kg"], P["qg"], do, dvn_intra, P["decay"], cd=nm.cd,
-                                            interpret=interpret)
+        scan = lambda dS, c, src: ms.grad_scan_chunks(dS, c[0], c[1], c[2], src[0], src[1], c[3], cd=nm.cd,  # noqa: E731
+                                                      interpret=interpret)
+        chunked, sources = (w, P["kg"], P["qg"], P["decay"]), (do, dvn_intra)
+    dhs, dvn, dh0 = chunk_segments.grad_scan(scan, dS_final, chunked, sources, chunk_segments.SEGMENTS)
     # State update S_{n+1} = decay S_n + kg^T v'.
     ct = dict(
         qg=dqg,
@@ -222,7 +226,7 @@ def run_chunked(q, k, v, g, beta, *, scale, initial_state, segment_ids, bounded,
     # one setting of chunk_intra.traced_settings() is never reused under another (an unknown value raises here).
     return _run_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids,
                         bounded=bounded, delta=delta, state_pass=state_pass, scores=scores,
-                        traced_settings=chunk_intra.traced_settings())
+                        traced_settings=chunk_intra.traced_settings() + (chunk_segments.SEGMENTS,))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "bounded", "delta", "state_pass", "scores", "traced_settings"))
@@ -290,7 +294,8 @@ def _settings_table(keys=None):
              "scores_bwd": lambda: (chunk_intra, "SCORES_BWD", chunk_intra.SCORES_BWD_MODES),
              "inverse": lambda: (chunk_intra, "INVERSE_MODE", chunk_intra.INVERSE_MODES),
              "scores": lambda: (sys.modules[__name__], "DEFAULT_SCORES", SCORES),
-             "forward_only": _forward_only_setting}
+             "forward_only": _forward_only_setting,
+             "segments": lambda: (chunk_segments, "SEGMENTS", chunk_segments.SEGMENT_CHOICES)}
     for key in keys or ():
         if key not in table:
             raise ValueError(f"unknown KDA setting {key!r}; expected one of {SETTINGS}")
@@ -302,7 +307,7 @@ def _forward_only_setting():
     return ms, "FORWARD_ONLY", ms.FORWARD_ONLY_CHOICES
 
 
-SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse", "forward_only")
+SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse", "forward_only", "segments")
 
 
 def setting_values(key: str) -> tuple:
@@ -313,8 +318,8 @@ def setting_values(key: str) -> tuple:
 @contextlib.contextmanager
 def settings(**values):
     """Within the block, trace with these module settings (diag=, rows=, scores=, cumsum=,
-    scores_bwd=, inverse=, forward_only=; see SETTINGS), restored afterwards; an unknown key or
-    value raises."""
+    scores_bwd=, inverse=, forward_only=, segments=; see SETTINGS), restored afterwards; an unknown
+    key or value raises."""
     table = _settings_table(values)
     for key, value in values.items():
         if value not in table[key][2]:

@@ -123,8 +123,11 @@ def _fwd_body(*refs, NT, K, dt, delta):
 
 
 def _check_dims(name, Cc, K, V):
-    if Cc != C or K not in SUPPORTED_DIMS or V not in SUPPORTED_DIMS:
-        raise ValueError(f"{name} needs C={C} and K, V in {SUPPORTED_DIMS}; got C={Cc}, K={K}, V={V}")
+    """K: a wgmma operand width; V: any multiple of the programs' BV columns (the segmented passes'
+    width-(K + V) pass runs V = 256)."""
+    if Cc != C or K not in SUPPORTED_DIMS or V % BV or V < BV:
+        raise ValueError(f"{name} needs C={C}, K in {SUPPORTED_DIMS} and V a positive multiple of {BV}; "
+                         f"got C={Cc}, K={K}, V={V}")
 
 
 def state_scan(w, u, kg, decay, h0, *, interpret=False):

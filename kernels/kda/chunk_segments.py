@@ -1,0 +1,119 @@
+"""Segment-parallel serial passes of the chunked delta rule, for long sequences on few heads.
+
+The forward pass S_{n+1} = A_n S_n + kg_n^T u_n (A_n = Diag(decay_n) - kg_n^T w_n) and the reverse
+pass dS_n = A_n^T dS_{n+1} + (qg_n^T do_n - w_n^T dvi_n) walk the N chunks in order, one program
+per (batch * head, 64 columns of V): at B * H = 16 and V = 128 that is 32 programs on a 132-SM
+H200, each a chain of N steps (N = 1024 at T = 65536). With `segments` = s the chunks are cut into
+s segments of L = N / s and each pass becomes:
+  1. every segment at once from the identity: one pass of width K + V with [I | 0] in and zeros
+     before the V columns of every input that carries V, giving [T_j | S_j]: the segment's
+     transition T_j (a product of L A_n, or of their transposes) and its part from a zero start;
+  2. a float32 scan over the s segments for each one's true starting state (forward
+     S_in(j + 1) = T_j S_in(j) + S_j; reverse the same from the last segment back);
+  3. every segment at once from its true start, for the per-chunk outputs.
+The chain shrinks from N steps to 2 L over s times as many programs, for the width-(K + V) pass and
+copies of the chunk arrays into segment-major order. Values: pass 3 rounds as the plain pass does;
+only the segments' starting states differ, by the roundings of pass 1's bf16-cast states.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger(__name__)
+
+# Segments per serial pass (1: the plain pass). Set with `chunk.settings(segments=...)`; read while
+# tracing. Not yet timed on a GPU, so the default stays 1.
+SEGMENT_CHOICES = (1, 2, 4, 8, 16, 32, 64)
+SEGMENTS = 1
+_warned: set = set()
+
+
+def effective_segments(num_chunks: int, segments: int) -> int:
+    """`segments` (one of SEGMENT_CHOICES), halved until it divides the chunk count (logged once)."""
+    if segments not in SEGMENT_CHOICES:
+        raise ValueError(f"segments={segments!r}; expected one of {SEGMENT_CHOICES}")
+    s = segments
+    while num_chunks % s:
+        s //= 2
+    if s != segments and (num_chunks, segments) not in _warned:
+        _warned.add((num_chunks, segments))
+        log.warning("KDA serial passes: %d chunks do not split into %d segments; using %d", num_chunks, segments, s)
+    return s
+
+
+def split(x, s: int):
+    """[N, B, ...] -> [N / s, s * B, ...]: segment j's chunk l at [l, j * B + b] (None passes)."""
+    if x is None:
+        return None
+    N, B = x.shape[:2]
+    return x.reshape(s, N // s, B, *x.shape[2:]).swapaxes(0, 1).reshape(N // s, s * B, *x.shape[2:])
+
+
+def join(x, s: int):
+    """The inverse of `split`."""
+    L, SB = x.shape[:2]
+    return x.reshape(L, s, SB // s, *x.shape[2:]).swapaxes(0, 1).reshape(L * s, SB // s, *x.shape[2:])
+
+
+def _identity_start(carry):
+    """[B, H, K, V] -> [B, H, K, K + V] float32: [I | 0], the start that makes a pass return
+    [transition | part from zero]."""
+    B, H, K, V = carry.shape
+    eye = jnp.broadcast_to(jnp.eye(K, dtype=carry.dtype), (B, H, K, K))
+    return jnp.concatenate([eye, jnp.zeros((B, H, K, V), carry.dtype)], axis=-1)
+
+
+def _widen(x, K: int):
+    """Zeros before the last axis: the V-carrying inputs of the width-(K + V) pass."""
+    return jnp.concatenate([jnp.zeros((*x.shape[:-1], K), x.dtype), x], axis=-1)
+
+
+def _apply(T, S):
+    return jnp.einsum("bhkm,bhmv->bhkv", T, S, precision=jax.lax.Precision.HIGHEST)
+
+
+def state_scan(scan, h0, w, u, kg, decay, segments: int):
+    """The forward pass in segments. `scan(h0, w, u, kg, decay) -> (states, v', final)` is the plain
+    pass on chunk arrays ([N, B, H, ...]; `chunk._state_scan` with its numerics bound); returns the
+    same triple."""
+    s = effective_segments(kg.shape[0], segments)
+    if s == 1:
+        return scan(h0, w, u, kg, decay)
+    B, H, K, V = h0.shape
+    ws, us, kgs, ds = (split(x, s) for x in (w, u, kg, decay))
+    _, _, ends = scan(_identity_start(jnp.zeros((s * B, H, K, V), h0.dtype)), ws, _widen(us, K), kgs, ds)
+    ends = ends.reshape(s, B, H, K, K + V)
+
+    def chain(S, seg):  # S: the state entering this segment
+        return _apply(seg[..., :K], S) + seg[..., K:], S
+
+    final, starts = jax.lax.scan(chain, h0, ends)
+    states, vn, _ = scan(starts.reshape(s * B, H, K, V), ws, us, kgs, ds)
+    return join(states, s), join(vn, s), final
+
+
+def grad_scan(scan, dS_final, chunked, sources, segments: int):
+    """The reverse pass in segments. `scan(dS_final, chunked, sources) -> (dS per chunk, dv', dS
+    initial)` is the plain pass on chunk arrays; `chunked`: its inputs that do not carry V (None
+    entries pass), `sources`: those that carry V in their last axis (they enter linearly: zeros
+    before them make pass 1's [I | 0] columns a pure transition). Returns the same triple."""
+    s = effective_segments(next(x for x in chunked if x is not None).shape[0], segments)
+    if s == 1:
+        return scan(dS_final, chunked, sources)
+    B, H, K, V = dS_final.shape
+    cs = tuple(split(x, s) for x in chunked)
+    ss = tuple(split(x, s) for x in sources)
+    zero_end = jnp.zeros((s * B, H, K, V), dS_final.dtype)
+    _, _, begins = scan(_identity_start(zero_end), cs, tuple(_widen(x, K) for x in ss))
+    begins = begins.reshape(s, B, H, K, K + V)
+
+    def chain(dS, seg):  # dS: the gradient entering this segment from its end
+        return _apply(seg[..., :K], dS) + seg[..., K:], dS
+
+    dh0, ends = jax.lax.scan(chain, dS_final, begins, reverse=True)
+    dhs, dvn, _ = scan(ends.reshape(s * B, H, K, V), cs, ss)
+    return join(dhs, s), join(dvn, s), dh0
