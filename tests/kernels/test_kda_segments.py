@@ -109,3 +109,12 @@ def test_segmented_forward_backward_lowers_for_cuda():
     with chunk.settings(segments=4):
         module = jax.export.export(jax.jit(jax.grad(loss, argnums=tuple(range(6)))), platforms=["cuda"])(*args)
     assert module.mlir_module().count("mosaic_gpu") >= 4
+
+
+@pytest.mark.gpu
+def test_gpu_segmented_chunk_mosaic_matches_naive(rng):
+    """8 segments of the compiled kernels at a real length (64 chunks; bf16, bounded gate, packed
+    documents) against naive, at the tolerances of the unsegmented op."""
+    inputs = make_inputs(rng, 1, 4096, 4, 128, 128, "channel", lower=-5.0, seg="random")
+    with chunk.settings(segments=8):
+        _compare(rng, inputs, BF16_TOL, -5.0, jnp.bfloat16, impls=("naive", "chunk_mosaic"))
