@@ -66,13 +66,13 @@ def test_segmented_mosaic_kernels_equal_the_plain_passes(rng):
 def test_kda_with_segments_matches_naive(rng, monkeypatch, impl, dtype, T):
     """The whole op with `chunk.settings(segments=4)` (chunk_mosaic: its kernels, interpreted)
     against naive at the usual tolerances: outputs, final state and the six gradients, with an
-    initial state, packed documents (T = 500: a padded last chunk) and gates mild enough that
-    states cross chunks. Both passes run in 4 segments."""
+    initial state, a padded last chunk (T = 500) and gates mild enough that states cross chunks
+    (no resets). Both passes run in 4 segments."""
     used = []
     real = chunk_segments.effective_segments
     monkeypatch.setattr(chunk_segments, "effective_segments", lambda n, s: used.append(real(n, s)) or used[-1])
     K = 64 if impl == "chunk" else 128
-    inputs = make_inputs(rng, 1, T, 2, K, K, "channel", lower=-0.05, seg="random")
+    inputs = make_inputs(rng, 1, T, 2, K, K, "channel", lower=-0.05)
     with chunk.settings(segments=4):
         _compare(rng, inputs, F32_TOL if dtype == jnp.float32 else BF16_TOL, None, dtype, impls=("naive", impl))
     assert len(used) >= 2 and set(used) == {4}
@@ -114,8 +114,8 @@ def test_segmented_forward_backward_lowers_for_cuda():
 @pytest.mark.gpu
 def test_gpu_segmented_chunk_mosaic_matches_naive(rng):
     """8 segments of the compiled kernels at a real length (64 chunks; bf16, the bounded path with
-    gates in [-0.05, 0] so that states cross segments, packed documents) against naive, at the
+    gates in [-0.05, 0] and no resets, so that states cross segments) against naive, at the
     tolerances of the unsegmented op."""
-    inputs = make_inputs(rng, 1, 4096, 4, 128, 128, "channel", lower=-0.05, seg="random")
+    inputs = make_inputs(rng, 1, 4096, 4, 128, 128, "channel", lower=-0.05)
     with chunk.settings(segments=8):
         _compare(rng, inputs, BF16_TOL, -5.0, jnp.bfloat16, impls=("naive", "chunk_mosaic"))
