@@ -25,21 +25,39 @@ import jax.numpy as jnp
 
 log = logging.getLogger(__name__)
 
-# Segments per serial pass (1: the plain pass). Set with `chunk.settings(segments=...)`; read while
-# tracing. Not yet timed on a GPU, so the default stays 1.
-SEGMENT_CHOICES = (1, 2, 4, 8, 16, 32, 64)
+# Segments per serial pass (1: the plain pass; "auto": `auto_segments`). Set with
+# `chunk.settings(segments=...)`; read while tracing. Not yet timed on a GPU, so the default stays 1.
+SEGMENT_CHOICES = (1, 2, 4, 8, 16, 32, 64, "auto")
 SEGMENTS = 1
+# "auto" fills about two programs per SM of the plain pass's (batch * head, 64 columns) programs
+# and keeps at least MIN_CHUNKS chunks per segment.
+PROGRAMS_PER_SM = 2
+MIN_CHUNKS = 16
 _warned: set = set()
 
 
-def effective_segments(num_chunks: int, segments: int) -> int:
-    """`segments` (one of SEGMENT_CHOICES), halved until it divides the chunk count (logged once)."""
+def _num_sms() -> int:
+    return getattr(jax.devices()[0], "core_count", None) or 132
+
+
+def auto_segments(num_chunks: int, programs: int) -> int:
+    """The largest power of two s (up to 64) with programs * s <= PROGRAMS_PER_SM * SMs and
+    num_chunks / s >= MIN_CHUNKS; 1 when the plain pass already fills the GPU or is short."""
+    s = 1
+    while s < 64 and programs * 2 * s <= PROGRAMS_PER_SM * _num_sms() and num_chunks // (2 * s) >= MIN_CHUNKS:
+        s *= 2
+    return s
+
+
+def effective_segments(num_chunks: int, segments, programs: int = 1) -> int:
+    """`segments` (one of SEGMENT_CHOICES; "auto" resolved for `programs` plain-pass programs),
+    halved until it divides the chunk count (logged once)."""
     if segments not in SEGMENT_CHOICES:
         raise ValueError(f"segments={segments!r}; expected one of {SEGMENT_CHOICES}")
-    s = segments
+    s = auto_segments(num_chunks, programs) if segments == "auto" else segments
     while num_chunks % s:
         s //= 2
-    if s != segments and (num_chunks, segments) not in _warned:
+    if segments != "auto" and s != segments and (num_chunks, segments) not in _warned:
         _warned.add((num_chunks, segments))
         log.warning("KDA serial passes: %d chunks do not split into %d segments; using %d", num_chunks, segments, s)
     return s
@@ -80,10 +98,10 @@ def state_scan(scan, h0, w, u, kg, decay, segments: int):
     """The forward pass in segments. `scan(h0, w, u, kg, decay) -> (states, v', final)` is the plain
     pass on chunk arrays ([N, B, H, ...]; `chunk._state_scan` with its numerics bound); returns the
     same triple."""
-    s = effective_segments(kg.shape[0], segments)
+    B, H, K, V = h0.shape
+    s = effective_segments(kg.shape[0], segments, B * H * max(1, V // 64))
     if s == 1:
         return scan(h0, w, u, kg, decay)
-    B, H, K, V = h0.shape
     ws, us, kgs, ds = (split(x, s) for x in (w, u, kg, decay))
     _, _, ends = scan(_identity_start(jnp.zeros((s * B, H, K, V), h0.dtype)), ws, _widen(us, K), kgs, ds)
     ends = ends.reshape(s, B, H, K, K + V)
@@ -101,10 +119,10 @@ def grad_scan(scan, dS_final, chunked, sources, segments: int):
     initial)` is the plain pass on chunk arrays; `chunked`: its inputs that do not carry V (None
     entries pass), `sources`: those that carry V in their last axis (they enter linearly: zeros
     before them make pass 1's [I | 0] columns a pure transition). Returns the same triple."""
-    s = effective_segments(next(x for x in chunked if x is not None).shape[0], segments)
+    B, H, K, V = dS_final.shape
+    s = effective_segments(next(x for x in chunked if x is not None).shape[0], segments, B * H * max(1, V // 64))
     if s == 1:
         return scan(dS_final, chunked, sources)
-    B, H, K, V = dS_final.shape
     cs = tuple(split(x, s) for x in chunked)
     ss = tuple(split(x, s) for x in sources)
     zero_end = jnp.zeros((s * B, H, K, V), dS_final.dtype)

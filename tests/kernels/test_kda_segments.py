@@ -70,7 +70,7 @@ def test_kda_with_segments_matches_naive(rng, monkeypatch, impl, dtype, T):
     (no resets). Both passes run in 4 segments."""
     used = []
     real = chunk_segments.effective_segments
-    monkeypatch.setattr(chunk_segments, "effective_segments", lambda n, s: used.append(real(n, s)) or used[-1])
+    monkeypatch.setattr(chunk_segments, "effective_segments", lambda *a: used.append(real(*a)) or used[-1])
     K = 64 if impl == "chunk" else 128
     inputs = make_inputs(rng, 1, T, 2, K, K, "channel", lower=-0.05)
     with chunk.settings(segments=4):
@@ -78,7 +78,7 @@ def test_kda_with_segments_matches_naive(rng, monkeypatch, impl, dtype, T):
     assert len(used) >= 2 and set(used) == {4}
 
 
-def test_segments_setting_is_checked_and_reduced_with_a_log(caplog):
+def test_segments_setting_is_checked_and_reduced_with_a_log(caplog, monkeypatch):
     with pytest.raises(ValueError, match="segments"):
         with chunk.settings(segments=3):
             pass
@@ -88,6 +88,13 @@ def test_segments_setting_is_checked_and_reduced_with_a_log(caplog):
         assert chunk_segments.effective_segments(12, 8) == 4
     assert "12 chunks do not split into 8 segments; using 4" in caplog.text
     assert chunk_segments.effective_segments(1024, 16) == 16
+    # "auto" on a 132-SM GPU: 1 x 16 heads x 2 column blocks = 32 programs -> 8 segments of 128
+    # chunks at T = 65536; 256 programs (8 x 4096 x 16) already fill it; short sequences stay whole.
+    monkeypatch.setattr(chunk_segments, "_num_sms", lambda: 132)
+    assert chunk_segments.effective_segments(1024, "auto", 32) == 8
+    assert chunk_segments.effective_segments(64, "auto", 256) == 1
+    assert chunk_segments.effective_segments(24, "auto", 2) == 1
+    assert chunk_segments.effective_segments(256, "auto", 2) == 16
     x = jnp.arange(8 * 3 * 2).reshape(8, 3, 2)
     assert np.array_equal(chunk_segments.join(chunk_segments.split(x, 4), 4), x)
     assert np.array_equal(chunk_segments.split(x, 4)[1, 3:6], x[3])  # segment 1, its chunk 1
