@@ -11,8 +11,8 @@ s segments of L = N / s and each pass becomes:
   2. a float32 scan over the s segments for each one's true starting state (forward
      S_in(j + 1) = T_j S_in(j) + S_j; reverse the same from the last segment back);
   3. every segment at once from its true start, for the per-chunk outputs.
-The chain shrinks from N steps to 2 L over s times as many programs, for the width-(K + V) pass and
-copies of the chunk arrays into segment-major order. Values: pass 3 rounds as the plain pass does;
+The chain shrinks from N steps to 2 L over s times as many programs, for the width-(K + V) pass (it
+writes only its final tiles) and copies of the chunk arrays into segment-major order. Values: pass 3 rounds as the plain pass does;
 only the segments' starting states differ, by the roundings of pass 1's bf16-cast states.
 """
 
@@ -95,15 +95,17 @@ def _apply(T, S):
 
 
 def state_scan(scan, h0, w, u, kg, decay, segments: int):
-    """The forward pass in segments. `scan(h0, w, u, kg, decay) -> (states, v', final)` is the plain
-    pass on chunk arrays ([N, B, H, ...]; `chunk._state_scan` with its numerics bound); returns the
+    """The forward pass in segments. `scan(h0, w, u, kg, decay, final_only=False) -> (states, v',
+    final)` is the plain pass on chunk arrays ([N, B, H, ...]; `chunk._state_scan` with its numerics
+    bound; with final_only it may skip the per-chunk outputs, which pass 1 does not use); returns the
     same triple."""
     B, H, K, V = h0.shape
     s = effective_segments(kg.shape[0], segments, B * H * max(1, V // 64))
     if s == 1:
         return scan(h0, w, u, kg, decay)
     ws, us, kgs, ds = (split(x, s) for x in (w, u, kg, decay))
-    _, _, ends = scan(_identity_start(jnp.zeros((s * B, H, K, V), h0.dtype)), ws, _widen(us, K), kgs, ds)
+    _, _, ends = scan(_identity_start(jnp.zeros((s * B, H, K, V), h0.dtype)), ws, _widen(us, K), kgs, ds,
+                      final_only=True)
     ends = ends.reshape(s, B, H, K, K + V)
 
     def chain(S, seg):  # S: the state entering this segment
@@ -115,8 +117,9 @@ def state_scan(scan, h0, w, u, kg, decay, segments: int):
 
 
 def grad_scan(scan, dS_final, chunked, sources, segments: int):
-    """The reverse pass in segments. `scan(dS_final, chunked, sources) -> (dS per chunk, dv', dS
-    initial)` is the plain pass on chunk arrays; `chunked`: its inputs that do not carry V (None
+    """The reverse pass in segments. `scan(dS_final, chunked, sources, final_only=False) -> (dS per
+    chunk, dv', dS initial)` is the plain pass on chunk arrays (final_only as in `state_scan`);
+    `chunked`: its inputs that do not carry V (None
     entries pass), `sources`: those that carry V in their last axis (they enter linearly: zeros
     before them make pass 1's [I | 0] columns a pure transition). Returns the same triple."""
     B, H, K, V = dS_final.shape
@@ -126,7 +129,7 @@ def grad_scan(scan, dS_final, chunked, sources, segments: int):
     cs = tuple(split(x, s) for x in chunked)
     ss = tuple(split(x, s) for x in sources)
     zero_end = jnp.zeros((s * B, H, K, V), dS_final.dtype)
-    _, _, begins = scan(_identity_start(zero_end), cs, tuple(_widen(x, K) for x in ss))
+    _, _, begins = scan(_identity_start(zero_end), cs, tuple(_widen(x, K) for x in ss), final_only=True)
     begins = begins.reshape(s, B, H, K, K + V)
 
     def chain(dS, seg):  # dS: the gradient entering this segment from its end

@@ -71,13 +71,22 @@ def _loader(ins, bars, bh, vs):
     return issue, wait
 
 
-def _fwd_body(*refs, NT, K, dt, delta):
+def _outputs(refs, n_in, final_only):
+    """(inputs, (per-chunk outputs or Nones, final), scratch) of a pass's refs; `final_only`: the
+    kernel was launched with its final carried tile as the one output."""
+    n_out = 1 if final_only else 3
+    ins, outs, scratch = refs[:n_in], refs[n_in:n_in + n_out], refs[n_in + n_out:]
+    return ins, ((None, None, outs[0]) if final_only else outs), scratch
+
+
+def _fwd_body(*refs, NT, K, dt, delta, final_only):
+    ins_refs, (st_ref, vn_ref, ht_ref), scratch = _outputs(refs, 5 if delta else 4, final_only)
     if delta:
-        w_ref, u_ref, kg_ref, d_ref, h0_ref, st_ref, vn_ref, ht_ref, *scratch = refs
+        w_ref, u_ref, kg_ref, d_ref, h0_ref = ins_refs
         w_s, u_s, kg_s, d_s, s_s, vn_s, h_s, bars, h_bar = scratch
         ins = ((w_ref, w_s, False), (u_ref, u_s, True), (kg_ref, kg_s, False), (d_ref, d_s, False))
     else:
-        u_ref, kg_ref, d_ref, h0_ref, st_ref, vn_ref, ht_ref, *scratch = refs
+        u_ref, kg_ref, d_ref, h0_ref = ins_refs
         u_s, kg_s, d_s, s_s, vn_s, h_s, bars, h_bar = scratch
         ins = ((u_ref, u_s, True), (kg_ref, kg_s, False), (d_ref, d_s, False))
     bh = lax.axis_index("bh")
@@ -97,7 +106,8 @@ def _fwd_body(*refs, NT, K, dt, delta):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last chunk's stores have read s_s, vn_s
         s_s[...] = S.astype(dt)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(s_s, st_ref.at[n, bh, :, vs])
+        if st_ref is not None:
+            plgpu.copy_smem_to_gmem(s_s, st_ref.at[n, bh, :, vs])
         u = plgpu.load(u_s.at[slot], layout=plgpu.Layout.WGMMA)
         if delta:
 
@@ -110,7 +120,8 @@ def _fwd_body(*refs, NT, K, dt, delta):
             vn = u
         vn_s[...] = vn
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(vn_s, vn_ref.at[n, bh, :, vs])
+        if vn_ref is not None:
+            plgpu.copy_smem_to_gmem(vn_s, vn_ref.at[n, bh, :, vs])
         d = plgpu.load(d_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
 
         def kv(acc):
@@ -130,10 +141,11 @@ def _check_dims(name, Cc, K, V):
                          f"got C={Cc}, K={K}, V={V}")
 
 
-def state_scan(w, u, kg, decay, h0, *, interpret=False):
+def state_scan(w, u, kg, decay, h0, *, interpret=False, final_only=False):
     """Forward pass. w, kg [N, BH, C, K] (w None: linear attention, v' = u); u [N, BH, C, V]
     (one compute dtype); decay [N, BH, K] f32; h0 [BH, K, V] f32.
-    Returns (states [N, BH, K, V] compute dtype, v' [N, BH, C, V] compute dtype, final [BH, K, V] f32)."""
+    Returns (states [N, BH, K, V] compute dtype, v' [N, BH, C, V] compute dtype, final [BH, K, V] f32);
+    `final_only`: (None, None, final), the per-chunk outputs never written."""
     N, BH, Cc, K = kg.shape
     V = u.shape[-1]
     dt = kg.dtype
@@ -149,23 +161,23 @@ def state_scan(w, u, kg, decay, h0, *, interpret=False):
         plgpu.Barrier(num_barriers=2 * (4 if delta else 3)),
         plgpu.Barrier(num_barriers=1),
     ]
-    out_type = (
-        jax.ShapeDtypeStruct((N, BH, K, V), dt),
-        jax.ShapeDtypeStruct((N, BH, C, V), dt),
-        jax.ShapeDtypeStruct((BH, K, V), jnp.float32),
-    )
+    final = jax.ShapeDtypeStruct((BH, K, V), jnp.float32)
+    out_type = (final,) if final_only else (
+        jax.ShapeDtypeStruct((N, BH, K, V), dt), jax.ShapeDtypeStruct((N, BH, C, V), dt), final)
     args = ((w,) if delta else ()) + (u, kg, decay, h0)
-    body = functools.partial(_fwd_body, NT=N, K=K, dt=dt, delta=delta)
-    return launch_bh_v(body, out_type, scratch, args, BH=BH, V=V, BV=BV, interpret=interpret)
+    body = functools.partial(_fwd_body, NT=N, K=K, dt=dt, delta=delta, final_only=final_only)
+    out = launch_bh_v(body, out_type, scratch, args, BH=BH, V=V, BV=BV, interpret=interpret)
+    return (None, None, out[0]) if final_only else out
 
 
-def _bwd_body(*refs, NT, K, dt, delta):
+def _bwd_body(*refs, NT, K, dt, delta, final_only):
+    ins_refs, (dhs_ref, dvn_ref, dh0_ref), scratch = _outputs(refs, 7 if delta else 6, final_only)
     if delta:
-        w_ref, kg_ref, qg_ref, do_ref, dvi_ref, d_ref, dS_ref, dhs_ref, dvn_ref, dh0_ref, *scratch = refs
+        w_ref, kg_ref, qg_ref, do_ref, dvi_ref, d_ref, dS_ref = ins_refs
         w_s, kg_s, qg_s, do_s, dvi_s, d_s, ds_c, dvn_s, neg_s, ds_f, bars, h_bar = scratch
         ins = ((w_ref, w_s, False),)
     else:
-        kg_ref, qg_ref, do_ref, dvi_ref, d_ref, dS_ref, dhs_ref, dvn_ref, dh0_ref, *scratch = refs
+        kg_ref, qg_ref, do_ref, dvi_ref, d_ref, dS_ref = ins_refs
         kg_s, qg_s, do_s, dvi_s, d_s, ds_c, dvn_s, ds_f, bars, h_bar = scratch
         ins = ()
     ins += ((kg_ref, kg_s, False), (qg_ref, qg_s, False), (do_ref, do_s, True), (dvi_ref, dvi_s, True),
@@ -186,10 +198,12 @@ def _bwd_body(*refs, NT, K, dt, delta):
 
         wait(slot)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last chunk's stores have read ds_f, dvn_s
-        ds_f[...] = dS
+        if dhs_ref is not None:
+            ds_f[...] = dS
         ds_c[...] = dS.astype(dt)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(ds_f, dhs_ref.at[n, bh, :, vs])
+        if dhs_ref is not None:
+            plgpu.copy_smem_to_gmem(ds_f, dhs_ref.at[n, bh, :, vs])
 
         def kdS(acc):
             plgpu.wgmma(acc, kg_s.at[slot], ds_c)
@@ -197,11 +211,13 @@ def _bwd_body(*refs, NT, K, dt, delta):
 
         dvi = plgpu.load(dvi_s.at[slot], layout=plgpu.Layout.WGMMA)
         dvn = dvi + _mm(kdS, (C, BV))
-        dvn_s[...] = dvn.astype(dt)
+        if dvn_ref is not None:
+            dvn_s[...] = dvn.astype(dt)
         if delta:
             neg_s[...] = (-dvn).astype(dt)  # rounding is symmetric: exactly -round(dv')
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dvn_s, dvn_ref.at[n, bh, :, vs])
+        if dvn_ref is not None:
+            plgpu.copy_smem_to_gmem(dvn_s, dvn_ref.at[n, bh, :, vs])
         d = plgpu.load(d_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
 
         def back(acc):
@@ -215,11 +231,12 @@ def _bwd_body(*refs, NT, K, dt, delta):
     _store_last(lax.fori_loop(0, NT, step, dS), ds_f, dh0_ref.at[bh, :, vs])
 
 
-def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False):
+def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, final_only=False):
     """Reverse pass. w, kg, qg [N, BH, C, K] (w None: linear attention) and do [N, BH, C, V] in one
     compute dtype; dvn_intra [N, BH, C, V] f32 (Aqk^T do); decay [N, BH, K] f32; dS_final
     [BH, K, V] f32. Returns (gradients of the outgoing states [N, BH, K, V] f32, of v'
-    [N, BH, C, V] compute dtype, of the initial state [BH, K, V] f32)."""
+    [N, BH, C, V] compute dtype, of the initial state [BH, K, V] f32); `final_only`: (None, None,
+    initial state's gradient), the per-chunk outputs never written."""
     N, BH, Cc, K = kg.shape
     V = do.shape[-1]
     dt = kg.dtype
@@ -239,39 +256,44 @@ def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False):
         scratch = [_smem((2, C, K), dt)] + scratch + [_smem((C, BV), dt)]
     n_in = 6 if delta else 5
     scratch += [plgpu.SMEM((K, BV), f32), plgpu.Barrier(num_barriers=2 * n_in), plgpu.Barrier(num_barriers=1)]
-    out_type = (
-        jax.ShapeDtypeStruct((N, BH, K, V), f32),
-        jax.ShapeDtypeStruct((N, BH, C, V), dt),
-        jax.ShapeDtypeStruct((BH, K, V), f32),
-    )
+    first = jax.ShapeDtypeStruct((BH, K, V), f32)
+    out_type = (first,) if final_only else (
+        jax.ShapeDtypeStruct((N, BH, K, V), f32), jax.ShapeDtypeStruct((N, BH, C, V), dt), first)
     args = ((w,) if delta else ()) + (kg, qg, do, dvn_intra, decay, dS_final)
-    body = functools.partial(_bwd_body, NT=N, K=K, dt=dt, delta=delta)
-    return launch_bh_v(body, out_type, scratch, args, BH=BH, V=V, BV=BV, interpret=interpret)
+    body = functools.partial(_bwd_body, NT=N, K=K, dt=dt, delta=delta, final_only=final_only)
+    out = launch_bh_v(body, out_type, scratch, args, BH=BH, V=V, BV=BV, interpret=interpret)
+    return (None, None, out[0]) if final_only else out
 
 
 def _flat(x):
     return None if x is None else x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
 
-def state_scan_chunks(h0, w, u, kg, decay, *, cd, interpret=False):
+def state_scan_chunks(h0, w, u, kg, decay, *, cd, interpret=False, final_only=False):
     """`state_scan` on `chunk.py`'s arrays: w, kg [N, B, H, C, K], u [N, B, H, C, V], decay
     [N, B, H, K], h0 [B, H, K, V] (reshapes are free; casts to the compute dtype `cd`)."""
     N, B, H = kg.shape[:3]
     K, V = h0.shape[-2:]
     op = lambda x: None if x is None else _flat(x).astype(cd)
     states, vn, S = state_scan(op(w), op(u), op(kg), _flat(decay).astype(jnp.float32),
-                               h0.reshape(B * H, K, V).astype(jnp.float32), interpret=interpret)
+                               h0.reshape(B * H, K, V).astype(jnp.float32), interpret=interpret,
+                               final_only=final_only)
+    if final_only:
+        return None, None, S.reshape(B, H, K, V)
     return states.reshape(N, B, H, K, V), vn.reshape(N, B, H, C, V), S.reshape(B, H, K, V)
 
 
-def grad_scan_chunks(dS, w, kg, qg, do, dvn_intra, decay, *, cd, interpret=False):
+def grad_scan_chunks(dS, w, kg, qg, do, dvn_intra, decay, *, cd, interpret=False, final_only=False):
     """`grad_scan` on `chunk.py`'s arrays ([N, B, H, ...]; dS [B, H, K, V])."""
     N, B, H = kg.shape[:3]
     K, V = dS.shape[-2:]
     op = lambda x: None if x is None else _flat(x).astype(cd)
     f32 = lambda x: _flat(x).astype(jnp.float32)
     dhs, dvn, dh0 = grad_scan(op(w), op(kg), op(qg), op(do), f32(dvn_intra), f32(decay),
-                              dS.reshape(B * H, K, V).astype(jnp.float32), interpret=interpret)
+                              dS.reshape(B * H, K, V).astype(jnp.float32), interpret=interpret,
+                              final_only=final_only)
+    if final_only:
+        return None, None, dh0.reshape(B, H, K, V)
     return dhs.reshape(N, B, H, K, V), dvn.reshape(N, B, H, C, V), dh0.reshape(B, H, K, V)
 
 

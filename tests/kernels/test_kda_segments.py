@@ -31,7 +31,7 @@ def test_segmented_passes_equal_the_plain_passes(rng, delta, N, segments):
     pass, and the starting states really do come through the segment transitions."""
     w, u, kg, qg, do, dvi, decay, h0, dS = _chunks(rng, N, delta)
     nm = _Numerics(jnp.float32)
-    scan = lambda *a: _state_scan(nm, *a)  # noqa: E731
+    scan = lambda *a, final_only=False: _state_scan(nm, *a)  # noqa: E731
     want = scan(h0, w, u, kg, decay)
     got = chunk_segments.state_scan(scan, h0, w, u, kg, decay, segments)
     for name, r, x in zip(("states", "vn", "S"), want, got):
@@ -40,7 +40,7 @@ def test_segmented_passes_equal_the_plain_passes(rng, delta, N, segments):
     assert float(jnp.abs(cut[-1] - want[0][-1]).max()) > 1e-3
 
     dS_out = nm.mm("nbhck,nbhcv->nbhkv", qg, do)
-    grad = lambda dS, c, src: _grad_scan(nm, dS, c[0], c[1], c[2], *src)  # noqa: E731
+    grad = lambda dS, c, src, final_only=False: _grad_scan(nm, dS, c[0], c[1], c[2], *src)  # noqa: E731
     want = grad(dS, (w, kg, decay), (dS_out, dvi))
     got = chunk_segments.grad_scan(grad, dS, (w, kg, decay), (dS_out, dvi), segments)
     for name, r, x in zip(("dhs", "dvn", "dh0"), want, got):
@@ -50,16 +50,20 @@ def test_segmented_passes_equal_the_plain_passes(rng, delta, N, segments):
 def test_segmented_mosaic_kernels_equal_the_plain_passes(rng):
     """The Mosaic GPU passes (interpreted) in segments, their width-(K + V) pass included."""
     w, u, kg, qg, do, dvi, decay, h0, dS = _chunks(rng, 4, True, B=1, H=2, K=64, V=64)
-    scan = lambda *a: mosaic_scan.state_scan_chunks(*a, cd=jnp.float32, interpret=True)  # noqa: E731
+    scan = lambda *a, **kw: mosaic_scan.state_scan_chunks(*a, cd=jnp.float32, interpret=True, **kw)  # noqa: E731
     want, got = scan(h0, w, u, kg, decay), chunk_segments.state_scan(scan, h0, w, u, kg, decay, 2)
     for name, r, x in zip(("states", "vn", "S"), want, got):
         assert_close(name, r, x, 1e-5)
-    grad = lambda dS, c, src: mosaic_scan.grad_scan_chunks(  # noqa: E731
-        dS, c[0], c[1], c[2], src[0], src[1], c[3], cd=jnp.float32, interpret=True)
+    last = scan(h0, w, u, kg, decay, final_only=True)  # the final tile alone: the same values
+    assert last[:2] == (None, None) and np.array_equal(last[2], want[2])
+    grad = lambda dS, c, src, **kw: mosaic_scan.grad_scan_chunks(  # noqa: E731
+        dS, c[0], c[1], c[2], src[0], src[1], c[3], cd=jnp.float32, interpret=True, **kw)
     chunked, sources = (w, kg, qg, decay), (do, dvi)
     want, got = grad(dS, chunked, sources), chunk_segments.grad_scan(grad, dS, chunked, sources, 2)
     for name, r, x in zip(("dhs", "dvn", "dh0"), want, got):
         assert_close(name, r, x, 1e-5)
+    last = grad(dS, chunked, sources, final_only=True)
+    assert last[:2] == (None, None) and np.array_equal(last[2], want[2])
 
 
 @pytest.mark.parametrize("impl, dtype, T", [("chunk", jnp.float32, 500), ("chunk_mosaic", jnp.bfloat16, 256)])
