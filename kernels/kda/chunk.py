@@ -95,12 +95,18 @@ def _mosaic_scan(state_pass):
     return mosaic_scan, state_pass == "mosaic_interpret"
 
 
-def _state_scan(nm, h0, w, u, kg, decay, state_pass="xla", final_only=False):
+def _state_scan(nm, h0, w, u, kg, decay, state_pass="xla", final_only=False, segments=1):
     """Serial pass over chunks. Returns (incoming states [N, B, H, K, V] in the compute dtype,
-    corrected values v' [N, B, H, C, V] in the compute dtype, final state in the state dtype)."""
+    corrected values v' [N, B, H, C, V] in the compute dtype, final state in the state dtype).
+    segments > 1: h0 [segments * B, H, K, V], each run of N / segments chunks from its own start
+    (`chunk_segments`; the final state per run). final_only: the kernel pass may skip the per-chunk
+    outputs (XLA drops unused ones itself)."""
     if state_pass != "xla":
         ms, interpret = _mosaic_scan(state_pass)
-        return ms.state_scan_chunks(h0, w, u, kg, decay, cd=nm.cd, interpret=interpret, final_only=final_only)
+        return ms.state_scan_chunks(h0, w, u, kg, decay, cd=nm.cd, interpret=interpret, final_only=final_only,
+                                    segments=segments)
+    if segments > 1:
+        return chunk_segments.per_segment(lambda *a: _state_scan(nm, *a), segments, h0, w, u, kg, decay)
 
     def body(S, x):
         w_n, u_n, kg_n, d_n = x
@@ -123,7 +129,7 @@ def _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass, sc
         _, w, u = _wy(nm, P)
     else:
         w, u = None, v.astype(nm.cd)
-    scan = lambda *a, final_only=False: _state_scan(nm, *a, state_pass, final_only)  # noqa: E731
+    scan = lambda *a, **kw: _state_scan(nm, *a, state_pass, **kw)  # noqa: E731
     states, vn, S = chunk_segments.state_scan(scan, h0, w, u, P["kg"], P["decay"], chunk_segments.SEGMENTS)
     o = nm.mm("nbhck,nbhkv->nbhcv", P["qg"], states) + nm.mm("nbhrc,nbhcv->nbhrv", P["Aqk"], vn)
     return o, S, states
@@ -170,12 +176,12 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
     dS_final = dS_final.astype(nm.sdt)
     if state_pass == "xla":
         dS_out = nm.mm("nbhck,nbhcv->nbhkv", P["qg"], do)
-        scan = lambda dS, c, src, final_only=False: _grad_scan(nm, dS, c[0], c[1], c[2], *src)  # noqa: E731
+        scan = lambda dS, c, src, **kw: _grad_scan(nm, dS, c[0], c[1], c[2], *src, **kw)  # noqa: E731
         chunked, sources = (w, P["kg"], P["decay"]), (dS_out, dvn_intra)
     else:  # the kernel forms dS_out = qg^T do per chunk itself
         ms, interpret = _mosaic_scan(state_pass)
-        scan = lambda dS, c, src, final_only=False: ms.grad_scan_chunks(  # noqa: E731
-            dS, c[0], c[1], c[2], src[0], src[1], c[3], cd=nm.cd, interpret=interpret, final_only=final_only)
+        scan = lambda dS, c, src, **kw: ms.grad_scan_chunks(  # noqa: E731
+            dS, c[0], c[1], c[2], src[0], src[1], c[3], cd=nm.cd, interpret=interpret, **kw)
         chunked, sources = (w, P["kg"], P["qg"], P["decay"]), (do, dvn_intra)
     dhs, dvn, dh0 = chunk_segments.grad_scan(scan, dS_final, chunked, sources, chunk_segments.SEGMENTS)
     # State update S_{n+1} = decay S_n + kg^T v'.
@@ -198,9 +204,14 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
     return dq, dk, dv, dg, dbeta, dh0, None
 
 
-def _grad_scan(nm, dS, w, kg, decay, dS_out, dvn_intra):
+def _grad_scan(nm, dS, w, kg, decay, dS_out, dvn_intra, final_only=False, segments=1):
     """Reverse pass over chunks. dS: gradient of the final state. Returns (gradients of the
-    outgoing states [N, B, H, K, V], of v' [N, B, H, C, V], of the initial state)."""
+    outgoing states [N, B, H, K, V], of v' [N, B, H, C, V], of the initial state); segments and
+    final_only as in `_state_scan`."""
+    del final_only  # XLA drops the unused per-chunk outputs itself
+    if segments > 1:
+        return chunk_segments.per_segment(lambda *a: _grad_scan(nm, *a), segments, dS, w, kg, decay, dS_out,
+                                          dvn_intra)
 
     def body(dS, x):
         w_n, kg_n, d_n, dSo_n, dvi_n = x

@@ -12,7 +12,9 @@ s segments of L = N / s and each pass becomes:
      S_in(j + 1) = T_j S_in(j) + S_j; reverse the same from the last segment back);
   3. every segment at once from its true start, for the per-chunk outputs.
 The chain shrinks from N steps to 2 L over s times as many programs, for the width-(K + V) pass (it
-writes only its final tiles) and copies of the chunk arrays into segment-major order. Values: pass 3 rounds as the plain pass does;
+writes only its final tiles). The Mosaic GPU passes index the segments themselves (program (segment,
+batch * head) walks chunks segment * L ...); the XLA passes go through copies into segment-major
+order (`per_segment`). Values: pass 3 rounds as the plain pass does;
 only the segments' starting states differ, by the roundings of pass 1's bf16-cast states.
 """
 
@@ -77,6 +79,15 @@ def join(x, s: int):
     return x.reshape(L, s, SB // s, *x.shape[2:]).swapaxes(0, 1).reshape(L * s, SB // s, *x.shape[2:])
 
 
+def per_segment(scan, s: int, carried, *chunk_arrays):
+    """`scan(carried, *chunk arrays)` run on every segment at once through copies into
+    segment-major order (`split` / `join`): the segmented form of a plain pass without native
+    segments (the XLA passes; the Mosaic GPU kernels index segments themselves). carried
+    [s * B, H, K, V]; returns (per-chunk outputs in [N, B, ...] order, carried outputs [s * B, ...])."""
+    a, b, last = scan(carried, *(split(x, s) for x in chunk_arrays))
+    return join(a, s), join(b, s), last
+
+
 def _identity_start(carry):
     """[B, H, K, V] -> [B, H, K, K + V] float32: [I | 0], the start that makes a pass return
     [transition | part from zero]."""
@@ -95,46 +106,45 @@ def _apply(T, S):
 
 
 def state_scan(scan, h0, w, u, kg, decay, segments: int):
-    """The forward pass in segments. `scan(h0, w, u, kg, decay, final_only=False) -> (states, v',
-    final)` is the plain pass on chunk arrays ([N, B, H, ...]; `chunk._state_scan` with its numerics
-    bound; with final_only it may skip the per-chunk outputs, which pass 1 does not use); returns the
-    same triple."""
+    """The forward pass in segments. `scan(h0, w, u, kg, decay, final_only=False, segments=1) ->
+    (states, v', final)` is the pass on chunk arrays ([N, B, H, ...]; `chunk._state_scan` with its
+    numerics bound): with `segments` = s, h0 is [s * B, H, K, V] and each run of N / s chunks starts
+    from its own row block (finals likewise); with final_only it may skip the per-chunk outputs,
+    which pass 1 does not use. Returns the plain pass's triple."""
     B, H, K, V = h0.shape
     s = effective_segments(kg.shape[0], segments, B * H * max(1, V // 64))
     if s == 1:
         return scan(h0, w, u, kg, decay)
-    ws, us, kgs, ds = (split(x, s) for x in (w, u, kg, decay))
-    _, _, ends = scan(_identity_start(jnp.zeros((s * B, H, K, V), h0.dtype)), ws, _widen(us, K), kgs, ds,
-                      final_only=True)
+    _, _, ends = scan(_identity_start(jnp.zeros((s * B, H, K, V), h0.dtype)), w, _widen(u, K), kg, decay,
+                      final_only=True, segments=s)
     ends = ends.reshape(s, B, H, K, K + V)
 
     def chain(S, seg):  # S: the state entering this segment
         return _apply(seg[..., :K], S) + seg[..., K:], S
 
     final, starts = jax.lax.scan(chain, h0, ends)
-    states, vn, _ = scan(starts.reshape(s * B, H, K, V), ws, us, kgs, ds)
-    return join(states, s), join(vn, s), final
+    states, vn, _ = scan(starts.reshape(s * B, H, K, V), w, u, kg, decay, segments=s)
+    return states, vn, final
 
 
 def grad_scan(scan, dS_final, chunked, sources, segments: int):
-    """The reverse pass in segments. `scan(dS_final, chunked, sources, final_only=False) -> (dS per
-    chunk, dv', dS initial)` is the plain pass on chunk arrays (final_only as in `state_scan`);
-    `chunked`: its inputs that do not carry V (None
+    """The reverse pass in segments. `scan(dS_final, chunked, sources, final_only=False, segments=1)
+    -> (dS per chunk, dv', dS initial)` is the pass on chunk arrays (final_only and segments as in
+    `state_scan`); `chunked`: its inputs that do not carry V (None
     entries pass), `sources`: those that carry V in their last axis (they enter linearly: zeros
     before them make pass 1's [I | 0] columns a pure transition). Returns the same triple."""
     B, H, K, V = dS_final.shape
     s = effective_segments(next(x for x in chunked if x is not None).shape[0], segments, B * H * max(1, V // 64))
     if s == 1:
         return scan(dS_final, chunked, sources)
-    cs = tuple(split(x, s) for x in chunked)
-    ss = tuple(split(x, s) for x in sources)
     zero_end = jnp.zeros((s * B, H, K, V), dS_final.dtype)
-    _, _, begins = scan(_identity_start(zero_end), cs, tuple(_widen(x, K) for x in ss), final_only=True)
+    _, _, begins = scan(_identity_start(zero_end), chunked, tuple(_widen(x, K) for x in sources), final_only=True,
+                        segments=s)
     begins = begins.reshape(s, B, H, K, K + V)
 
     def chain(dS, seg):  # dS: the gradient entering this segment from its end
         return _apply(seg[..., :K], dS) + seg[..., K:], dS
 
     dh0, ends = jax.lax.scan(chain, dS_final, begins, reverse=True)
-    dhs, dvn, _ = scan(ends.reshape(s * B, H, K, V), cs, ss)
-    return join(dhs, s), join(dvn, s), dh0
+    dhs, dvn, _ = scan(ends.reshape(s * B, H, K, V), chunked, sources, segments=s)
+    return dhs, dvn, dh0

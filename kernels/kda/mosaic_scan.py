@@ -56,10 +56,18 @@ def _mm(fn, shape):
     return pl.run_scoped(fn, plgpu.ACC(shape, jnp.float32))
 
 
-def _loader(ins, bars, bh, vs):
-    """issue(n, slot): TMA every input's chunk n into its buffer `slot` (barrier 2 i + slot)."""
+def _program(BH, NT):
+    """(p, bh, first) of this program: p its (segment, batch * head) index, the carried tiles' row;
+    bh the batch * head of its chunk tensors; first its segment's first chunk (NT chunks each)."""
+    p = lax.axis_index("bh")
+    return p, lax.rem(p, BH), lax.div(p, BH) * NT
+
+
+def _loader(ins, bars, bh, vs, first):
+    """issue(n, slot): TMA every input's chunk first + n into its buffer `slot` (barrier 2 i + slot)."""
 
     def issue(n, slot):
+        n = first + n
         for i, (src, dst, by_v) in enumerate(ins):
             src = src.at[n, bh, :, vs] if by_v else src.at[n, bh]
             plgpu.copy_gmem_to_smem(src, dst.at[slot], bars.at[2 * i + slot])
@@ -79,7 +87,7 @@ def _outputs(refs, n_in, final_only):
     return ins, ((None, None, outs[0]) if final_only else outs), scratch
 
 
-def _fwd_body(*refs, NT, K, dt, delta, final_only):
+def _fwd_body(*refs, NT, BH, K, dt, delta, final_only):
     ins_refs, (st_ref, vn_ref, ht_ref), scratch = _outputs(refs, 5 if delta else 4, final_only)
     if delta:
         w_ref, u_ref, kg_ref, d_ref, h0_ref = ins_refs
@@ -89,11 +97,11 @@ def _fwd_body(*refs, NT, K, dt, delta, final_only):
         u_ref, kg_ref, d_ref, h0_ref = ins_refs
         u_s, kg_s, d_s, s_s, vn_s, h_s, bars, h_bar = scratch
         ins = ((u_ref, u_s, True), (kg_ref, kg_s, False), (d_ref, d_s, False))
-    bh = lax.axis_index("bh")
+    p, bh, first = _program(BH, NT)
     vs = pl.ds(lax.axis_index("v") * BV, BV)
-    issue, wait = _loader(ins, bars, bh, vs)
+    issue, wait = _loader(ins, bars, bh, vs, first)
 
-    S = load_carried(0, issue, h0_ref.at[bh, :, vs], h_s, h_bar.at[0])
+    S = load_carried(0, issue, h0_ref.at[p, :, vs], h_s, h_bar.at[0])
 
     def step(n, S):
         slot = lax.rem(n, 2)
@@ -107,7 +115,7 @@ def _fwd_body(*refs, NT, K, dt, delta, final_only):
         s_s[...] = S.astype(dt)
         plgpu.commit_smem()
         if st_ref is not None:
-            plgpu.copy_smem_to_gmem(s_s, st_ref.at[n, bh, :, vs])
+            plgpu.copy_smem_to_gmem(s_s, st_ref.at[first + n, bh, :, vs])
         u = plgpu.load(u_s.at[slot], layout=plgpu.Layout.WGMMA)
         if delta:
 
@@ -121,7 +129,7 @@ def _fwd_body(*refs, NT, K, dt, delta, final_only):
         vn_s[...] = vn
         plgpu.commit_smem()
         if vn_ref is not None:
-            plgpu.copy_smem_to_gmem(vn_s, vn_ref.at[n, bh, :, vs])
+            plgpu.copy_smem_to_gmem(vn_s, vn_ref.at[first + n, bh, :, vs])
         d = plgpu.load(d_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
 
         def kv(acc):
@@ -130,7 +138,7 @@ def _fwd_body(*refs, NT, K, dt, delta, final_only):
 
         return S * lax.broadcast_in_dim(d, S.shape, [0]) + _mm(kv, (K, BV))
 
-    _store_last(lax.fori_loop(0, NT, step, S), h_s, ht_ref.at[bh, :, vs])
+    _store_last(lax.fori_loop(0, NT, step, S), h_s, ht_ref.at[p, :, vs])
 
 
 def _check_dims(name, Cc, K, V):
@@ -141,12 +149,20 @@ def _check_dims(name, Cc, K, V):
                          f"got C={Cc}, K={K}, V={V}")
 
 
-def state_scan(w, u, kg, decay, h0, *, interpret=False, final_only=False):
+def _check_segments(N, segments, carried, BH):
+    if segments < 1 or N % segments or carried.shape[0] != segments * BH:
+        raise ValueError(f"{segments} segments need N={N} divisible by them and a carried tile per segment "
+                         f"and batch * head: [{segments * BH}, K, V], got {carried.shape}")
+
+
+def state_scan(w, u, kg, decay, h0, *, interpret=False, final_only=False, segments=1):
     """Forward pass. w, kg [N, BH, C, K] (w None: linear attention, v' = u); u [N, BH, C, V]
-    (one compute dtype); decay [N, BH, K] f32; h0 [BH, K, V] f32.
-    Returns (states [N, BH, K, V] compute dtype, v' [N, BH, C, V] compute dtype, final [BH, K, V] f32);
-    `final_only`: (None, None, final), the per-chunk outputs never written."""
+    (one compute dtype); decay [N, BH, K] f32; h0 [segments * BH, K, V] f32: with segments > 1 every
+    run of N / segments chunks starts from its own h0 (segment-major rows; `chunk_segments`).
+    Returns (states [N, BH, K, V] compute dtype, v' [N, BH, C, V] compute dtype, final
+    [segments * BH, K, V] f32); `final_only`: (None, None, final), the per-chunk outputs never written."""
     N, BH, Cc, K = kg.shape
+    _check_segments(N, segments, h0, BH)
     V = u.shape[-1]
     dt = kg.dtype
     _check_dims("state_scan", Cc, K, V)
@@ -161,16 +177,16 @@ def state_scan(w, u, kg, decay, h0, *, interpret=False, final_only=False):
         plgpu.Barrier(num_barriers=2 * (4 if delta else 3)),
         plgpu.Barrier(num_barriers=1),
     ]
-    final = jax.ShapeDtypeStruct((BH, K, V), jnp.float32)
+    final = jax.ShapeDtypeStruct((segments * BH, K, V), jnp.float32)
     out_type = (final,) if final_only else (
         jax.ShapeDtypeStruct((N, BH, K, V), dt), jax.ShapeDtypeStruct((N, BH, C, V), dt), final)
     args = ((w,) if delta else ()) + (u, kg, decay, h0)
-    body = functools.partial(_fwd_body, NT=N, K=K, dt=dt, delta=delta, final_only=final_only)
-    out = launch_bh_v(body, out_type, scratch, args, BH=BH, V=V, BV=BV, interpret=interpret)
+    body = functools.partial(_fwd_body, NT=N // segments, BH=BH, K=K, dt=dt, delta=delta, final_only=final_only)
+    out = launch_bh_v(body, out_type, scratch, args, BH=segments * BH, V=V, BV=BV, interpret=interpret)
     return (None, None, out[0]) if final_only else out
 
 
-def _bwd_body(*refs, NT, K, dt, delta, final_only):
+def _bwd_body(*refs, NT, BH, K, dt, delta, final_only):
     ins_refs, (dhs_ref, dvn_ref, dh0_ref), scratch = _outputs(refs, 7 if delta else 6, final_only)
     if delta:
         w_ref, kg_ref, qg_ref, do_ref, dvi_ref, d_ref, dS_ref = ins_refs
@@ -182,11 +198,11 @@ def _bwd_body(*refs, NT, K, dt, delta, final_only):
         ins = ()
     ins += ((kg_ref, kg_s, False), (qg_ref, qg_s, False), (do_ref, do_s, True), (dvi_ref, dvi_s, True),
             (d_ref, d_s, False))
-    bh = lax.axis_index("bh")
+    p, bh, first = _program(BH, NT)
     vs = pl.ds(lax.axis_index("v") * BV, BV)
-    issue, wait = _loader(ins, bars, bh, vs)
+    issue, wait = _loader(ins, bars, bh, vs, first)
 
-    dS = load_carried(NT - 1, issue, dS_ref.at[bh, :, vs], ds_f, h_bar.at[0])
+    dS = load_carried(NT - 1, issue, dS_ref.at[p, :, vs], ds_f, h_bar.at[0])
 
     def step(i, dS):
         n = NT - 1 - i
@@ -203,7 +219,7 @@ def _bwd_body(*refs, NT, K, dt, delta, final_only):
         ds_c[...] = dS.astype(dt)
         plgpu.commit_smem()
         if dhs_ref is not None:
-            plgpu.copy_smem_to_gmem(ds_f, dhs_ref.at[n, bh, :, vs])
+            plgpu.copy_smem_to_gmem(ds_f, dhs_ref.at[first + n, bh, :, vs])
 
         def kdS(acc):
             plgpu.wgmma(acc, kg_s.at[slot], ds_c)
@@ -217,7 +233,7 @@ def _bwd_body(*refs, NT, K, dt, delta, final_only):
             neg_s[...] = (-dvn).astype(dt)  # rounding is symmetric: exactly -round(dv')
         plgpu.commit_smem()
         if dvn_ref is not None:
-            plgpu.copy_smem_to_gmem(dvn_s, dvn_ref.at[n, bh, :, vs])
+            plgpu.copy_smem_to_gmem(dvn_s, dvn_ref.at[first + n, bh, :, vs])
         d = plgpu.load(d_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
 
         def back(acc):
@@ -228,16 +244,18 @@ def _bwd_body(*refs, NT, K, dt, delta, final_only):
 
         return dS * lax.broadcast_in_dim(d, dS.shape, [0]) + _mm(back, (K, BV))
 
-    _store_last(lax.fori_loop(0, NT, step, dS), ds_f, dh0_ref.at[bh, :, vs])
+    _store_last(lax.fori_loop(0, NT, step, dS), ds_f, dh0_ref.at[p, :, vs])
 
 
-def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, final_only=False):
+def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, final_only=False, segments=1):
     """Reverse pass. w, kg, qg [N, BH, C, K] (w None: linear attention) and do [N, BH, C, V] in one
     compute dtype; dvn_intra [N, BH, C, V] f32 (Aqk^T do); decay [N, BH, K] f32; dS_final
-    [BH, K, V] f32. Returns (gradients of the outgoing states [N, BH, K, V] f32, of v'
-    [N, BH, C, V] compute dtype, of the initial state [BH, K, V] f32); `final_only`: (None, None,
-    initial state's gradient), the per-chunk outputs never written."""
+    [segments * BH, K, V] f32 (segments > 1: each run of N / segments chunks ends with its own).
+    Returns (gradients of the outgoing states [N, BH, K, V] f32, of v' [N, BH, C, V] compute dtype,
+    of each run's initial state [segments * BH, K, V] f32); `final_only`: (None, None, that last),
+    the per-chunk outputs never written."""
     N, BH, Cc, K = kg.shape
+    _check_segments(N, segments, dS_final, BH)
     V = do.shape[-1]
     dt = kg.dtype
     _check_dims("grad_scan", Cc, K, V)
@@ -256,12 +274,12 @@ def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, fin
         scratch = [_smem((2, C, K), dt)] + scratch + [_smem((C, BV), dt)]
     n_in = 6 if delta else 5
     scratch += [plgpu.SMEM((K, BV), f32), plgpu.Barrier(num_barriers=2 * n_in), plgpu.Barrier(num_barriers=1)]
-    first = jax.ShapeDtypeStruct((BH, K, V), f32)
+    first = jax.ShapeDtypeStruct((segments * BH, K, V), f32)
     out_type = (first,) if final_only else (
         jax.ShapeDtypeStruct((N, BH, K, V), f32), jax.ShapeDtypeStruct((N, BH, C, V), dt), first)
     args = ((w,) if delta else ()) + (kg, qg, do, dvn_intra, decay, dS_final)
-    body = functools.partial(_bwd_body, NT=N, K=K, dt=dt, delta=delta, final_only=final_only)
-    out = launch_bh_v(body, out_type, scratch, args, BH=BH, V=V, BV=BV, interpret=interpret)
+    body = functools.partial(_bwd_body, NT=N // segments, BH=BH, K=K, dt=dt, delta=delta, final_only=final_only)
+    out = launch_bh_v(body, out_type, scratch, args, BH=segments * BH, V=V, BV=BV, interpret=interpret)
     return (None, None, out[0]) if final_only else out
 
 
@@ -269,32 +287,34 @@ def _flat(x):
     return None if x is None else x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
 
-def state_scan_chunks(h0, w, u, kg, decay, *, cd, interpret=False, final_only=False):
+def state_scan_chunks(h0, w, u, kg, decay, *, cd, interpret=False, final_only=False, segments=1):
     """`state_scan` on `chunk.py`'s arrays: w, kg [N, B, H, C, K], u [N, B, H, C, V], decay
-    [N, B, H, K], h0 [B, H, K, V] (reshapes are free; casts to the compute dtype `cd`)."""
+    [N, B, H, K], h0 [segments * B, H, K, V] (reshapes are free; casts to the compute dtype `cd`)."""
     N, B, H = kg.shape[:3]
     K, V = h0.shape[-2:]
     op = lambda x: None if x is None else _flat(x).astype(cd)
     states, vn, S = state_scan(op(w), op(u), op(kg), _flat(decay).astype(jnp.float32),
-                               h0.reshape(B * H, K, V).astype(jnp.float32), interpret=interpret,
-                               final_only=final_only)
+                               h0.reshape(-1, K, V).astype(jnp.float32), interpret=interpret,
+                               final_only=final_only, segments=segments)
+    S = S.reshape(h0.shape)
     if final_only:
-        return None, None, S.reshape(B, H, K, V)
-    return states.reshape(N, B, H, K, V), vn.reshape(N, B, H, C, V), S.reshape(B, H, K, V)
+        return None, None, S
+    return states.reshape(N, B, H, K, V), vn.reshape(N, B, H, C, V), S
 
 
-def grad_scan_chunks(dS, w, kg, qg, do, dvn_intra, decay, *, cd, interpret=False, final_only=False):
-    """`grad_scan` on `chunk.py`'s arrays ([N, B, H, ...]; dS [B, H, K, V])."""
+def grad_scan_chunks(dS, w, kg, qg, do, dvn_intra, decay, *, cd, interpret=False, final_only=False, segments=1):
+    """`grad_scan` on `chunk.py`'s arrays ([N, B, H, ...]; dS [segments * B, H, K, V])."""
     N, B, H = kg.shape[:3]
     K, V = dS.shape[-2:]
     op = lambda x: None if x is None else _flat(x).astype(cd)
     f32 = lambda x: _flat(x).astype(jnp.float32)
     dhs, dvn, dh0 = grad_scan(op(w), op(kg), op(qg), op(do), f32(dvn_intra), f32(decay),
-                              dS.reshape(B * H, K, V).astype(jnp.float32), interpret=interpret,
-                              final_only=final_only)
+                              dS.reshape(-1, K, V).astype(jnp.float32), interpret=interpret,
+                              final_only=final_only, segments=segments)
+    dh0 = dh0.reshape(dS.shape)
     if final_only:
-        return None, None, dh0.reshape(B, H, K, V)
-    return dhs.reshape(N, B, H, K, V), dvn.reshape(N, B, H, C, V), dh0.reshape(B, H, K, V)
+        return None, None, dh0
+    return dhs.reshape(N, B, H, K, V), dvn.reshape(N, B, H, C, V), dh0
 
 
 _warned: set = set()

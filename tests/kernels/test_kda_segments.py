@@ -31,7 +31,7 @@ def test_segmented_passes_equal_the_plain_passes(rng, delta, N, segments):
     pass, and the starting states really do come through the segment transitions."""
     w, u, kg, qg, do, dvi, decay, h0, dS = _chunks(rng, N, delta)
     nm = _Numerics(jnp.float32)
-    scan = lambda *a, final_only=False: _state_scan(nm, *a)  # noqa: E731
+    scan = lambda *a, **kw: _state_scan(nm, *a, **kw)  # noqa: E731
     want = scan(h0, w, u, kg, decay)
     got = chunk_segments.state_scan(scan, h0, w, u, kg, decay, segments)
     for name, r, x in zip(("states", "vn", "S"), want, got):
@@ -40,7 +40,7 @@ def test_segmented_passes_equal_the_plain_passes(rng, delta, N, segments):
     assert float(jnp.abs(cut[-1] - want[0][-1]).max()) > 1e-3
 
     dS_out = nm.mm("nbhck,nbhcv->nbhkv", qg, do)
-    grad = lambda dS, c, src, final_only=False: _grad_scan(nm, dS, c[0], c[1], c[2], *src)  # noqa: E731
+    grad = lambda dS, c, src, **kw: _grad_scan(nm, dS, c[0], c[1], c[2], *src, **kw)  # noqa: E731
     want = grad(dS, (w, kg, decay), (dS_out, dvi))
     got = chunk_segments.grad_scan(grad, dS, (w, kg, decay), (dS_out, dvi), segments)
     for name, r, x in zip(("dhs", "dvn", "dh0"), want, got):
@@ -99,6 +99,12 @@ def test_segments_setting_is_checked_and_reduced_with_a_log(caplog, monkeypatch)
     assert chunk_segments.effective_segments(64, "auto", 256) == 1
     assert chunk_segments.effective_segments(24, "auto", 2) == 1
     assert chunk_segments.effective_segments(256, "auto", 2) == 16
+    kg = jnp.zeros((6, 2, 64, 64), jnp.float32)
+    with pytest.raises(ValueError, match="segments need"):  # 6 chunks, 4 segments
+        mosaic_scan.state_scan(None, kg, kg, jnp.zeros((6, 2, 64)), jnp.zeros((8, 64, 64)), segments=4, interpret=True)
+    with pytest.raises(ValueError, match="segments need"):  # one carried tile per batch * head, not per segment
+        mosaic_scan.grad_scan(None, kg, kg, kg, kg, jnp.zeros((6, 2, 64)), jnp.zeros((2, 64, 64)), segments=2,
+                              interpret=True)
     x = jnp.arange(8 * 3 * 2).reshape(8, 3, 2)
     assert np.array_equal(chunk_segments.join(chunk_segments.split(x, 4), 4), x)
     assert np.array_equal(chunk_segments.split(x, 4)[1, 3:6], x[3])  # segment 1, its chunk 1
