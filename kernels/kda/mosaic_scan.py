@@ -287,19 +287,25 @@ def _flat(x):
     return None if x is None else x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
 
+def _unflat(out, N, B, H, carried_shape):
+    """A pass's (per-chunk tile, per-chunk rows, carried) back to `chunk.py`'s shapes; Nones pass."""
+    tiles, rows, carried = out
+    carried = carried.reshape(carried_shape)
+    if tiles is None:
+        return None, None, carried
+    return tiles.reshape(N, B, H, *tiles.shape[2:]), rows.reshape(N, B, H, *rows.shape[2:]), carried
+
+
 def state_scan_chunks(h0, w, u, kg, decay, *, cd, interpret=False, final_only=False, segments=1):
     """`state_scan` on `chunk.py`'s arrays: w, kg [N, B, H, C, K], u [N, B, H, C, V], decay
     [N, B, H, K], h0 [segments * B, H, K, V] (reshapes are free; casts to the compute dtype `cd`)."""
     N, B, H = kg.shape[:3]
     K, V = h0.shape[-2:]
     op = lambda x: None if x is None else _flat(x).astype(cd)
-    states, vn, S = state_scan(op(w), op(u), op(kg), _flat(decay).astype(jnp.float32),
-                               h0.reshape(-1, K, V).astype(jnp.float32), interpret=interpret,
-                               final_only=final_only, segments=segments)
-    S = S.reshape(h0.shape)
-    if final_only:
-        return None, None, S
-    return states.reshape(N, B, H, K, V), vn.reshape(N, B, H, C, V), S
+    out = state_scan(op(w), op(u), op(kg), _flat(decay).astype(jnp.float32),
+                     h0.reshape(-1, K, V).astype(jnp.float32), interpret=interpret,
+                     final_only=final_only, segments=segments)
+    return _unflat(out, N, B, H, h0.shape)
 
 
 def grad_scan_chunks(dS, w, kg, qg, do, dvn_intra, decay, *, cd, interpret=False, final_only=False, segments=1):
@@ -308,13 +314,10 @@ def grad_scan_chunks(dS, w, kg, qg, do, dvn_intra, decay, *, cd, interpret=False
     K, V = dS.shape[-2:]
     op = lambda x: None if x is None else _flat(x).astype(cd)
     f32 = lambda x: _flat(x).astype(jnp.float32)
-    dhs, dvn, dh0 = grad_scan(op(w), op(kg), op(qg), op(do), f32(dvn_intra), f32(decay),
-                              dS.reshape(-1, K, V).astype(jnp.float32), interpret=interpret,
-                              final_only=final_only, segments=segments)
-    dh0 = dh0.reshape(dS.shape)
-    if final_only:
-        return None, None, dh0
-    return dhs.reshape(N, B, H, K, V), dvn.reshape(N, B, H, C, V), dh0
+    out = grad_scan(op(w), op(kg), op(qg), op(do), f32(dvn_intra), f32(decay),
+                    dS.reshape(-1, K, V).astype(jnp.float32), interpret=interpret,
+                    final_only=final_only, segments=segments)
+    return _unflat(out, N, B, H, dS.shape)
 
 
 _warned: set = set()
