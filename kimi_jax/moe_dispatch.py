@@ -49,7 +49,9 @@ class ExpertWeights(NamedTuple):
 # two fewer launches (0.27 vs 0.31 ms of Mosaic time), but XLA concatenates the two cotangents (36 us).
 # "fused_glu": gate, up and the activation in one kernel, and the activation's backward in the
 # down projection's input-gradient kernel (`kernels.gmm.glu_ffn`); needs the dispatch's fused GLU
-# (`glu_ffn=`, given by the gmm and expert-parallel dispatches) and dense expert weights.
+# (`glu_ffn=`, given by the gmm and expert-parallel dispatches) and dense expert weights. The
+# fastest form at k3_small (ffn 0.37 vs 0.43 ms, layer 0.46 vs 0.51;
+# moe-k3small-glu-h200-20261202T0220.json) but untimed at K3's per-device shapes, so not the default.
 GATE_UP_MODES = ("separate", "fused", "fused_bwd", "fused_glu")
 GATE_UP = "separate"
 

@@ -26,9 +26,10 @@ from kernels.gmm import ops, pallas_gpu, pallas_gpu_glu, reference
 from kernels.gmm.glu_math import check_kind, glu_forward
 
 # Tiles of the two fused kernels (they share them: the backward reads the forward's gate and up
-# tiles). 64x128: two float32 accumulators of 64 registers each per thread; 3 stages keep the
-# forward's SMEM (three operand blocks per stage and three output tiles) at 168 KiB.
-DEFAULT_GLU_BLOCKS = pallas_gpu.Blocks(bm=64, bn=128, bk=64, stages=3)
+# tiles). 64x64x64 with 3 stages was the fastest of 64x64x64/3, 64x128x64/3 and 64x128x64/2 at the
+# k3_small expert shapes on an H200 (the whole FFN and the MoE layer step, benchmarks/moe.py);
+# narrower column tiles give that short (D=256) K-loop more programs per SM.
+DEFAULT_GLU_BLOCKS = pallas_gpu.Blocks(bm=64, bn=64, bk=64, stages=3)
 
 
 def glu_ffn(x, w_gate, w_up, w_down, group_sizes, *, kind="swiglu", beta=4.0, linear_beta=25.0,

@@ -3,7 +3,7 @@
 The Mosaic GPU kernels run in the interpreter on the CPU: outputs and every gradient against the
 ragged_dot reference (autodiff), and each fused kernel's outputs against the separate steps it
 replaces. Ragged groups with an empty one, rows past the total, and widths that are not tile
-multiples (F = 96 with bn = 128, M = 200 with bm = 64) cover the padding."""
+multiples (F = 96 with bn = 64, M = 200 with bm = 64) cover the padding."""
 
 import jax
 import jax.numpy as jnp
