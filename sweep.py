@@ -77,6 +77,7 @@ def _define_flags():
 
 
 FLAGS = flags.FLAGS
+REPO = os.path.dirname(os.path.abspath(__file__))
 
 
 # ------------------------------------------------------------------------------------- grid
@@ -97,6 +98,15 @@ def expand(axes) -> list[dict]:
     return points
 
 
+def repo_path(path: str) -> str:
+    """A trial config file as an absolute path: from the working directory if it is there, else
+    from this repo (the trials' commands then work from any directory)."""
+    if os.path.exists(path):
+        return os.path.abspath(path)
+    inside = os.path.join(REPO, path)
+    return inside if os.path.exists(inside) else path
+
+
 def trial_name(point: dict, axes) -> str:
     return "-".join(f"{n}={point[n]}" for n in axes).replace("/", "_")
 
@@ -108,15 +118,16 @@ class Trial:
         self.point = point
         self.name = trial_name(point, sweep.axes)
         self.workdir = os.path.join(root, "trials", self.name)
-        self.config = f"{sweep.trial_config}:{sweep.trial_arg.format(**point)}"
+        self.config = f"{repo_path(sweep.trial_config)}:{sweep.trial_arg.format(**point)}"
         self.overrides = [f"--config.{k}={str(v).format(**point)}" for k, v in sweep.overrides]
         self.eval_tasks = sweep.eval_tasks
         self.score_key = (sweep.score_task.format(**point), sweep.score_setting.format(**point))
 
     def commands(self, python: str = sys.executable) -> list[list[str]]:
+        """train.py and eval.py by absolute path, so trials run from any working directory."""
         base = ["--config", self.config, "--workdir", self.workdir]
-        return [[python, "train.py", *base, *self.overrides],
-                [python, "eval.py", *base, *self.overrides, "--tasks", self.eval_tasks]]
+        return [[python, os.path.join(REPO, "train.py"), *base, *self.overrides],
+                [python, os.path.join(REPO, "eval.py"), *base, *self.overrides, "--tasks", self.eval_tasks]]
 
     @property
     def done_file(self) -> str:
@@ -323,7 +334,7 @@ def host_warning(parallel: int, cores: int) -> str:
 
 def main(argv):
     del argv
-    sweep, root = FLAGS.config, FLAGS.workdir
+    sweep, root = FLAGS.config, os.path.abspath(FLAGS.workdir)
     trials = make_trials(sweep, root)
     if FLAGS.dry_run:
         for t in trials:

@@ -164,7 +164,7 @@ def markdown(rows: list[dict], record: dict) -> str:
     for model, table in ZOOLOGY_FIG2.items():
         cells = [f"≈{_fmt(table[s][d])}" if s in table and d in table[s] else "-" for s, d in cols]
         lines.append(f"| {model} | Zoology Fig. 2 | " + " | ".join(cells) + " |")
-    lines += ["", f"Ours: best of lr {sweep['axes'][sweep['select_over']]} per cell, accuracy on "
+    lines += ["", f"Ours: {_selection(rows, sweep['axes'][sweep['select_over']], sweep['select_over'])}, accuracy on "
               f"{sweep['eval_examples']} held-out examples, {sweep['axes'].get('steps', sweep['steps'])} steps at batch "
               f"{sweep['batch_size']} ({record['trials_finished']}/{record['trials_total']} trials finished). "
               f"Published: {ZOOLOGY_SOURCE}.", ""]
@@ -172,6 +172,18 @@ def markdown(rows: list[dict], record: dict) -> str:
         lines[-2] += f" Merged from {len(record['merged_from'])} runs: {', '.join(record['merged_from'])}."
     lines += [f"- {note}" for note in OTHER_PUBLISHED]
     return "\n".join(lines) + "\n"
+
+
+def _selection(rows: list[dict], values: list, sel: str) -> str:
+    """Which `sel` values each cell's best was taken over: one phrase when every cell ran at the
+    same ones, else the most common set and the cells that ran at others."""
+    sets = [tuple(r[f"{sel}_tried"]) for r in rows if f"{sel}_tried" in r]
+    if not sets or len(set(sets)) == 1:
+        return f"best of {sel} {list(sets[0]) if sets else values} per cell"
+    common = max(set(sets), key=sets.count)
+    others = [f"{MIXER_NAMES.get(r['mixer'], r['mixer'])} L={r['seq_len']} K={r['num_kv_pairs']} d={r['d_model']}: "
+              f"best of {list(r[f'{sel}_tried'])} ({r[sel]})" for r in rows if tuple(r.get(f"{sel}_tried", common)) != common]
+    return f"best of {sel} {list(common)} per cell, except {'; '.join(others)}"
 
 
 def _row_key(row: dict, extra) -> tuple:
@@ -201,7 +213,7 @@ def merge(paths: list[str]) -> dict:
             merged = axes.setdefault(axis, [])
             merged += [v for v in values if v not in merged]
     extra = [k for k in axes if k not in ("mixer", "d_model", "setting", first["sweep"]["select_over"])]
-    cells, sel = {}, first["sweep"]["select_over"]
+    cells, tried, sel = {}, {}, first["sweep"]["select_over"]
     for name, rec in sorted(records, key=lambda nr: nr[1]["env"]["date"]):
         for row in rec["rows"]:
             key = _row_key(row, extra)
@@ -211,6 +223,12 @@ def merge(paths: list[str]) -> dict:
             if old is None or row["score"] is not None and (
                     old["score"] is None or row.get(sel) == old.get(sel) or row["score"] > old["score"]):
                 cells[key] = {**row, "source": name}
+            # The values a cell was run at: all of its record's axis when the row holds a trial of
+            # each, else only the row's own.
+            values = rec["sweep"]["axes"][sel] if row.get("trials") == len(rec["sweep"]["axes"][sel]) else [row.get(sel)]
+            tried.setdefault(key, set()).update(values)
+    for key, row in cells.items():
+        row[f"{sel}_tried"] = sorted(tried[key])
     order = list(MIXER_NAMES)
     rows = sorted(cells.values(), key=lambda r: (r["seq_len"], r["num_kv_pairs"], r["d_model"],
                                                  order.index(r["mixer"]) if r["mixer"] in order else len(order)))

@@ -67,10 +67,11 @@ def test_grid_and_commands(tmp_path):
     t = next(t for t in trials if t.point["mixer"] == "b" and t.point["seq_len"] == 32 and t.point["lr"] == 1e-3)
     assert t.point["num_kv_pairs"] == 4 and t.score_key == ("mqar", "L32_K4")
     train, ev = t.commands("py")
-    assert train[:4] == ["py", "train.py", "--config", "configs/x.py:trial,mixer=b,seq_len=32"]
+    assert train[:2] == ["py", os.path.join(sw.REPO, "train.py")] and os.path.isabs(train[1])
+    assert train[2:4] == ["--config", "configs/x.py:trial,mixer=b,seq_len=32"]  # no such file: kept as given
     assert train[4:6] == ["--workdir", t.workdir] and t.workdir.startswith(str(tmp_path / "trials"))
     assert train[6:] == ["--config.optim.lr=0.001", "--config.data.batch_size=8"]
-    assert ev[1] == "eval.py" and ev[-2:] == ["--tasks", "train_task"]
+    assert ev[1] == os.path.join(sw.REPO, "eval.py") and ev[-2:] == ["--tasks", "train_task"]
 
 
 def test_launcher_wrapping():
@@ -139,7 +140,11 @@ def test_tiny_sweep_end_to_end(tmp_path):
     kept, redo = (tmp_path / "trials" / d for d in trial_dirs)
     (redo / "DONE").unlink()
     kept_log = (kept / "train.log").stat().st_mtime_ns
-    third = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    # ... from another directory, with a relative workdir: the trials find train.py, eval.py and
+    # their config in the repo.
+    elsewhere = [sys.executable, os.path.join(ROOT, "sweep.py"), "--config",
+                 os.path.join(ROOT, "configs/sweeps/mqar.py") + ":tiny", "--workdir", "."]
+    third = subprocess.run(elsewhere, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert third.returncode == 0, third.stdout[-2000:] + third.stderr[-4000:]
     assert "{'done': 1, 'skipped': 1," in third.stdout and "1/1 (done 1) at" in third.stdout
     assert (redo / "DONE").exists() and (kept / "train.log").stat().st_mtime_ns == kept_log

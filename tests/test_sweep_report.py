@@ -167,6 +167,11 @@ def test_merge_keeps_the_best_lr_over_runs(tmp_path):
     assert cells == {"kda": (0.80, 1e-2, "b.json"), "softmax": (0.90, 3e-3, "a.json"),
                      "deltanet": (0.60, 3e-3, "b.json")}
     assert record["sweep"]["axes"]["lr"] == [3e-3, 1e-2]
+    # Which lrs each cell ran at: the table's note names the cells beyond the common set.
+    assert {r["mixer"]: r["lr_tried"] for r in record["rows"]} == {
+        "kda": [3e-3, 1e-2], "softmax": [3e-3, 1e-2], "deltanet": [3e-3]}
+    note = next(line for line in (tmp_path / "out" / "lrs.md").read_text().splitlines() if line.startswith("Ours:"))
+    assert note.startswith("Ours: best of lr [0.003, 0.01] per cell, except DeltaNet L=64 K=4 d=64: best of [0.003] (0.003),")
 
 
 def test_lrs_replaces_the_lr_axis():
