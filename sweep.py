@@ -28,7 +28,9 @@ failed trial is recorded, with the tail of its log, in
 DIR/status.json and DIR/summary.md, and the sweep goes on. On a TPU pod slice or a multi-host GPU
 cluster every trial must run on the whole slice: `--launcher` is the same launch train.py uses
 there (a command prefix, or a template with {cmd}, e.g. gcloud's `--worker=all --command '{cmd}'`),
-and trials run one after another. Writes DIR/summary.json, DIR/summary.md and DIR/summary.png
+and trials run one after another. Trials call train.py and eval.py, and a relative trial config,
+by this checkout's absolute path (so a sweep runs from any directory; under a launcher every host
+needs the checkout at that path). Writes DIR/summary.json, DIR/summary.md and DIR/summary.png
 (the best score over `select_over`, the learning rate, per remaining grid point) and
 DIR/status.json (every trial: status, score, wall times of train.py and eval.py).
 """
