@@ -6,8 +6,9 @@ best-lr accuracies beside the published Zoology figures.
 
 Reads DIR/summary.json (best lr per mixer, width and setting), DIR/status.json (every trial: status,
 score, wall times) and the sweep config (grid, steps, batches); writes OUT/NAME.json,
-OUT/NAME.md and OUT/NAME.png (DIR/summary.png). Run it where the sweep ran: the record names that
-machine's devices and package versions. Published figures are as read in the sources
+OUT/NAME.md and OUT/NAME.png (DIR/summary.png). The record names the device the trials trained on
+(each train.log's mesh line) and the package versions of the machine the report runs on; run it
+where the sweep ran to have both from one machine (elsewhere, `env.report_machine` says so). Published figures are as read in the sources
 (Zoology Fig. 2 has no table: values are plot readings, about +-0.03).
 
     python benchmarks/mqar_sweep_report.py --merge A.json B.json ... --name NAME
@@ -28,6 +29,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 
@@ -77,6 +79,37 @@ def environment() -> dict:
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": devices[0].device_kind, "device_count": len(devices),
             "platform": devices[0].platform, "python": platform.python_version(), "versions": versions}
+
+
+MESH_LINE = re.compile(r"^mesh \{.*\} over (\d+) (.+) device\(s\), ", re.M)
+
+
+def trial_devices(sweep_dir: str, names) -> tuple[str, int] | None:
+    """(device kind, device count) the trials trained on, from each train.log's mesh line (None: no
+    log names one); trials that ran on different kinds or counts are an error."""
+    seen = {}
+    for name in names:
+        path = os.path.join(sweep_dir, "trials", name, "train.log")
+        if not os.path.exists(path):
+            continue
+        with open(path, errors="replace") as f:
+            match = MESH_LINE.search(f.read())
+        if match:
+            seen[name] = (match.group(2), int(match.group(1)))
+    if len(set(seen.values())) > 1:
+        raise ValueError(f"trials of {sweep_dir} trained on different devices: {seen}")
+    return next(iter(seen.values()), None)
+
+
+def trial_environment(env: dict, trained: tuple[str, int] | None) -> dict:
+    """`env` (this machine) with the device the trials trained on, and this machine kept as
+    `report_machine` where they differ."""
+    if trained is None or (trained[0], trained[1]) == (env["device"], env["device_count"]):
+        return env
+    here = {k: env[k] for k in ("device", "device_count", "platform")}
+    kind = trained[0]
+    platform_ = "cpu" if kind == "cpu" else "tpu" if "TPU" in kind else "gpu"
+    return {**env, "device": kind, "device_count": trained[1], "platform": platform_, "report_machine": here}
 
 
 def load_sweep(spec: str):
@@ -298,7 +331,7 @@ def main(argv=None) -> dict:
         rows = json.load(f)
     status_path = os.path.join(args.sweep_dir, "status.json")
     status = json.load(open(status_path)) if os.path.exists(status_path) else {}
-    env = environment()
+    env = trial_environment(environment(), trial_devices(args.sweep_dir, status))
     name = args.name or f"mqar_sweep_{env['device'].split()[-1].lower()}_{env['date'][:10].replace('-', '')}"
     record = {
         "env": env, "sweep": sweep_description(args.config), "rows": rows,

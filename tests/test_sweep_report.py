@@ -34,6 +34,9 @@ def test_report_of_the_gpu_grid(tmp_path):
         json.dump({"train.py": 30.0, "eval.py": 10.0}, open(os.path.join(trial.workdir, "times.json"), "w"))
         with open(os.path.join(trial.workdir, "metrics.jsonl"), "w") as f:
             f.write(json.dumps({"step": 1000, "loss": 0.5, "accuracy": 0.9, "step_time_ms": 4.0}) + "\n")
+        with open(os.path.join(trial.workdir, "train.log"), "w") as f:  # as train.py logs it on the GPU machine
+            f.write("I1202 xla_bridge.py] Unable to initialize backend 'tpu'\n"
+                    "mesh {'data': 1, 'fsdp': 1, 'tensor': 1, 'expert': 1} over 1 NVIDIA H200 device(s), 1 process(es)\n")
         return True
 
     status = sw.run_trials(trials, runner, parallel=4, log=lambda *a, **k: None)
@@ -47,6 +50,9 @@ def test_report_of_the_gpu_grid(tmp_path):
     assert saved["sweep"]["steps"] == 4000 and saved["sweep"]["batch_size"] == {"L64_K4": 256, "L256_K16": 128}
     assert saved["sweep"]["axes"]["lr"] == [1e-3, 3e-3] and len(saved["sweep"]["axes"]["mixer"]) == 6
     assert saved["env"]["device"] == record["env"]["device"] and saved["env"]["versions"]["jax"]
+    # The trials' device (from their logs), not this machine's, names the rows; this machine is kept aside.
+    assert saved["env"]["device"] == "NVIDIA H200" and saved["env"]["platform"] == "gpu"
+    assert saved["env"]["report_machine"]["platform"] == "cpu"
     assert saved["trials"][failing]["status"] == "failed" and "tail" not in saved["trials"][failing]
     assert saved["trial_costs"]["train.py"] == {"median_s": 30.0, "max_s": 30.0}
     assert saved["trials"][trials[0].name]["last_train"]["step_time_ms"] == 4.0
@@ -55,10 +61,22 @@ def test_report_of_the_gpu_grid(tmp_path):
     kda = next(line for line in md if line.startswith("| KDA |")).split(" | ")
     want = _score({"seq_len": 256, "lr": 3e-3, "mixer": "kda"})
     assert kda[-1] == f"{want:.2f} |" and kda[2] == f"{_score({'seq_len': 64, 'lr': 3e-3, 'mixer': 'kda'}):.2f}"
-    assert sum(line.startswith("| ") and "ours (" in line for line in md) == 6
+    assert sum(line.startswith("| ") and "ours (NVIDIA H200, 4000 steps)" in line for line in md) == 6
     h3 = next(line for line in md if line.startswith("| H3 |"))
     assert h3.endswith("| ≈0.91 | ≈0.97 | ≈0.06 | ≈0.63 |")
     assert (out / "mqar_sweep_test.png").stat().st_size > 1000
+
+
+def test_trial_devices_must_agree(tmp_path):
+    for name, kind in (("a", "NVIDIA H200"), ("b", "NVIDIA H100"), ("c", None)):
+        os.makedirs(tmp_path / "trials" / name)
+        if kind:
+            (tmp_path / "trials" / name / "train.log").write_text(
+                f"mesh {{'data': 2}} over 2 {kind} device(s), 1 process(es)\nstep 1\n")
+    assert report.trial_devices(str(tmp_path), ["a", "c"]) == ("NVIDIA H200", 2)
+    assert report.trial_devices(str(tmp_path), ["c"]) is None
+    with pytest.raises(ValueError, match="different devices"):
+        report.trial_devices(str(tmp_path), ["a", "b"])
 
 
 def test_report_splits_rows_by_the_extra_axes(tmp_path):

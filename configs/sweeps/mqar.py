@@ -71,7 +71,7 @@ At (64, 4) and (128, 8), d_model 64, 6 trials per GPU in one run on two H200s: a
 300 s (median; 450 s at most) and eval.py 17 s; every mixer 1.00 at (64, 4) and the three that
 finished within a 470 s deadline at (128, 8) 1.00 (benchmarks/results/mqar-gpu-long-short-h200x2-
 20261130T2003.json). The pieces measured so far, merged (`benchmarks/mqar_sweep_report.py --merge`):
-benchmarks/results/mqar-gpu-long-merged-h200-20261202T1325.json, all 72 cells (all 48 at
+benchmarks/results/mqar-gpu-long-merged-h200-20261202T1549.json, all 72 cells (all 48 at
 d_model 64 and 128; at d_model 256 every mixer 1.00 at (64, 4) (207-318 s, two or three trials on
 one H200) and at (128, 8) (softmax 332 s of three sharing an H200, linear attention, DeltaNet and
 KDA 365 / 428 / 530 s two sharing, Gated DeltaNet 265 s alone, the hybrid resumed after a stop);
@@ -79,7 +79,10 @@ at (256, 16) KDA 1.00 in 243 s alone, linear attention and DeltaNet 1.00 in 360 
 sharing, Gated DeltaNet 1.00 in 511 s sharing with the hybrid (1.00, resumed after a stop at 537 s,
 129 s more alone), and softmax 0.07 in 231 s alone, on the plateau, as at lr 1e-3 and 3e-4;
 at (512, 64) all six at once on one H200 under CUDA MPS, 447-1240 s each: DeltaNet 0.98, the
-others on the plateau at this lr, linear attention included); a piece of
+others on the plateau at this lr, linear attention included). lr 1e-3 pieces at (512, 64) lift
+every gated or hybrid cell they ran on (7 trials at once on one H200 under MPS, 621-984 s each):
+the hybrid 1.00 at d_model 64 / 128, linear attention and Gated DeltaNet 1.00 at 256, KDA 0.68 /
+0.82 / 0.97, Gated DeltaNet 0.38 at 64; softmax stays at 0.01. A piece of
 3 trials per GPU takes 300-450 s, of 6 per GPU up to 500 s at d_model 128 (the hybrid longest: at
 (256, 16), d_model 128, 250 s alone on an H200, unfinished in 490 s sharing one).
     python sweep.py --config configs/sweeps/mqar.py:gpu_long,widths=64,settings=256x16 \
