@@ -1,7 +1,10 @@
 """Test set-up: CPU with 8 fake devices unless JAX_PLATFORMS says otherwise, fixed seeds,
-the relative-RMS metric, and a `gpu` marker that skips without a GPU."""
+the relative-RMS metric, a `gpu` marker that skips without a GPU, and one persistent compilation
+cache for the whole run."""
 
 import os
+import shutil
+import tempfile
 
 # Must happen before jax is imported anywhere.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -15,6 +18,17 @@ if "xla_force_host_platform_device_count" not in _flags:
 if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = _flags.strip()
+
+# One XLA compilation cache for the run, shared by the xdist workers and the train.py / eval.py
+# processes tests start (JAX reads these variables): many tests compile the same programs again
+# (a resumed run, a second trial, the tiny model's train step in several files) from new closures
+# that hash to the same HLO. The directory is made by the first process (the xdist controller,
+# before it starts the workers) and removed when that process ends; it never outlives the run.
+_CACHE_OWNER = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _CACHE_OWNER:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="kimi-jax-tests-xla-cache-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import sys  # noqa: E402
 
@@ -30,6 +44,11 @@ from kernels.testing import assert_close, rel_rms  # noqa: E402,F401
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU (skipped elsewhere)")
     config.addinivalue_line("markers", "slow: long-running test")
+
+
+def pytest_unconfigure(config):
+    if _CACHE_OWNER:
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def _has_gpu() -> bool:

@@ -10,14 +10,8 @@ import numpy as np
 import pytest
 
 from kimi_jax import profile_summary
-from tests.toy_lm import compile_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _compile_cache(tmp_path_factory):
-    yield from compile_cache(tmp_path_factory)  # the quick rows repeat across these tests
 
 
 @pytest.fixture(scope="module")

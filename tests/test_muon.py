@@ -14,12 +14,7 @@ import train
 from kimi_jax import checkpoint, data, optim, sharding, train_lib
 from tests.test_sharding import _step, assert_matches
 from tests.test_train import _losses
-from tests.toy_lm import compile_cache, toy_config, use_toy_model
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _compile_cache(tmp_path_factory):
-    yield from compile_cache(tmp_path_factory)
+from tests.toy_lm import toy_config, use_toy_model
 
 
 def _muon_config(**overrides):

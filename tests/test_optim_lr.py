@@ -9,15 +9,10 @@ import numpy as np
 import pytest
 
 from kimi_jax import data, optim, sharding, train_lib
-from tests.toy_lm import compile_cache, toy_config, use_toy_model
+from tests.toy_lm import toy_config, use_toy_model
 
 LR = 3e-3
 STEPS = 6
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _compile_cache(tmp_path_factory):
-    yield from compile_cache(tmp_path_factory)
 
 
 def _config(name: str, schedule: str, lr: float = LR):

@@ -9,12 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from kimi_jax import data, optim, sharding, train_lib
-from tests.toy_lm import compile_cache, toy_config, use_toy_model
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _compile_cache(tmp_path_factory):
-    yield from compile_cache(tmp_path_factory)
+from tests.toy_lm import toy_config, use_toy_model
 
 
 def test_mesh_shape_resolution_and_errors():

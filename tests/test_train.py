@@ -13,12 +13,7 @@ import pytest
 
 import train
 from kimi_jax import checkpoint, data, optim, train_lib
-from tests.toy_lm import compile_cache, toy_config, use_toy_model
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _compile_cache(tmp_path_factory):
-    yield from compile_cache(tmp_path_factory)
+from tests.toy_lm import toy_config, use_toy_model
 
 
 def _losses(workdir) -> dict:

@@ -123,17 +123,3 @@ def use_toy_model(monkeypatch):
 
     monkeypatch.setattr(train_lib, "build_model", build)
     monkeypatch.setattr(train_lib, "apply_balancing", apply_balancing)
-
-
-def compile_cache(tmp_path_factory):
-    """Generator for a module fixture: a persistent compilation cache, so the many short runs of
-    the same step function compile once (new closures hash to the same HLO)."""
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    old = {n: getattr(jax.config, n) for n in names}
-    jax.config.update(names[0], str(tmp_path_factory.mktemp("jax_cache")))
-    jax.config.update(names[1], 0)
-    jax.config.update(names[2], 0)
-    yield
-    for n, v in old.items():
-        jax.config.update(n, v)
