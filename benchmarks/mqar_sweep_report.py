@@ -8,8 +8,9 @@ Reads DIR/summary.json (best lr per mixer, width and setting), DIR/status.json (
 score, wall times) and the sweep config (grid, steps, batches); writes OUT/NAME.json,
 OUT/NAME.md and OUT/NAME.png (DIR/summary.png). The record names the device the trials trained on
 (each train.log's mesh line) and the package versions of the machine the report runs on; run it
-where the sweep ran to have both from one machine (elsewhere, `env.report_machine` says so). Published figures are as read in the sources
-(Zoology Fig. 2 has no table: values are plot readings, about +-0.03).
+where the sweep ran to have both from one machine (elsewhere, `env.report_machine` says so).
+Published figures are as read in the sources (Zoology Fig. 2 has no table: values are plot
+readings, about +-0.03).
 
     python benchmarks/mqar_sweep_report.py --merge A.json B.json ... --name NAME
 
@@ -104,12 +105,12 @@ def trial_devices(sweep_dir: str, names) -> tuple[str, int] | None:
 def trial_environment(env: dict, trained: tuple[str, int] | None) -> dict:
     """`env` (this machine) with the device the trials trained on, and this machine kept as
     `report_machine` where they differ."""
-    if trained is None or (trained[0], trained[1]) == (env["device"], env["device_count"]):
+    if trained is None or trained == (env["device"], env["device_count"]):
         return env
     here = {k: env[k] for k in ("device", "device_count", "platform")}
-    kind = trained[0]
+    kind, count = trained
     platform_ = "cpu" if kind == "cpu" else "tpu" if "TPU" in kind else "gpu"
-    return {**env, "device": kind, "device_count": trained[1], "platform": platform_, "report_machine": here}
+    return {**env, "device": kind, "device_count": count, "platform": platform_, "report_machine": here}
 
 
 def load_sweep(spec: str):
