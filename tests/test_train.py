@@ -13,7 +13,7 @@ import pytest
 
 import train
 from kimi_jax import checkpoint, data, optim, train_lib
-from tests.toy_lm import toy_config, use_toy_model
+from tests.toy_lm import toy_config, use_one_device, use_toy_model
 
 
 def _losses(workdir) -> dict:
@@ -89,6 +89,7 @@ def test_sigterm_between_logs_resumes_the_same_log_windows(monkeypatch, tmp_path
     open window (steps 5-6), so the resumed run logs steps 5-8 as one window, as an uninterrupted
     run does, and metrics.jsonl holds the same records."""
     use_toy_model(monkeypatch)
+    use_one_device(monkeypatch)
     config = toy_config(total_steps=12, checkpoint_every_steps=100, log_every_steps=4)
     train.train_and_evaluate(config, str(tmp_path / "straight"))
     with monkeypatch.context() as m:
@@ -103,6 +104,7 @@ def test_sigterm_between_logs_resumes_the_same_log_windows(monkeypatch, tmp_path
 
 def test_sigterm_saves_a_loadable_checkpoint_and_exits(monkeypatch, tmp_path):
     use_toy_model(monkeypatch)
+    use_one_device(monkeypatch)
     config = toy_config(total_steps=50, checkpoint_every_steps=100)
     before = signal.getsignal(signal.SIGTERM)
     _Interrupt(monkeypatch, at=4, action=lambda: os.kill(os.getpid(), signal.SIGTERM))
@@ -123,6 +125,7 @@ def _tree_bytes(path) -> dict:
 
 def test_nan_loss_stops_without_touching_the_last_checkpoint(monkeypatch, tmp_path):
     use_toy_model(monkeypatch)
+    use_one_device(monkeypatch)
     config = toy_config(total_steps=6, checkpoint_every_steps=3, inject_nan_at_step=5)
     with pytest.raises(train.NonFiniteError, match=r"step 5.*Last good checkpoint: step 3"):
         train.train_and_evaluate(config, str(tmp_path))
@@ -137,6 +140,7 @@ def test_nan_loss_stops_without_touching_the_last_checkpoint(monkeypatch, tmp_pa
 
 def test_skip_nonfinite_updates_keeps_going(monkeypatch, tmp_path):
     use_toy_model(monkeypatch)
+    use_one_device(monkeypatch)
     config = toy_config(total_steps=4, inject_nan_at_step=2, skip_nonfinite_updates=True)
     train.train_and_evaluate(config, str(tmp_path))
     losses = _losses(tmp_path)
@@ -227,10 +231,11 @@ def test_unknown_optimizer():
         optim.make_optimizer(config.optim, 10, {})
 
 
-def test_tiny_config_learns_mqar(tmp_path):
+def test_tiny_config_learns_mqar(monkeypatch, tmp_path):
     """configs/tiny.py on a small MQAR setting (L=16, 2 pairs, 16 values): well above chance; and\n    a profile of two of its steps."""
     from configs import tiny
 
+    use_one_device(monkeypatch)  # learning, not sharding (tests/test_muon.py trains it on a mesh)
     config = tiny.get_config()
     config.data.task_kwargs = dict(seq_len=16, num_kv_pairs=2, vocab_size=32)
     config.data.batch_size = 32

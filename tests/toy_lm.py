@@ -117,6 +117,17 @@ def toy_config(experts: int = 0, **overrides):
     return config
 
 
+def use_one_device(monkeypatch):
+    """Make train.py build its mesh over the first device only, for in-process training tests that
+    do not test sharding: a program partitioned over the 8 fake CPU devices compiles and runs
+    slower."""
+    from kimi_jax import sharding
+
+    real = sharding.make_mesh
+    monkeypatch.setattr(sharding, "make_mesh",
+                        lambda mesh_config, devices=None: real(mesh_config, devices or jax.devices()[:1]))
+
+
 def use_toy_model(monkeypatch):
     """Make train.py and train_lib build the toy model (and its balancing rule)."""
     from kimi_jax import train_lib
