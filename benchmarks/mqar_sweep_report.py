@@ -125,9 +125,22 @@ def load_sweep(spec: str):
     return module, module.get_config(arg or None)
 
 
+def portable_spec(spec: str) -> str:
+    """`spec` with an absolute config path cut to its `configs/...` part, so committed records
+    name the config as a checkout does, not the directory a report ran in."""
+    path, sep, arg = spec.partition(":")
+    if os.path.isabs(path):
+        parts = path.split(os.sep)
+        if "configs" not in parts:
+            raise ValueError(f"config {path!r}: pass it relative to the repository root (configs/...)")
+        path = "/".join(parts[len(parts) - 1 - parts[::-1].index("configs"):])
+    return path + sep + arg
+
+
 def sweep_description(spec: str) -> dict:
     """Grid and schedule of the sweep config `path[:arg]` (the values of its first trial)."""
     module, sweep = load_sweep(spec)
+    spec = portable_spec(spec)
     axes = {k: [dict(v) if hasattr(v, "items") else v for v in vals] for k, vals in sweep.axes.items()}
     batches, steps = {}, None
     for setting in axes.get("setting", [{}]):

@@ -89,3 +89,21 @@ def test_gpu_long_grid():
         mqar.get_config("gpu_long,settings=512x8")
     with pytest.raises(ValueError, match="expected LxK entries"):
         mqar.get_config("gpu_long,settings=512-64")
+
+
+def test_num_heads_is_its_own_axis_and_reaches_the_model():
+    """`num_heads=1` (Zoology's attention) names its trials apart from the default d_model // 32
+    heads, so they never overwrite or get skipped as the grid's trials, and sets every trial's
+    attention to one head of width d_model."""
+    plain = _trials("gpu_long,mixers=softmax,settings=512x64")
+    one = _trials("gpu_long,mixers=softmax,settings=512x64,num_heads=1")
+    assert len(one) == len(plain) == 3
+    assert not {t.name for t in one} & {t.name for t in plain}
+    for t in one:
+        config = mqar.get_config(t.config.split(":", 1)[1])
+        assert config.model.mixers.softmax.num_heads == 1
+        assert config.model.mixers.softmax.head_dim == t.point["d_model"]
+    default = mqar.get_config(plain[-1].config.split(":", 1)[1]).model.mixers.softmax
+    assert (default.num_heads, default.head_dim) == (8, 32)  # d_model 256
+    with pytest.raises(ValueError, match="num_heads=-1"):
+        mqar.get_config("gpu_long,num_heads=-1")

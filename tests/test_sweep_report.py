@@ -199,3 +199,14 @@ def test_lrs_replaces_the_lr_axis():
         mqar.get_config("gpu_long,lrs=fast")
     with pytest.raises(ValueError, match="positive"):
         mqar.get_config("gpu_long,lrs=0+1e-3")
+
+
+def test_records_name_the_config_relative_to_the_checkout():
+    """A report run from another copy of the tree records `configs/...`, never that copy's path."""
+    spec = "configs/sweeps/mqar.py:gpu_long,widths=64,settings=512x64"
+    assert report.portable_spec(spec) == spec
+    assert report.portable_spec(os.path.join(report.ROOT, spec)) == spec
+    assert report.portable_spec("/x/configs/y/configs/sweeps/mqar.py:gpu") == "configs/sweeps/mqar.py:gpu"
+    assert report.sweep_description(os.path.join(report.ROOT, spec))["config"] == spec
+    with pytest.raises(ValueError, match="relative to the repository root"):
+        report.portable_spec("/elsewhere/mqar.py:gpu")

@@ -71,7 +71,7 @@ At (64, 4) and (128, 8), d_model 64, 6 trials per GPU in one run on two H200s: a
 300 s (median; 450 s at most) and eval.py 17 s; every mixer 1.00 at (64, 4) and the three that
 finished within a 470 s deadline at (128, 8) 1.00 (benchmarks/results/mqar-gpu-long-short-h200x2-
 20261130T2003.json). The pieces measured so far, merged (`benchmarks/mqar_sweep_report.py --merge`):
-benchmarks/results/mqar-gpu-long-merged-h200-20261202T1549.json, all 72 cells (all 48 at
+benchmarks/results/mqar-gpu-long-merged-h200-20261202T1850.json, all 72 cells (all 48 at
 d_model 64 and 128; at d_model 256 every mixer 1.00 at (64, 4) (207-318 s, two or three trials on
 one H200) and at (128, 8) (softmax 332 s of three sharing an H200, linear attention, DeltaNet and
 KDA 365 / 428 / 530 s two sharing, Gated DeltaNet 265 s alone, the hybrid resumed after a stop);
@@ -82,7 +82,13 @@ at (512, 64) all six at once on one H200 under CUDA MPS, 447-1240 s each: DeltaN
 others on the plateau at this lr, linear attention included). lr 1e-3 pieces at (512, 64) lift
 every gated or hybrid cell they ran on (7 trials at once on one H200 under MPS, 621-984 s each):
 the hybrid 1.00 at d_model 64 / 128, linear attention and Gated DeltaNet 1.00 at 256, KDA 0.68 /
-0.82 / 0.97, Gated DeltaNet 0.38 at 64; softmax stays at 0.01. A piece of
+0.82 / 0.97, Gated DeltaNet 0.38 at 64; softmax stays at 0.01. lr 4.6e-4 (4 trials beside the
+hybrid at d_model 256 and lr 1e-3, which solves it: 1.00) is worse for KDA at 64 / 128 (0.07 /
+0.40) and Gated DeltaNet at 64 (0.00), so 1e-3 is their best lr; Gated DeltaNet at 128 gains
+(0.96 from 0.94). `num_heads=1` gives attention one head of width d_model, as Zoology's has, in
+trials named apart from the grid's (d_model // 32 heads): at lr 3e-3 softmax attention stays on
+the plateau with it too (0.01-0.02 at (512, 64), 0.06 at (256, 16), d_model 256), as it does
+with 3x the steps (36000, d_model 64: 0.02). A piece of
 3 trials per GPU takes 300-450 s, of 6 per GPU up to 500 s at d_model 128 (the hybrid longest: at
 (256, 16), d_model 128, 250 s alone on an H200, unfinished in 490 s sharing one).
     python sweep.py --config configs/sweeps/mqar.py:gpu_long,widths=64,settings=256x16 \
@@ -120,7 +126,7 @@ def batch_size(seq_len: int, gpu: bool = False) -> int:
 def trial_config(arg) -> ml_collections.ConfigDict:
     """One grid point: the ablation model of `mixer` trained on MQAR (L, K)."""
     layers = max(arg.num_layers, len(HYBRID)) if arg.mixer == "hybrid" else arg.num_layers
-    config = ablation_config(arg.mixer, f"d_model={arg.d_model},num_layers={layers},"
+    config = ablation_config(arg.mixer, f"d_model={arg.d_model},num_layers={layers},num_heads={arg.num_heads},"
                                         f"vocab_size={arg.vocab_size},rope={arg.rope},ffn={arg.mlp}")
     config.data.task = "mqar"
     config.data.task_kwargs = ml_collections.ConfigDict(dict(
@@ -158,7 +164,7 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
     sweep = ml_collections.ConfigDict()
     sweep.trial_config = "configs/sweeps/mqar.py"
     grid_keys = ("mixer", "d_model", "seq_len", "num_kv_pairs") + (
-        ("rope", "mlp", "steps") if arg.softmax_forms else ())
+        ("rope", "mlp", "steps") if arg.softmax_forms else ()) + (("num_heads",) if arg.num_heads else ())
     sweep.trial_arg = trial_arg(grid_keys, arg) + (
         f",num_layers={arg.num_layers},vocab_size={arg.vocab_size}" + (",gpu" if arg.gpu else ""))
     # Grid axes: each a list; `setting` entries are dicts expanded into the template.
@@ -222,6 +228,10 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
         sweep.axes.setting = _subset(sweep.axes.setting, arg.settings, "settings", "settings",
                                      lambda item: tuple(int(n) for n in item.split("x")), "LxK",
                                      key=lambda d: (d["seq_len"], d["num_kv_pairs"]))
+    if arg.num_heads:  # a head count for every width (Zoology's attention: 1); its own trial names
+        if arg.num_heads < 0:
+            raise ValueError(f"num_heads={arg.num_heads}: expected a positive head count (0 = d_model // 32)")
+        sweep.axes.num_heads = [arg.num_heads]
     if arg.tiny:  # 2 trials in seconds on CPU: softmax, width 16, 2 learning rates
         sweep.axes.mixer = ["softmax"]
         sweep.axes.d_model = [16]
@@ -244,7 +254,7 @@ def get_config(arg=None):
                            mixer="kda", d_model=64, num_layers=2, seq_len=64, num_kv_pairs=4,
                            vocab_size=8192, cpu=False, gpu=False, gpu_small=False, gpu_hard=False,
                            softmax_forms=False, gpu_long=False, hi_lr=False, mixers="", widths="", settings="",
-                           lrs="", rope=True, mlp=True)
+                           lrs="", rope=True, mlp=True, num_heads=0)
     given = {item.partition("=")[0] for item in arg_str.split(",")}
     arg.gpu = arg.gpu or arg.gpu_small or arg.gpu_hard or arg.softmax_forms or arg.gpu_long  # the gpu budget
     for name, values in VARIANTS.items():
