@@ -97,13 +97,22 @@ def test_masked_and_empty_parts_keep_the_state_structure(case):
     assert all(c.spec == P() for _, c in optax.tree_utils.tree_get_all_with_path(out, "count"))
 
 
+@pytest.fixture(scope="module")
+def one_device_steps():
+    """The toy model's config, a batch, and the state and metrics of two steps on one device
+    (computed once for every mesh shape)."""
+    with pytest.MonkeyPatch.context() as m:
+        use_toy_model(m)
+        config = _muon_config()
+        batch = next(data.make_iterator(config, "train"))
+        return config, batch, *_step(config, sharding.make_mesh({"data": 1}, devices=jax.devices()[:1]), batch)
+
+
 @pytest.mark.parametrize("shape", [{"data": 2, "fsdp": 4}, {"data": 8}, {"data": 2, "fsdp": 2, "tensor": 2},
                                    {"data": 2, "expert": 4}], ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
-def test_muon_step_on_8_devices_matches_one_device(monkeypatch, shape):
+def test_muon_step_on_8_devices_matches_one_device(monkeypatch, one_device_steps, shape):
     use_toy_model(monkeypatch)
-    config = _muon_config()
-    batch = next(data.make_iterator(config, "train"))
-    ref_state, ref = _step(config, sharding.make_mesh({"data": 1}, devices=jax.devices()[:1]), batch)
+    config, batch, ref_state, ref = one_device_steps
     state, metrics = _step(config, sharding.make_mesh(shape), batch)
     assert_matches(state, metrics, ref_state, ref, str(shape))
     _, muon = _groups(state["opt_state"])
