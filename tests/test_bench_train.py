@@ -24,7 +24,7 @@ def bench():
 
 def test_compile_only_reports_memory(bench, tmp_path):
     out = tmp_path / "c.json"
-    result = bench.main(["--quick", "--devices", "1", "--compile_only", "--remat", "dots", "--out", str(out)])
+    result = bench.main(["--quick", "--devices", "2", "--compile_only", "--remat", "dots", "--out", str(out)])
     (row,) = result["rows"]
     assert row["remat"] == "dots" and row["step_compile_s"] > 0 and "step_ms" not in row
     assert row["memory"]["argument_gib"] > 0 and row["memory"]["temp_gib"] >= 0
@@ -34,7 +34,8 @@ def test_compile_only_reports_memory(bench, tmp_path):
 
 def test_failing_row_is_recorded_and_the_next_runs(bench, tmp_path, monkeypatch):
     """Two data-parallel devices (64 asked for too: more than present, skipped), batch 1 and 2
-    per device; the first row fails to compile, the second runs and is measured."""
+    per device; the first row fails to compile, the second runs and is measured (the program
+    test_compile_only_reports_memory compiled: a compilation cache hit)."""
     real = bench.compile_row
 
     def compile_row(row, ctx):
@@ -43,7 +44,8 @@ def test_failing_row_is_recorded_and_the_next_runs(bench, tmp_path, monkeypatch)
         return real(row, ctx)
     monkeypatch.setattr(bench, "compile_row", compile_row)
     out = tmp_path / "r.json"
-    result = bench.main(["--quick", "--devices", "2,64", "--batch_size", "1,2", "--steps", "1", "--out", str(out)])
+    result = bench.main(["--quick", "--devices", "2,64", "--batch_size", "1,2", "--remat", "dots", "--steps", "1",
+                         "--out", str(out)])
     first, second = result["rows"]
     assert first["error"].startswith("OOM: RESOURCE_EXHAUSTED") and first["batch"] == 2
     assert second["devices"] == 2 and second["batch"] == 2 * 2 and "error" not in second
@@ -111,9 +113,10 @@ def test_scale_best_and_deadline_skip_rows_in_the_json(bench, tmp_path, monkeypa
 
 
 def test_one_step_behind_timing_runs_the_same_steps_as_synchronous_and_profiles(bench, tmp_path):
+    """Two devices, remat "dots": the program test_compile_only_reports_memory compiled."""
     rows = {}
     for sync in (False, True):
-        argv = ["--quick", "--devices", "1", "--steps", "2", "--out", str(tmp_path / f"{sync}.json")]
+        argv = ["--quick", "--devices", "2", "--remat", "dots", "--steps", "2", "--out", str(tmp_path / f"{sync}.json")]
         rows[sync] = bench.main(argv + (["--sync"] if sync else ["--profile_steps", "1"]))["rows"][0]
     assert rows[True]["timing"] == "synchronous" and "one step behind" in rows[False]["timing"]
     assert rows[True]["loss"] == rows[False]["loss"]  # the last step's loss, same steps in the same order
@@ -122,7 +125,7 @@ def test_one_step_behind_timing_runs_the_same_steps_as_synchronous_and_profiles(
     prof = rows[False]["profile"]
     assert {"optimizer", "head", "ffn_mlp"} <= set(prof["by_part"])
     assert any(p.startswith("mixer_") for p in prof["by_part"])
-    folder = tmp_path / "False-profile" / "1dev-none-b2"
+    folder = tmp_path / "False-profile" / "2dev-dots-b4"
     assert json.loads((folder / "summary.json").read_text()) == prof
     assert profile_summary.op_scopes(profile_summary.read_hlo(str(folder / "step.hlo.txt.gz")))
 
