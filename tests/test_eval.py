@@ -10,7 +10,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = ("configs/sweeps/mqar.py:trial,tiny,mixer=softmax,d_model=16,num_layers=1,seq_len=16,"
           "num_kv_pairs=2")
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+# One CPU device (not the conftest's 8), compiled at LLVM -O0 as the in-process tests are (compile-bound).
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_backend_optimization_level=0"}
 
 
 def _run(*args):
