@@ -114,7 +114,8 @@ def test_tiny_sweep_end_to_end(tmp_path):
     """configs/sweeps/mqar.py:tiny: a run cut by its deadline (summary marked partial), then two
     real trials (train.py + eval.py) on CPU in parallel, then restarts that run only the trials
     not done."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    # one device (not the conftest's 8), compiled at LLVM -O0 as the in-process tests are
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_backend_optimization_level=0"}
     cmd = [sys.executable, "sweep.py", "--config", "configs/sweeps/mqar.py:tiny", "--workdir", str(tmp_path)]
     cut = subprocess.run(cmd + ["--parallel", "1", "--deadline_s", "1"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, env=env)
