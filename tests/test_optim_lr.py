@@ -22,20 +22,24 @@ def _config(name: str, schedule: str, lr: float = LR):
         "optim.clip_norm": 0.05, "model.num_layers": 1})
 
 
-def _train(config, peak_lr: float, lr_arg):
-    """STEPS steps on one repeated batch with the optimizer built at `peak_lr` and the step's lr
-    argument `lr_arg`: (initial params, final params, per-step metrics)."""
+def _train(config, peak_lr: float, *lr_args):
+    """STEPS steps on one repeated batch with the optimizer built at `peak_lr`, from the same
+    initial state for each of the step's lr arguments `lr_args` (one jitted step for all):
+    (initial params, [(final params, per-step metrics) for each lr argument])."""
     graphdef, params, _ = train_lib.abstract_model(config)
     tx, schedule = optim.make_optimizer(config.optim, STEPS, train_lib.param_names(params), peak_lr=peak_lr)
-    state = jax.jit(train_lib.make_init(config, tx))()
-    init = jax.tree.map(np.asarray, state["params"])
+    first = jax.jit(train_lib.make_init(config, tx))()
+    init = jax.tree.map(np.asarray, first["params"])
     step = jax.jit(train_lib.make_train_step(config, graphdef, tx, schedule))
     batch = {k: jnp.asarray(v) for k, v in next(data.make_iterator(config, "train")).items()}
-    metrics = []
-    for i in range(STEPS):
-        state, m = step(state, batch, jnp.asarray(i + 1, jnp.int32), lr_arg)
-        metrics.append(jax.device_get(m))
-    return init, jax.tree.map(np.asarray, state["params"]), metrics
+    runs = []
+    for lr_arg in lr_args:
+        state, metrics = jax.tree.map(jnp.copy, first), []
+        for i in range(STEPS):
+            state, m = step(state, batch, jnp.asarray(i + 1, jnp.int32), lr_arg)
+            metrics.append(jax.device_get(m))
+        runs.append((jax.tree.map(np.asarray, state["params"]), metrics))
+    return init, runs
 
 
 @pytest.mark.parametrize("name", ["adamw", "muon"])
@@ -44,9 +48,9 @@ def test_runtime_lr_matches_the_lr_inside_the_optimizer(monkeypatch, name, sched
     use_toy_model(monkeypatch)
     config = _config(name, schedule)
     # Before: the learning rate inside the schedules (Adam, Muon, Muon's Adam group, weight decay).
-    init, old, old_metrics = _train(config, peak_lr=LR, lr_arg=1.0)
-    # Now: the optimizer at peak 1, the learning rate a float32 argument of the step.
-    _, new, new_metrics = _train(config, peak_lr=1.0, lr_arg=jnp.float32(LR))
+    init, [(old, old_metrics)] = _train(config, LR, 1.0)
+    # Now: the optimizer at peak 1, the learning rate a float32 argument of the step (and twice it).
+    _, [(new, new_metrics), (doubled, _)] = _train(config, 1.0, jnp.float32(LR), jnp.float32(2 * LR))
     for a, b, p0 in zip(jax.tree.leaves(old), jax.tree.leaves(new), jax.tree.leaves(init)):
         moved = np.abs(a - p0).max()
         assert moved > 1e-4  # every parameter trained
@@ -58,7 +62,6 @@ def test_runtime_lr_matches_the_lr_inside_the_optimizer(monkeypatch, name, sched
     np.testing.assert_allclose([float(m["lr"]) for m in old_metrics], want, rtol=1e-6)
     assert want[0] == 0.0 and want[2] == pytest.approx(LR) and want[-1] < LR
     # The argument is what sets the step size: twice the lr moves the parameters differently.
-    _, doubled, _ = _train(config, peak_lr=1.0, lr_arg=jnp.float32(2 * LR))
     assert max(np.abs(d - b).max() for d, b in zip(jax.tree.leaves(doubled), jax.tree.leaves(new))) > 1e-4
 
 
