@@ -15,6 +15,9 @@ once and returns plain frozen dataclasses. Keys of `config.model`:
                                            models); needs moe None and plain residuals
     moe                                    None (all layers dense) or a dict of MoEConfig fields
     residual, attn_res_block_size          "plain" | "attn_res"; block size in decoder layers
+    max_position_embeddings                0 (none: positions come from the mixers, e.g. RoPE) or the
+                                           length of a learned absolute position table added to the
+                                           token embedding (Zoology's attention models, GPT-2)
     norm_eps, dtype, param_dtype, init_std
 """
 
@@ -111,6 +114,7 @@ class ModelConfig:
     moe: MoEConfig | None = None
     residual: str = "plain"
     attn_res_block_size: int = 1
+    max_position_embeddings: int = 0
     norm_eps: float = 1e-5
     dtype: str = "float32"
     param_dtype: str = "float32"
@@ -132,6 +136,10 @@ class ModelConfig:
         if self.moe is None and self.dense_layers != self.num_layers:
             raise ValueError(f"moe is None, so every layer is dense: set dense_layers="
                              f"{self.num_layers} (got {self.dense_layers})")
+        if (isinstance(self.max_position_embeddings, bool) or not isinstance(self.max_position_embeddings, int)
+                or self.max_position_embeddings < 0):
+            raise ValueError(f"max_position_embeddings must be an int >= 0 (0 = no learned positions); "
+                             f"got {self.max_position_embeddings!r}")
         if not isinstance(self.ffn, bool):
             raise ValueError(f"ffn must be True or False; got {self.ffn!r}")
         if not self.ffn and (self.moe is not None or self.residual != "plain"):

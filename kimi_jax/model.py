@@ -1,4 +1,4 @@
-"""The decoder: embedding -> blocks (token mixer + dense MLP or MoE, pre-norm, plain or block
+"""The decoder: embedding (+ learned positions) -> blocks (token mixer + dense MLP or MoE, pre-norm, plain or block
 attention residuals) -> final norm -> untied head. Built from a `ModelConfig`.
 
     model = build_model(config, rngs=nnx.Rngs(0))                 # reads config.model
@@ -7,6 +7,9 @@ attention residuals) -> final norm -> untied head. Built from a `ModelConfig`.
     logits = model(tokens, remat="dots")                          # per-layer checkpointing
     cache = model.init_cache(batch_size, max_len)
     logits, cache = model.decode_step(tokens [B, 1], cache)       # equals the full forward
+
+With `max_position_embeddings` > 0 a learned position table is added to the token embedding
+(positions restart at every packed document) and the cache gains a last entry {"pos": []}.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from kimi_jax.attention import build_mixer
 from kimi_jax.attn_res import AttnResRead, make_stream
 from kimi_jax.config import ModelConfig
 from kimi_jax.ffn import MLP
-from kimi_jax.layers import Embed, Linear, RMSNorm
+from kimi_jax.layers import Embed, Linear, RMSNorm, segment_positions
 from kimi_jax.moe import STAT_KEYS, MoE
 from kimi_jax.remat import check_policy, checkpointed_block
 from kimi_jax.sharding import constrain
@@ -85,6 +88,8 @@ class Model(nnx.Module):
         d = config.d_model
         kw = dict(dtype=config.compute_dtype, param_dtype=config.weight_dtype, rngs=rngs)
         self.embed = Embed(config.vocab_size, d, **kw)
+        n_pos = config.max_position_embeddings
+        self.pos_embed = Embed(n_pos, d, axes=(None, "embed"), **kw) if n_pos else None
         self.blocks = nnx.List([Block(config, i, rngs=rngs) for i in range(config.num_layers)])
         self.final_read = (AttnResRead(d, eps=config.norm_eps, **kw)
                            if config.residual == "attn_res" else None)
@@ -97,24 +102,43 @@ class Model(nnx.Module):
         per-mixer overrides ("dots16/mla=dots_all")."""
         self._check_tokens(tokens)
         check_policy(remat)
-        stream = self._stream(tokens)
+        positions = None
+        if self.pos_embed is not None:
+            B, T = tokens.shape
+            if T > self.pos_embed.vocab_size:
+                raise ValueError(f"tokens have T={T} positions; the learned position table has "
+                                 f"max_position_embeddings={self.pos_embed.vocab_size}")
+            positions = segment_positions(segment_ids, T, B)
+        stream = self._stream(tokens, positions)
         stats = [checkpointed_block(block, stream, remat, segment_ids=segment_ids) for block in self.blocks]
         logits = self._logits(stream)
         return (logits, collect_aux(stats)) if return_aux else logits
 
     def init_cache(self, batch_size: int, max_len: int):
-        """Per-layer mixer caches (a list, one entry per layer)."""
-        return [block.mixer.init_cache(batch_size, max_len) for block in self.blocks]
+        """Per-layer mixer caches (a list, one entry per layer; with learned positions a last
+        entry {"pos": [] int32} counts the tokens decoded so far)."""
+        if self.pos_embed is not None and max_len > self.pos_embed.vocab_size:
+            raise ValueError(f"max_len={max_len} exceeds the learned position table "
+                             f"(max_position_embeddings={self.pos_embed.vocab_size})")
+        cache = [block.mixer.init_cache(batch_size, max_len) for block in self.blocks]
+        return cache + [{"pos": jnp.zeros((), jnp.int32)}] if self.pos_embed is not None else cache
 
     def decode_step(self, tokens, cache):
         """tokens [B, 1] -> (logits [B, 1, vocab] float32, cache)."""
         self._check_tokens(tokens)
         if tokens.shape[1] != 1:
             raise ValueError(f"decode_step takes one token per row, tokens [B, 1]; got {tokens.shape}")
-        if len(cache) != len(self.blocks):
-            raise ValueError(f"cache has {len(cache)} layers; the model has {len(self.blocks)}")
-        stream = self._stream(tokens)
+        learned = self.pos_embed is not None
+        if len(cache) != len(self.blocks) + learned:
+            raise ValueError(f"cache has {len(cache)} entries; the model needs {len(self.blocks) + learned} "
+                             f"(one per layer{', then the position' if learned else ''}): build it with init_cache")
+        positions = None
+        if learned:  # init_cache keeps max_len within the table; a lookup past it gives NaN (jnp.take)
+            positions = jnp.broadcast_to(cache[-1]["pos"], tokens.shape)
+        stream = self._stream(tokens, positions)
         new_cache = [block(stream, cache=c)[0] for block, c in zip(self.blocks, cache)]
+        if learned:
+            new_cache.append({"pos": cache[-1]["pos"] + 1})
         return self._logits(stream), new_cache
 
     def moe_layers(self) -> list[MoE]:
@@ -126,9 +150,12 @@ class Model(nnx.Module):
             raise ValueError(f"tokens must be [B, T] integers; got shape {tokens.shape}, "
                              f"dtype {tokens.dtype}")
 
-    def _stream(self, tokens):
+    def _stream(self, tokens, positions=None):
         with jax.named_scope("embed"):
-            h = constrain(self.embed(tokens), ("act_batch", "act_len", "act_embed"))
+            h = self.embed(tokens)
+            if positions is not None:
+                h = h + self.pos_embed(positions)
+            h = constrain(h, ("act_batch", "act_len", "act_embed"))
         return make_stream(self.config.residual, h, self.config.attn_res_block_size)
 
     def _logits(self, stream):

@@ -5,8 +5,8 @@ only, nothing allocated, seconds even for K3).
 
 prints a per-component table, the decode cache (bytes per token) and fixed state (bytes per
 sequence), the training FLOPs per token, and ends with `params total=<int> active=<int>`.
-Active parameters are what one token uses: everything except the embedding table, with only
-top_k of the num_experts routed experts of each MoE layer.
+Active parameters are what one token uses: everything except the embedding tables (tokens and
+learned positions), with only top_k of the num_experts routed experts of each MoE layer.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def component(path) -> str:
     """Component name of a parameter path, e.g. ('blocks', 3, 'mixer', ...) -> 'mixer'."""
     keys = [str(p) for p in path]
     if keys[0] != "blocks":
-        return {"embed": "embedding", "head": "head"}.get(keys[0], "final norm + read")
+        return {"embed": "embedding", "pos_embed": "position embedding", "head": "head"}.get(
+            keys[0], "final norm + read")
     part = keys[2]
     if part == "ffn":
         if "experts" == keys[3]:
@@ -79,7 +80,7 @@ def count_params(config, table=None) -> tuple[int, int]:
     cfg = model_config(config)
     table = param_table(cfg) if table is None else table
     total = sum(n for _, n in table.values())
-    active = total - table.get("embedding", (0, 0))[1]
+    active = total - table.get("embedding", (0, 0))[1] - table.get("position embedding", (0, 0))[1]
     if cfg.moe is not None:
         routed = table.get("moe routed experts", (0, 0))[1]
         active -= routed - routed // cfg.moe.num_experts * cfg.moe.top_k

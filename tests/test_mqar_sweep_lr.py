@@ -107,3 +107,23 @@ def test_num_heads_is_its_own_axis_and_reaches_the_model():
     assert (default.num_heads, default.head_dim) == (8, 32)  # d_model 256
     with pytest.raises(ValueError, match="num_heads=-1"):
         mqar.get_config("gpu_long,num_heads=-1")
+
+
+def test_zoology_attention_form_is_its_own_axis_and_reaches_the_model():
+    """rope=False,learned_pos=True,mlp=False (Zoology's attention) names its trials apart from the
+    grid's and gives each trial NoPE attention, a position table of the trial's length and no
+    MLP; the grid's trials keep RoPE, the MLP and no table."""
+    plain = _trials("gpu_long,mixers=softmax,settings=256x16+512x64,widths=64")
+    zoo = _trials("gpu_long,mixers=softmax,settings=256x16+512x64,widths=64,rope=False,learned_pos=True,mlp=False")
+    assert len(zoo) == len(plain) == 2
+    assert not {t.name for t in zoo} & {t.name for t in plain}
+    for t in zoo:
+        model = mqar.get_config(t.config.split(":", 1)[1]).model
+        assert model.max_position_embeddings == t.point["seq_len"]
+        assert model.mixers.softmax.rope_theta is None and model.ffn is False
+    for t in plain:
+        model = mqar.get_config(t.config.split(":", 1)[1]).model
+        assert model.max_position_embeddings == 0
+        assert model.mixers.softmax.rope_theta == 10000.0 and model.ffn is True
+    with pytest.raises(ValueError, match="softmax_forms sweeps rope and mlp"):
+        mqar.get_config("softmax_forms,mlp=False")

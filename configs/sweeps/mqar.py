@@ -127,7 +127,8 @@ def trial_config(arg) -> ml_collections.ConfigDict:
     """One grid point: the ablation model of `mixer` trained on MQAR (L, K)."""
     layers = max(arg.num_layers, len(HYBRID)) if arg.mixer == "hybrid" else arg.num_layers
     config = ablation_config(arg.mixer, f"d_model={arg.d_model},num_layers={layers},num_heads={arg.num_heads},"
-                                        f"vocab_size={arg.vocab_size},rope={arg.rope},ffn={arg.mlp}")
+                                        f"vocab_size={arg.vocab_size},rope={arg.rope},ffn={arg.mlp},"
+                                        f"learned_positions={arg.seq_len if arg.learned_pos else 0}")
     config.data.task = "mqar"
     config.data.task_kwargs = ml_collections.ConfigDict(dict(
         seq_len=arg.seq_len, num_kv_pairs=arg.num_kv_pairs, vocab_size=arg.vocab_size,
@@ -163,8 +164,14 @@ def _subset(values, text, arg: str, axis: str, parse, form: str, key=lambda v: v
 def sweep_config(arg) -> ml_collections.ConfigDict:
     sweep = ml_collections.ConfigDict()
     sweep.trial_config = "configs/sweeps/mqar.py"
+    # Model forms off the default (RoPE, MLP, d_model // 32 heads) are grid keys of one value, so
+    # their trials are named apart from the grid's.
+    forms = {k: v for k, v in (("rope", not arg.rope), ("mlp", not arg.mlp), ("learned_pos", arg.learned_pos),
+                               ("num_heads", bool(arg.num_heads))) if v}
+    if arg.softmax_forms and {"rope", "mlp"} & set(forms):
+        raise ValueError("softmax_forms sweeps rope and mlp itself; do not also set rope= or mlp=")
     grid_keys = ("mixer", "d_model", "seq_len", "num_kv_pairs") + (
-        ("rope", "mlp", "steps") if arg.softmax_forms else ()) + (("num_heads",) if arg.num_heads else ())
+        ("rope", "mlp", "steps") if arg.softmax_forms else ()) + tuple(forms)
     sweep.trial_arg = trial_arg(grid_keys, arg) + (
         f",num_layers={arg.num_layers},vocab_size={arg.vocab_size}" + (",gpu" if arg.gpu else ""))
     # Grid axes: each a list; `setting` entries are dicts expanded into the template.
@@ -232,6 +239,9 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
         if arg.num_heads < 0:
             raise ValueError(f"num_heads={arg.num_heads}: expected a positive head count (0 = d_model // 32)")
         sweep.axes.num_heads = [arg.num_heads]
+    for key in ("rope", "mlp", "learned_pos"):  # Zoology's attention: rope=False,learned_pos=True,mlp=False
+        if key in forms and not arg.softmax_forms:
+            sweep.axes[key] = [bool(arg[key])]
     if arg.tiny:  # 2 trials in seconds on CPU: softmax, width 16, 2 learning rates
         sweep.axes.mixer = ["softmax"]
         sweep.axes.d_model = [16]
@@ -254,7 +264,7 @@ def get_config(arg=None):
                            mixer="kda", d_model=64, num_layers=2, seq_len=64, num_kv_pairs=4,
                            vocab_size=8192, cpu=False, gpu=False, gpu_small=False, gpu_hard=False,
                            softmax_forms=False, gpu_long=False, hi_lr=False, mixers="", widths="", settings="",
-                           lrs="", rope=True, mlp=True, num_heads=0)
+                           lrs="", rope=True, mlp=True, num_heads=0, learned_pos=False)
     given = {item.partition("=")[0] for item in arg_str.split(",")}
     arg.gpu = arg.gpu or arg.gpu_small or arg.gpu_hard or arg.softmax_forms or arg.gpu_long  # the gpu budget
     for name, values in VARIANTS.items():
