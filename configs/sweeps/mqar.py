@@ -88,7 +88,13 @@ hybrid at d_model 256 and lr 1e-3, which solves it: 1.00) is worse for KDA at 64
 (0.96 from 0.94). `num_heads=1` gives attention one head of width d_model, as Zoology's has, in
 trials named apart from the grid's (d_model // 32 heads): at lr 3e-3 softmax attention stays on
 the plateau with it too (0.01-0.02 at (512, 64), 0.06 at (256, 16), d_model 256), as it does
-with 3x the steps (36000, d_model 64: 0.02). A piece of
+with 3x the steps (36000, d_model 64: 0.02). `rope=False`, `mlp=False` and `learned_pos=True` (a
+learned position table of the trial's length) are forms with their own trial names too; Zoology's
+attention, `mixers=softmax,rope=False,learned_pos=True,mlp=False,num_heads=1,batch_size=128`,
+solves (512, 64) at lr 3e-3 on this budget at d_model 64 and 128 (1.00 each; lr 1e-3: 0.01 /
+0.38) and stays on the plateau at 256 (0.01; (256, 16): 0.06), while learned positions with the
+MLP and d_model // 32 heads at batch 64 stay at 0.01 (benchmarks/results/mqar-gpu-long-*softmax-
+{zoology-form,learned-pos}-h200-20261204T2146.json). A piece of
 3 trials per GPU takes 300-450 s, of 6 per GPU up to 500 s at d_model 128 (the hybrid longest: at
 (256, 16), d_model 128, 250 s alone on an H200, unfinished in 490 s sharing one).
     python sweep.py --config configs/sweeps/mqar.py:gpu_long,widths=64,settings=256x16 \
