@@ -6,17 +6,16 @@ import os
 import shutil
 import tempfile
 
+from tests.cpu_env import CPU_O0_FLAG
+
 # Must happen before jax is imported anywhere.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     _flags += " --xla_force_host_platform_device_count=8"
-# The CPU suite is dominated by XLA compiles of tiny programs: LLVM's -O0 cuts them by about a
-# third (tests/test_remat.py 73 -> 50 s on 2 cores) for slightly slower execution (the 400-step
-# MQAR training test 50 -> 57 s). Only the CPU backend's code generation changes; the values the
-# tests compare are computed by the same XLA graphs.
+# LLVM -O0 on CPU: the suite is compile-bound (tests/cpu_env.py says why and what it costs).
 if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in _flags:
-    _flags += " --xla_backend_optimization_level=0"
+    _flags += " " + CPU_O0_FLAG
 os.environ["XLA_FLAGS"] = _flags.strip()
 
 # One XLA compilation cache for the run, shared by the xdist workers and the train.py / eval.py

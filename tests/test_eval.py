@@ -7,11 +7,12 @@ import shutil
 import subprocess
 import sys
 
+from tests.cpu_env import one_cpu_process_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = ("configs/sweeps/mqar.py:trial,tiny,mixer=softmax,d_model=16,num_layers=1,seq_len=16,"
           "num_kv_pairs=2")
-# One CPU device (not the conftest's 8), compiled at LLVM -O0 as the in-process tests are (compile-bound).
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+ENV = one_cpu_process_env()
 
 
 def _run(*args):

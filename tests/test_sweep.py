@@ -12,6 +12,7 @@ import ml_collections
 import pytest
 
 import sweep as sw
+from tests.cpu_env import one_cpu_process_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -114,8 +115,7 @@ def test_tiny_sweep_end_to_end(tmp_path):
     """configs/sweeps/mqar.py:tiny: a run cut by its deadline (summary marked partial), then two
     real trials (train.py + eval.py) on CPU in parallel, then restarts that run only the trials
     not done."""
-    # one device (not the conftest's 8), compiled at LLVM -O0 as the in-process tests are
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+    env = one_cpu_process_env()
     cmd = [sys.executable, "sweep.py", "--config", "configs/sweeps/mqar.py:tiny", "--workdir", str(tmp_path)]
     cut = subprocess.run(cmd + ["--parallel", "1", "--deadline_s", "1"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, env=env)

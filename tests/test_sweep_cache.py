@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import sweep as sw
+from tests.cpu_env import one_cpu_process_env
 from configs.sweeps import mqar
 from tests.test_sweep import ROOT, _sweep
 
@@ -41,9 +42,7 @@ def test_run_order_puts_the_trials_of_a_point_apart():
 def test_second_trial_loads_the_first_ones_programs(tmp_path):
     """mqar.py:tiny one trial at a time: the second trial (another lr) loads every program the
     first compiled from DIR/xla_cache, the train step included (the lr is an argument of it)."""
-    # one device (not the conftest's 8), compiled at LLVM -O0 as the in-process tests are
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_backend_optimization_level=0",
-           "JAX_DEBUG_LOG_MODULES": "jax._src.compiler"}
+    env = one_cpu_process_env(JAX_DEBUG_LOG_MODULES="jax._src.compiler")
     out = subprocess.run([sys.executable, "sweep.py", "--config", "configs/sweeps/mqar.py:tiny",
                           "--workdir", str(tmp_path), "--parallel", "1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
