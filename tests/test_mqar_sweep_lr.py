@@ -127,3 +127,23 @@ def test_zoology_attention_form_is_its_own_axis_and_reaches_the_model():
         assert model.mixers.softmax.rope_theta == 10000.0 and model.ffn is True
     with pytest.raises(ValueError, match="softmax_forms sweeps rope and mlp"):
         mqar.get_config("softmax_forms,mlp=False")
+
+
+def test_zoology_attention_variant():
+    """`zoology_attention`: softmax only, every width and setting at lr 1e-3 / 3e-3 (24 trials) in
+    Zoology's form at Zoology's batch per length, named apart from gpu_long's trials; a key given
+    explicitly wins (widths=64)."""
+    trials = _trials("zoology_attention")
+    assert len(trials) == 3 * 4 * 2 and {t.point["mixer"] for t in trials} == {"softmax"}
+    assert sorted({t.point["lr"] for t in trials}) == [1e-3, 3e-3]
+    assert not {t.name for t in trials} & {t.name for t in _trials("gpu_long,mixers=softmax")}
+    batches = {}
+    for t in trials:
+        config = mqar.get_config(t.config.split(":", 1)[1])
+        model = config.model
+        assert model.max_position_embeddings == t.point["seq_len"] and model.ffn is False
+        assert model.mixers.softmax.rope_theta is None and model.mixers.softmax.num_heads == 1
+        assert config.total_steps == 12000
+        batches[t.point["seq_len"]] = config.data.batch_size
+    assert batches == {64: 512, 128: 512, 256: 256, 512: 128}  # Zoology's; gpu_long halves them
+    assert len(_trials("zoology_attention,widths=64")) == 8

@@ -12,6 +12,8 @@
         --trials_per_device 6 --deadline_s 540        # + lr 1e-2: 12 more trials in the same workdir
     python sweep.py --config configs/sweeps/mqar.py:gpu_hard --workdir /tmp/mqar_hard --devices 0,1 \
         --trials_per_device 12 --deadline_s 540       # (L, K) = (512, 64) at d_model 64, 128 (24 trials)
+    python sweep.py --config configs/sweeps/mqar.py:zoology_attention --workdir /tmp/mqar_zoo --devices 0 \
+        --trials_per_device 6 --deadline_s 540        # softmax attention in Zoology's form (24 trials)
 
 Grid: softmax attention, linear attention, DeltaNet, Gated DeltaNet, KDA and the 3:1 KDA:MLA
 hybrid (the models of configs/ablations: same width, depth and MLP, differing only in the mixer)
@@ -139,7 +141,7 @@ def trial_config(arg) -> ml_collections.ConfigDict:
     config.data.task_kwargs = ml_collections.ConfigDict(dict(
         seq_len=arg.seq_len, num_kv_pairs=arg.num_kv_pairs, vocab_size=arg.vocab_size,
         power_a=0.01, num_passes=1, random_non_queries=False))
-    arg.batch_size = arg.batch_size or batch_size(arg.seq_len, arg.gpu)
+    arg.batch_size = arg.batch_size or batch_size(arg.seq_len, arg.gpu and not arg.full_batch)
     schedule(config, arg, arg.seq_len)
     return config
 
@@ -148,7 +150,7 @@ def trial_cost(point: dict, arg) -> float:
     """Tokens a trial trains on, times its layers: a proxy of its device time. At d_model 64 on an
     H200 (6 trials per GPU) (64, 4) at batch 256 took about half the time of (128, 8) at batch 256."""
     seq_len = point["seq_len"]
-    batch = arg.batch_size or batch_size(seq_len, arg.gpu)
+    batch = arg.batch_size or batch_size(seq_len, arg.gpu and not arg.full_batch)
     layers = max(arg.num_layers, len(HYBRID)) if point["mixer"] == "hybrid" else arg.num_layers
     return float(seq_len * batch * point.get("steps", arg.steps) * layers)
 
@@ -173,7 +175,7 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
     # Model forms off the default (RoPE, MLP, d_model // 32 heads) are grid keys of one value, so
     # their trials are named apart from the grid's.
     forms = {k: v for k, v in (("rope", not arg.rope), ("mlp", not arg.mlp), ("learned_pos", arg.learned_pos),
-                               ("num_heads", bool(arg.num_heads))) if v}
+                               ("full_batch", arg.full_batch), ("num_heads", bool(arg.num_heads))) if v}
     if arg.softmax_forms and {"rope", "mlp"} & set(forms):
         raise ValueError("softmax_forms sweeps rope and mlp itself; do not also set rope= or mlp=")
     grid_keys = ("mixer", "d_model", "seq_len", "num_kv_pairs") + (
@@ -245,7 +247,7 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
         if arg.num_heads < 0:
             raise ValueError(f"num_heads={arg.num_heads}: expected a positive head count (0 = d_model // 32)")
         sweep.axes.num_heads = [arg.num_heads]
-    for key in ("rope", "mlp", "learned_pos"):  # Zoology's attention: rope=False,learned_pos=True,mlp=False
+    for key in ("rope", "mlp", "learned_pos", "full_batch"):  # Zoology's attention: see ZOOLOGY_ATTENTION
         if key in forms and not arg.softmax_forms:
             sweep.axes[key] = [bool(arg[key])]
     if arg.tiny:  # 2 trials in seconds on CPU: softmax, width 16, 2 learning rates
@@ -255,6 +257,13 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
         sweep.axes.lr = [1e-3, 1e-2]
     return sweep
 
+
+# `zoology_attention`: softmax attention as Zoology's Fig. 2 builds it (learned absolute positions,
+# one head of width d_model, no MLP) at Zoology's batch per length (512 / 512 / 256 / 128, twice
+# the gpu batches), on the gpu_long budget (12000 steps) at lr 1e-3 and 3e-3: 24 trials, named
+# apart from the grid's. (Dropout 0.1 and the fixed 100k-example set are Zoology's still.)
+ZOOLOGY_ATTENTION = dict(gpu_long=True, mixers="softmax", rope=False, learned_pos=True, mlp=False, num_heads=1,
+                         full_batch=True, lrs="1e-3+3e-3")
 
 # Trial-arg values of the size variants; keys given explicitly in the arg win.
 VARIANTS = dict(
@@ -270,8 +279,11 @@ def get_config(arg=None):
                            mixer="kda", d_model=64, num_layers=2, seq_len=64, num_kv_pairs=4,
                            vocab_size=8192, cpu=False, gpu=False, gpu_small=False, gpu_hard=False,
                            softmax_forms=False, gpu_long=False, hi_lr=False, mixers="", widths="", settings="",
-                           lrs="", rope=True, mlp=True, num_heads=0, learned_pos=False)
+                           lrs="", rope=True, mlp=True, num_heads=0, learned_pos=False, full_batch=False,
+                           zoology_attention=False)
     given = {item.partition("=")[0] for item in arg_str.split(",")}
+    if arg.zoology_attention:  # keys given explicitly win, as for the size variants
+        arg.update({k: v for k, v in ZOOLOGY_ATTENTION.items() if k not in given})
     arg.gpu = arg.gpu or arg.gpu_small or arg.gpu_hard or arg.softmax_forms or arg.gpu_long  # the gpu budget
     for name, values in VARIANTS.items():
         if arg[name]:
