@@ -55,6 +55,7 @@ from kimi_jax.sweep_run import (  # noqa: F401  (device_slots, log_tail, SlotPoo
     device_slots,
     log_tail,
     run_trials,
+    total_times,
     wave_devices,
 )
 
@@ -197,8 +198,9 @@ def compile_cache_env(path: str, min_compile_s: float = 0.0) -> dict:
 
 
 def trial_records(trials: list[Trial], status: dict) -> dict:
-    """{name: status, score, seconds and per-command times, and for a failure its reason and log
-    tail}: what DIR/status.json keeps of every trial."""
+    """{name: status, score, seconds and per-command times (and `total_times` over the attempts
+    of a trial run more than once), and for a failure its reason and log tail}: what
+    DIR/status.json keeps of every trial."""
     records = {}
     for t in trials:
         rec = {"status": status.get(t.name, "not_run"), "score": t.score() if t.done() else None}
@@ -207,6 +209,8 @@ def trial_records(trials: list[Trial], status: dict) -> dict:
                 with open(path) as f:
                     data = json.load(f)
                 rec.update({k: data[k] for k in keys if k in data} if keys else {"times": data})
+        if "earlier" in rec.get("times", {}):  # run more than once (resumed or retried)
+            rec["total_times"] = total_times(rec["times"])
         if rec["status"] in ("failed", "stopped"):
             rec.update({k: v for k, v in t.failure().items() if k in ("reason", "tail")})
         records[t.name] = rec

@@ -171,11 +171,12 @@ def last_train_metrics(sweep_dir: str, name: str) -> dict | None:
 
 
 def trial_costs(status: dict) -> dict:
-    """Median and max wall seconds of train.py and eval.py over the finished trials."""
+    """Median and max wall seconds of train.py and eval.py over the finished trials (summed over
+    the attempts of a trial that was resumed)."""
     out = {}
     for program in ("train.py", "eval.py"):
-        times = [r["times"][program] for r in status.values()
-                 if r.get("status") == "done" and program in r.get("times", {})]
+        times = [r.get("total_times", r.get("times", {}))[program] for r in status.values()
+                 if r.get("status") == "done" and program in r.get("total_times", r.get("times", {}))]
         if times:
             out[program] = {"median_s": round(statistics.median(times), 1), "max_s": round(max(times), 1)}
     return out

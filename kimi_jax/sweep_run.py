@@ -34,7 +34,9 @@ def device_slots(devices, per_device: int = 1) -> list[str]:
 class SubprocessRunner:
     """Runs a trial's commands, logging to <workdir>/{train,eval}.log, their wall times to
     <workdir>/times.json; returns success. A failure leaves <workdir>/FAILED: the reason and the
-    log's tail. Setting `stop` ends the running command (SIGTERM to its process group, SIGKILL
+    log's tail. A trial run again (resumed after a stop, retried after a failure) keeps what the
+    earlier attempts left: their logs as {train,eval}.log.1, .2, ... and their times in
+    times.json's "earlier" list, oldest first (`total_times` sums them). Setting `stop` ends the running command (SIGTERM to its process group, SIGKILL
     after `grace_s`): train.py then saves a checkpoint, so a restarted sweep resumes the trial.
     `share` > 1 trials per device run without preallocation, each with `mem_fraction` (default
     0.9 / share) of the device memory. `extra_env` (e.g. `compile_cache_env`) is set for every
@@ -90,20 +92,52 @@ class SubprocessRunner:
         os.makedirs(trial.workdir, exist_ok=True)
         if os.path.exists(trial.failed_file):
             os.remove(trial.failed_file)
-        env, times = self.env(device), {}
+        env, times_path = self.env(device), os.path.join(trial.workdir, "times.json")
+        times = {"earlier": earlier_attempts(times_path)}
+        for name in ("train.log", "eval.log"):
+            _keep_earlier_log(os.path.join(trial.workdir, name))
         for cmd, name in zip(trial.commands(), ("train.log", "eval.log")):
             log, start = os.path.join(trial.workdir, name), time.time()
             rc = self._run(cmd, log, env)
             program = os.path.basename(cmd[1])
             times[program] = round(time.time() - start, 1)
-            with open(os.path.join(trial.workdir, "times.json"), "w") as f:
-                json.dump(times, f)
+            with open(times_path, "w") as f:
+                json.dump({k: v for k, v in times.items() if k != "earlier" or v}, f)
             if rc != 0:
                 reason = f"{program} stopped" if rc is None else f"{program} exited {rc}"
                 with open(trial.failed_file, "w") as f:
                     json.dump({"reason": reason, "stopped": rc is None, "log": log, "tail": log_tail(log)}, f)
                 return False
         return True
+
+
+def earlier_attempts(times_path: str) -> list[dict]:
+    """The attempts a times.json records so far (its "earlier" ones, then its own), oldest first."""
+    if not os.path.exists(times_path):
+        return []
+    with open(times_path) as f:
+        prior = json.load(f)
+    last = {k: v for k, v in prior.items() if k != "earlier"}
+    return prior.get("earlier", []) + ([last] if last else [])
+
+
+def total_times(times: dict) -> dict:
+    """{program: wall seconds summed over a times.json's attempts}."""
+    total: dict = {}
+    for attempt in times.get("earlier", []) + [{k: v for k, v in times.items() if k != "earlier"}]:
+        for program, seconds in attempt.items():
+            total[program] = round(total.get(program, 0.0) + seconds, 1)
+    return total
+
+
+def _keep_earlier_log(log: str) -> None:
+    """Move an earlier attempt's log to the first free `log`.N."""
+    if not os.path.exists(log):
+        return
+    n = 1
+    while os.path.exists(f"{log}.{n}"):
+        n += 1
+    os.replace(log, f"{log}.{n}")
 
 
 class SlotPool:

@@ -8,6 +8,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 import sweep as sw
 from tests.test_sweep import _sweep
 
@@ -94,6 +96,16 @@ def test_failed_trial_is_recorded_and_the_sweep_goes_on(tmp_path):
     trials = _script_trials(tmp_path, {})
     status = sw.run_trials(trials, sw.SubprocessRunner(), parallel=2, log=lambda *a, **k: None)
     assert status[failing] == "done" and not os.path.exists(trials[2].failed_file)
+    # The rerun keeps the failed attempt's log and time beside its own.
+    workdir = trials[2].workdir
+    assert "boom: out of memory" in open(os.path.join(workdir, "train.log.1")).read()
+    assert "boom" not in open(os.path.join(workdir, "train.log")).read()
+    times = json.load(open(os.path.join(workdir, "times.json")))
+    assert len(times["earlier"]) == 1 and set(times["earlier"][0]) == set(times) - {"earlier"} == {"trial.py"}
+    rec = sw.trial_records(trials, status)[failing]
+    assert rec["total_times"]["trial.py"] == pytest.approx(times["trial.py"] + times["earlier"][0]["trial.py"], abs=0.11)
+    assert "total_times" not in sw.trial_records(trials, status)[trials[0].name]
+    assert "earlier" not in json.load(open(os.path.join(trials[0].workdir, "times.json")))
 
 
 def test_stop_ends_running_trials_and_starts_no_more(tmp_path):

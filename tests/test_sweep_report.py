@@ -31,7 +31,10 @@ def test_report_of_the_gpu_grid(tmp_path):
         p = trial.point
         json.dump({"mqar": {f"L{p['seq_len']}_K{p['num_kv_pairs']}": _score(p)}},
                   open(os.path.join(trial.workdir, "eval", "results.json"), "w"))
-        json.dump({"train.py": 30.0, "eval.py": 10.0}, open(os.path.join(trial.workdir, "times.json"), "w"))
+        times = {"train.py": 30.0, "eval.py": 10.0}
+        if trial.name == trials[0].name:  # resumed: 500 s in a first attempt, 30 s more in the second
+            times["earlier"] = [{"train.py": 500.0}]
+        json.dump(times, open(os.path.join(trial.workdir, "times.json"), "w"))
         with open(os.path.join(trial.workdir, "metrics.jsonl"), "w") as f:
             f.write(json.dumps({"step": 1000, "loss": 0.5, "accuracy": 0.9, "step_time_ms": 4.0}) + "\n")
         with open(os.path.join(trial.workdir, "train.log"), "w") as f:  # as train.py logs it on the GPU machine
@@ -54,7 +57,8 @@ def test_report_of_the_gpu_grid(tmp_path):
     assert saved["env"]["device"] == "NVIDIA H200" and saved["env"]["platform"] == "gpu"
     assert saved["env"]["report_machine"]["platform"] == "cpu"
     assert saved["trials"][failing]["status"] == "failed" and "tail" not in saved["trials"][failing]
-    assert saved["trial_costs"]["train.py"] == {"median_s": 30.0, "max_s": 30.0}
+    assert saved["trial_costs"]["train.py"] == {"median_s": 30.0, "max_s": 530.0}  # over both attempts
+    assert saved["trials"][trials[0].name]["total_times"] == {"train.py": 530.0, "eval.py": 10.0}
     assert saved["trials"][trials[0].name]["last_train"]["step_time_ms"] == 4.0
     md = (out / "mqar_sweep_test.md").read_text().splitlines()
     assert md[0] == "| model | source | L=64 K=4 d=64 | L=64 K=4 d=128 | L=256 K=16 d=64 | L=256 K=16 d=128 |"
