@@ -1,6 +1,7 @@
 """Learned absolute positions (`max_position_embeddings`, Zoology's attention models): used by the
-forward, restarted at each packed document, followed by decode, bounded with clear errors, and
-left out of the active parameter count."""
+forward, restarted at each packed document, followed by decode, bounded with clear errors, left
+out of the active parameter count, and respected by the evaluation suite (settings past the table
+are skipped with a reason)."""
 
 import jax
 import jax.numpy as jnp
@@ -83,3 +84,36 @@ def test_table_is_counted_in_total_not_active():
     (t0, a0), (t1, a1) = summary.count_params(plain), summary.count_params(learned)
     assert t1 - t0 == 16 * 32 and a1 == a0
     assert summary.param_table(learned)["position embedding"] == (1, 16 * 32)
+
+
+def test_greedy_fills_the_table_exactly(model):
+    """ModelRunner.greedy feeds the prompt and every answer token but the last: a 12-token
+    prompt and 5 new tokens fit the 16-position table, and equal the full forward's argmax."""
+    from kimi_jax.evaluators.runner import ModelRunner
+
+    prompt = np.asarray(_tokens((2, 12), seed=4))
+    new = ModelRunner(model).greedy(prompt, 5)
+    seq = prompt
+    for _ in range(5):
+        nxt = np.asarray(model(jnp.asarray(seq)))[:, -1].argmax(-1)
+        seq = np.concatenate([seq, nxt[:, None].astype(np.int32)], axis=1)
+    np.testing.assert_array_equal(new, seq[:, 12:])
+
+
+def test_eval_skips_settings_past_the_table(model):
+    """eval.py's suite runs what fits the table and records a reason for the rest (task settings
+    and decode-timing lengths) instead of failing on the first long one."""
+    from kimi_jax.evaluators.suite import evaluate
+
+    config = ablation_config("softmax", ARG + ",learned_positions=16")
+    config.data.task = "mqar"
+    config.data.task_kwargs = dict(seq_len=16, num_kv_pairs=2, vocab_size=64)
+    config.evals.update(dict(num_examples=8, batch_size=8, decode_lengths=(4, 15), decode_steps=2))
+    results = evaluate(config, model, ["train_task"], log=lambda *a: None)
+    assert list(results["tasks"]["mqar"]) == ["L16_K2"] and not results["skipped"].get("mqar")
+    assert results["decode"]["context_len"] == [4] and results["memory"]["context_len"] == [4]
+    assert results["skipped"]["decode"] == {"L15": "needs 17 positions; the model's learned position table has 16"}
+    config.data.task_kwargs = dict(seq_len=32, num_kv_pairs=2, vocab_size=64)
+    results = evaluate(config, model, ["train_task"], log=lambda *a: None)
+    assert results["tasks"] == {}
+    assert results["skipped"]["mqar"] == {"L32_K2": "needs 32 positions; the model's learned position table has 16"}

@@ -42,7 +42,8 @@ def _score(graphdef, state, inputs, targets, loss_mask):
 def _generate(graphdef, state, prompt, num_new):
     model = _model(graphdef, state)
     B, T0 = prompt.shape
-    cache = _scan_prefill(model, prompt[:, :-1], model.init_cache(B, T0 + num_new))
+    # The last new token is returned, never fed: T0 - 1 + num_new positions (num_new >= 1).
+    cache = _scan_prefill(model, prompt[:, :-1], model.init_cache(B, T0 + num_new - 1))
 
     def body(carry, _):
         cache, tok = carry

@@ -83,6 +83,19 @@ def model_vocab(config) -> int:
     return int(config.model.vocab_size)
 
 
+def position_limit(config) -> int:
+    """Positions the model can take (its learned position table's length), 0 = unbounded."""
+    return int(config.model.get("max_position_embeddings", 0) or 0)
+
+
+def positions_needed(task, generation: str) -> int:
+    """Positions a setting runs through: its sequence, or for greedy generation the decode
+    cache `ModelRunner.greedy` fills (the prompt and every answer token but the last)."""
+    if task.mode == "generate" and generation == "generate":
+        return max(task.seq_len, task.prompt_len + task.answer_len - 1)
+    return task.seq_len
+
+
 def evaluate(config, model, names=None, *, log=logging.info) -> dict:
     """Run the suite entries `names` (default `config.evals.tasks`) on `model`.
 
@@ -90,11 +103,14 @@ def evaluate(config, model, names=None, *, log=logging.info) -> dict:
     "decode": {...}, "memory": {...}} (see eval.py for the files written from it)."""
     ev = evals_config(config)
     names = names or entries(config, ev.tasks)
-    runner = ModelRunner(model)
+    runner, limit = ModelRunner(model), position_limit(config)
     results = {"tasks": {}, "skipped": {}}
     for name, settings in task_settings(config, names):
         task, reason = build(name, settings, model_vocab(config))
         key = task.setting if task else ",".join(f"{k}={v}" for k, v in sorted(settings.items()))
+        if task is not None and limit and positions_needed(task, ev.generation) > limit:
+            task, reason = None, (f"needs {positions_needed(task, ev.generation)} positions; the model's "
+                                  f"learned position table has {limit}")
         if task is None:
             log(f"skip {name} {key}: {reason}")
             results["skipped"].setdefault(name, {})[key] = reason
@@ -104,14 +120,21 @@ def evaluate(config, model, names=None, *, log=logging.info) -> dict:
                                 seed=ev.seed, generation=ev.generation)
         log(f"{name} {key}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
         results["tasks"].setdefault(task.name, {})[key] = metrics
-    if not ev.decode_lengths:
+    lengths = list(ev.decode_lengths)
+    if limit:  # decode timing at L fills a cache of L + decode_steps positions
+        for L in [L for L in lengths if L + ev.decode_steps > limit]:
+            reason = f"needs {L + ev.decode_steps} positions; the model's learned position table has {limit}"
+            log(f"skip decode L{L}: {reason}")
+            results["skipped"].setdefault("decode", {})[f"L{L}"] = reason
+            lengths.remove(L)
+    if not lengths:
         return results
-    results["memory"] = memory(config, runner, ev.decode_lengths, formula=isinstance(model, Model))
+    results["memory"] = memory(config, runner, lengths, formula=isinstance(model, Model))
     results["decode"] = {
-        "context_len": list(ev.decode_lengths),
+        "context_len": lengths,
         "seconds_per_token": [runner.decode_seconds_per_token(L, batch_size=ev.decode_batch_size,
                                                               steps=ev.decode_steps)
-                              for L in ev.decode_lengths],
+                              for L in lengths],
         "batch_size": ev.decode_batch_size,
     }
     return results
