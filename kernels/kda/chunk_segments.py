@@ -2,7 +2,7 @@
 
 The forward pass S_{n+1} = A_n S_n + kg_n^T u_n (A_n = Diag(decay_n) - kg_n^T w_n) and the reverse
 pass dS_n = A_n^T dS_{n+1} + (qg_n^T do_n - w_n^T dvi_n) walk the N chunks in order, one program
-per (batch * head, 64 columns of V): at B * H = 16 and V = 128 that is 32 programs on a 132-SM
+per (batch * head, BLOCK_V = 64 columns of V): at B * H = 16 and V = 128 that is 32 programs on a 132-SM
 H200, each a chain of N steps (N = 1024 at T = 65536). With `segments` = s the chunks are cut into
 s segments of L = N / s and each pass becomes:
   1. every segment at once from the identity: one pass of width K + V with [I | 0] in and zeros
@@ -31,7 +31,13 @@ log = logging.getLogger(__name__)
 # `chunk.settings(segments=...)`; read while tracing. Not yet timed on a GPU, so the default stays 1.
 SEGMENT_CHOICES = (1, 2, 4, 8, 16, 32, 64, "auto")
 SEGMENTS = 1
-# "auto" fills about two programs per SM of the plain pass's (batch * head, 64 columns) programs
+# V columns per program of the Mosaic GPU passes (`mosaic_scan`; the XLA passes ignore it): at
+# V = 128, 64 gives two chains per (batch * head), 32 four, 16 eight, each step a product of width
+# BV. The other way besides segments to put more programs on the GPU when B * H is small. Set with
+# `chunk.settings(block_v=...)`; read while tracing. Not yet timed on a GPU: the default stays 64.
+BLOCK_V_CHOICES = (64, 32, 16)
+BLOCK_V = 64
+# "auto" fills about two programs per SM of the plain pass's (batch * head, BLOCK_V columns) programs
 # and keeps at least MIN_CHUNKS chunks per segment.
 PROGRAMS_PER_SM = 2
 MIN_CHUNKS = 16
@@ -112,7 +118,7 @@ def state_scan(scan, h0, w, u, kg, decay, segments: int):
     from its own row block (finals likewise); with final_only it may skip the per-chunk outputs,
     which pass 1 does not use. Returns the plain pass's triple."""
     B, H, K, V = h0.shape
-    s = effective_segments(kg.shape[0], segments, B * H * max(1, V // 64))
+    s = effective_segments(kg.shape[0], segments, B * H * max(1, V // BLOCK_V))
     if s == 1:
         return scan(h0, w, u, kg, decay)
     _, _, ends = scan(_identity_start(jnp.zeros((s * B, H, K, V), h0.dtype)), w, _widen(u, K), kg, decay,
@@ -134,7 +140,7 @@ def grad_scan(scan, dS_final, chunked, sources, segments: int):
     entries pass), `sources`: those that carry V in their last axis (they enter linearly: zeros
     before them make pass 1's [I | 0] columns a pure transition). Returns the same triple."""
     B, H, K, V = dS_final.shape
-    s = effective_segments(next(x for x in chunked if x is not None).shape[0], segments, B * H * max(1, V // 64))
+    s = effective_segments(next(x for x in chunked if x is not None).shape[0], segments, B * H * max(1, V // BLOCK_V))
     if s == 1:
         return scan(dS_final, chunked, sources)
     zero_end = jnp.zeros((s * B, H, K, V), dS_final.dtype)

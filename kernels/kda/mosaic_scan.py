@@ -2,7 +2,9 @@
 
 Both walk the chunks of one (batch*head, V-block) program in order, the carried [K, BV] matrix in
 float32 registers (a wgmma accumulator), the chunk tensors streaming in by TMA, double-buffered.
-On chunk arrays [N, BH, ...] (chunk index first, as `chunk.py` keeps them; C = 64, BV = 64):
+BV (`chunk_segments.BLOCK_V`: 64, 32 or 16, read while tracing) sets the programs per (batch *
+head): V / BV chains walk the chunks side by side, each with an N = BV product. On chunk arrays
+[N, BH, ...] (chunk index first, as `chunk.py` keeps them; C = 64):
 
 forward (`state_scan`), S_0 = h0:
     write S_n (compute dtype);  v'_n = u_n - w_n S_n (write, compute dtype)
@@ -27,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels.kda import chunk
+from kernels.kda import chunk, chunk_segments
 from kernels.kda.hopper import SUPPORTED_DIMS, per_shard, unsupported_reason
 from kernels.kda.hopper import device_kind as _device_kind
 from kernels.kda.mosaic_state import launch_bh_v, load_carried, smem_transforms
@@ -35,7 +37,6 @@ from kernels.kda.mosaic_state import launch_bh_v, load_carried, smem_transforms
 log = logging.getLogger(__name__)
 
 C = 64  # chunk length
-BV = 64  # V columns per program
 
 
 
@@ -48,8 +49,18 @@ def _store_last(x, smem, dst):
     plgpu.copy_smem_to_gmem(smem, dst)
     plgpu.wait_smem_to_gmem(0)
 
-def _smem(shape, dtype):
-    return plgpu.SMEM(shape, dtype, transforms=smem_transforms(shape[-1], dtype))
+def _smem(shape, dtype, BV):
+    # wgmma takes both SMEM operands with one swizzle: every operand tile is swizzled as a BV-wide
+    # one is (bf16: BV 64 -> 128 bytes, as a K-wide tile; BV 32 -> 64; BV 16 -> 32).
+    return plgpu.SMEM(shape, dtype, transforms=smem_transforms(min(shape[-1], BV), dtype))
+
+
+def block_v() -> int:
+    """The programs' V columns (`chunk_segments.BLOCK_V`, read while tracing)."""
+    BV = chunk_segments.BLOCK_V
+    if BV not in chunk_segments.BLOCK_V_CHOICES:
+        raise ValueError(f"chunk_segments.BLOCK_V={BV!r}; expected one of {chunk_segments.BLOCK_V_CHOICES}")
+    return BV
 
 
 def _mm(fn, shape):
@@ -87,7 +98,7 @@ def _outputs(refs, n_in, final_only):
     return ins, ((None, None, outs[0]) if final_only else outs), scratch
 
 
-def _fwd_body(*refs, NT, BH, K, dt, delta, final_only):
+def _fwd_body(*refs, NT, BH, K, BV, dt, delta, final_only):
     ins_refs, (st_ref, vn_ref, ht_ref), scratch = _outputs(refs, 5 if delta else 4, final_only)
     if delta:
         w_ref, u_ref, kg_ref, d_ref, h0_ref = ins_refs
@@ -98,7 +109,7 @@ def _fwd_body(*refs, NT, BH, K, dt, delta, final_only):
         u_s, kg_s, d_s, s_s, vn_s, h_s, bars, h_bar = scratch
         ins = ((u_ref, u_s, True), (kg_ref, kg_s, False), (d_ref, d_s, False))
     p, bh, first = _program(BH, NT)
-    vs = pl.ds(lax.axis_index("v") * BV, BV)
+    vs = pl.ds(pl.multiple_of(lax.axis_index("v") * BV, BV), BV)
     issue, wait = _loader(ins, bars, bh, vs, first)
 
     S = load_carried(0, issue, h0_ref.at[p, :, vs], h_s, h_bar.at[0])
@@ -141,7 +152,7 @@ def _fwd_body(*refs, NT, BH, K, dt, delta, final_only):
     _store_last(lax.fori_loop(0, NT, step, S), h_s, ht_ref.at[p, :, vs])
 
 
-def _check_dims(name, Cc, K, V):
+def _check_dims(name, Cc, K, V, BV):
     """K: a wgmma operand width; V: any multiple of the programs' BV columns (the segmented passes'
     width-(K + V) pass runs V = 256)."""
     if Cc != C or K not in SUPPORTED_DIMS or V % BV or V < BV:
@@ -165,14 +176,16 @@ def state_scan(w, u, kg, decay, h0, *, interpret=False, final_only=False, segmen
     _check_segments(N, segments, h0, BH)
     V = u.shape[-1]
     dt = kg.dtype
-    _check_dims("state_scan", Cc, K, V)
+    BV = block_v()
+    _check_dims("state_scan", Cc, K, V, BV)
+    _smem_ = functools.partial(_smem, BV=BV)
     delta = w is not None
-    ins = [_smem((2, C, BV), dt), _smem((2, C, K), dt), plgpu.SMEM((2, K), jnp.float32)]
+    ins = [_smem_((2, C, BV), dt), _smem_((2, C, K), dt), plgpu.SMEM((2, K), jnp.float32)]
     if delta:
-        ins = [_smem((2, C, K), dt)] + ins
+        ins = [_smem_((2, C, K), dt)] + ins
     scratch = ins + [
-        _smem((K, BV), dt),
-        _smem((C, BV), dt),
+        _smem_((K, BV), dt),
+        _smem_((C, BV), dt),
         plgpu.SMEM((K, BV), jnp.float32),
         plgpu.Barrier(num_barriers=2 * (4 if delta else 3)),
         plgpu.Barrier(num_barriers=1),
@@ -181,12 +194,13 @@ def state_scan(w, u, kg, decay, h0, *, interpret=False, final_only=False, segmen
     out_type = (final,) if final_only else (
         jax.ShapeDtypeStruct((N, BH, K, V), dt), jax.ShapeDtypeStruct((N, BH, C, V), dt), final)
     args = ((w,) if delta else ()) + (u, kg, decay, h0)
-    body = functools.partial(_fwd_body, NT=N // segments, BH=BH, K=K, dt=dt, delta=delta, final_only=final_only)
+    body = functools.partial(_fwd_body, NT=N // segments, BH=BH, K=K, BV=BV, dt=dt, delta=delta,
+                             final_only=final_only)
     out = launch_bh_v(body, out_type, scratch, args, BH=segments * BH, V=V, BV=BV, interpret=interpret)
     return (None, None, out[0]) if final_only else out
 
 
-def _bwd_body(*refs, NT, BH, K, dt, delta, final_only):
+def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only):
     ins_refs, (dhs_ref, dvn_ref, dh0_ref), scratch = _outputs(refs, 7 if delta else 6, final_only)
     if delta:
         w_ref, kg_ref, qg_ref, do_ref, dvi_ref, d_ref, dS_ref = ins_refs
@@ -199,7 +213,7 @@ def _bwd_body(*refs, NT, BH, K, dt, delta, final_only):
     ins += ((kg_ref, kg_s, False), (qg_ref, qg_s, False), (do_ref, do_s, True), (dvi_ref, dvi_s, True),
             (d_ref, d_s, False))
     p, bh, first = _program(BH, NT)
-    vs = pl.ds(lax.axis_index("v") * BV, BV)
+    vs = pl.ds(pl.multiple_of(lax.axis_index("v") * BV, BV), BV)
     issue, wait = _loader(ins, bars, bh, vs, first)
 
     dS = load_carried(NT - 1, issue, dS_ref.at[p, :, vs], ds_f, h_bar.at[0])
@@ -258,27 +272,30 @@ def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, fin
     _check_segments(N, segments, dS_final, BH)
     V = do.shape[-1]
     dt = kg.dtype
-    _check_dims("grad_scan", Cc, K, V)
+    BV = block_v()
+    _check_dims("grad_scan", Cc, K, V, BV)
+    _smem_ = functools.partial(_smem, BV=BV)
     delta = w is not None
     f32 = jnp.float32
     scratch = [
-        _smem((2, C, K), dt),
-        _smem((2, C, K), dt),
-        _smem((2, C, BV), dt),
+        _smem_((2, C, K), dt),
+        _smem_((2, C, K), dt),
+        _smem_((2, C, BV), dt),
         plgpu.SMEM((2, C, BV), f32),
         plgpu.SMEM((2, K), f32),
-        _smem((K, BV), dt),
-        _smem((C, BV), dt),
+        _smem_((K, BV), dt),
+        _smem_((C, BV), dt),
     ]
     if delta:
-        scratch = [_smem((2, C, K), dt)] + scratch + [_smem((C, BV), dt)]
+        scratch = [_smem_((2, C, K), dt)] + scratch + [_smem_((C, BV), dt)]
     n_in = 6 if delta else 5
     scratch += [plgpu.SMEM((K, BV), f32), plgpu.Barrier(num_barriers=2 * n_in), plgpu.Barrier(num_barriers=1)]
     first = jax.ShapeDtypeStruct((segments * BH, K, V), f32)
     out_type = (first,) if final_only else (
         jax.ShapeDtypeStruct((N, BH, K, V), f32), jax.ShapeDtypeStruct((N, BH, C, V), dt), first)
     args = ((w,) if delta else ()) + (kg, qg, do, dvn_intra, decay, dS_final)
-    body = functools.partial(_bwd_body, NT=N // segments, BH=BH, K=K, dt=dt, delta=delta, final_only=final_only)
+    body = functools.partial(_bwd_body, NT=N // segments, BH=BH, K=K, BV=BV, dt=dt, delta=delta,
+                             final_only=final_only)
     out = launch_bh_v(body, out_type, scratch, args, BH=segments * BH, V=V, BV=BV, interpret=interpret)
     return (None, None, out[0]) if final_only else out
 

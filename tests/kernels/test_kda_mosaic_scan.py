@@ -36,9 +36,19 @@ def _compare(rng, inputs, tol, lower_bound, dtype, impls=("naive", "chunk_mosaic
         assert_close(name, r, x, tol[name])
 
 
-@pytest.mark.parametrize("delta, N", [(True, 3), (False, 3), (True, 1)])
-def test_kernels_match_xla_passes(rng, delta, N):
-    """Both kernels against chunk.py's lax.scan passes on random chunk tensors [N, B, H, ...]."""
+@pytest.mark.parametrize("delta, N, block_v", [(True, 3, 64), (False, 3, 64), (True, 1, 64), (True, 3, 32),
+                                                (False, 2, 16)])
+def test_kernels_match_xla_passes(rng, delta, N, block_v, monkeypatch):
+    """Both kernels against chunk.py's lax.scan passes on random chunk tensors [N, B, H, ...]; at
+    block_v 32 / 16 each (batch * head) runs V / block_v programs side by side."""
+    launched, launch = [], mosaic_scan.launch_bh_v
+    monkeypatch.setattr(mosaic_scan, "launch_bh_v", lambda *a, **kw: launched.append(kw["BV"]) or launch(*a, **kw))
+    with chunk.settings(block_v=block_v):
+        _kernels_match_xla_passes(rng, delta, N)
+    assert launched == [block_v, block_v]
+
+
+def _kernels_match_xla_passes(rng, delta, N):
     B, H, K, V = 1, 2, 128, 64
     f = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32)
     w = f(N, B, H, 64, K) if delta else None
@@ -155,10 +165,11 @@ def test_falls_back_once_with_reason(rng, caplog):
     assert mosaic_scan.unsupported_reason(128, 64, jnp.float32, interpret=True) is None
 
 
-@pytest.mark.parametrize("B, T, H, K", [(8, 4096, 16, 128), (1, 128, 2, 64)])
-def test_forward_backward_lowers_for_cuda(B, T, H, K):
-    """The Mosaic GPU lowering (layouts, wgmma operands, SMEM budget) of both kernels in the bf16
-    forward+backward, exported for CUDA from this CPU machine."""
+@pytest.mark.parametrize("B, T, H, K, block_v", [(8, 4096, 16, 128, 64), (1, 128, 2, 64, 64),
+                                                  (1, 65536, 16, 128, 32), (1, 128, 2, 128, 16)])
+def test_forward_backward_lowers_for_cuda(B, T, H, K, block_v):
+    """The Mosaic GPU lowering (layouts, wgmma operands with one swizzle, SMEM budget) of both
+    kernels in the bf16 forward+backward, exported for CUDA from this CPU machine."""
 
     def loss(q, k, v, g, beta, h0):
         o, S = chunk.run_chunked(q, k, v, g, beta, scale=K**-0.5, initial_state=h0, segment_ids=None,
@@ -169,7 +180,8 @@ def test_forward_backward_lowers_for_cuda(B, T, H, K):
     args = [sd((B, T, H, K), jnp.bfloat16)] * 3 + [sd((B, T, H, K), jnp.float32), sd((B, T, H), jnp.float32),
                                                    sd((B, H, K, K), jnp.float32)]
     fn = jax.jit(jax.grad(loss, argnums=tuple(range(6))))
-    module = jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+    with chunk.settings(block_v=block_v):
+        module = jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
     assert module.count("mosaic_gpu") >= 2
 
 
@@ -284,3 +296,13 @@ def test_scan_bench_pass_work_counts_what_each_pass_reads_and_writes():
         assert flops == tile * 64 * (4 if name.startswith("state") else 6), name
     rates = bench.roofline(10**9, 10**12, 1.0)  # 1 GB and 1 TFLOP in 1 ms
     assert rates["gbps"] == 1000.0 and rates["tflops"] == 1000.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_v", [32, 16])
+def test_gpu_narrow_v_blocks_match_naive(rng, block_v):
+    """The compiled serial passes with V / block_v programs per (batch * head), at a training
+    shape (bf16, bounded gates, packed documents) against naive, at the usual tolerances."""
+    inputs = make_inputs(rng, 2, 4096, 16, 128, 128, "channel", lower=-5.0, seg="random")
+    with chunk.settings(block_v=block_v):
+        _compare(rng, inputs, BF16_TOL, -5.0, jnp.bfloat16)
