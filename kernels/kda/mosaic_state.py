@@ -1,8 +1,8 @@
 """Mosaic GPU kernel for the inter-chunk stage of chunked KDA: state recurrence + output.
 
-One program per (batch*head, V-block) walks the chunks in order with the state
-S [K, BV] in float32 registers (a wgmma accumulator). Per chunk n, with the chunk tensors
-of `pallas_gpu_prep.prepare` (C = 64 rows):
+One program per (batch*head, V-block of BV = `chunk_segments.BLOCK_V` columns, 64 by default)
+walks the chunks in order with the state S [K, BV] in float32 registers (a wgmma accumulator).
+Per chunk n, with the chunk tensors of `pallas_gpu_prep.prepare` (C = 64 rows):
 
     V' = U_n + Wneg_n S                     [C, BV]   (Wneg = -W)
     O_n = QG_n S + A_n V'                   [C, BV]   (scale folded into QG and A)
@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import profiling
+from kernels.kda import chunk_segments
 
 C = 64  # chunk length (rows of every wgmma's M side except the state update)
 
@@ -64,8 +65,10 @@ def smem_transforms(minor: int, dtype) -> tuple:
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
-def _smem(shape, dtype):
-    return plgpu.SMEM(shape, dtype, transforms=smem_transforms(shape[-1], dtype))
+def _smem(shape, dtype, BV=None):
+    """A swizzled SMEM tile; with `BV`, swizzled as a BV-wide tile is (wgmma takes both SMEM
+    operands with one swizzle, so narrow V blocks narrow every operand's swizzle)."""
+    return plgpu.SMEM(shape, dtype, transforms=smem_transforms(min(shape[-1], BV or shape[-1]), dtype))
 
 
 def _mm(fn, shape):
@@ -78,8 +81,7 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *r
     st_ref, rest = (rest[0], rest[1:]) if with_states else (None, rest)
     (qg_s, wn_s, kg_s, u_s, a_s, d_s, s_s, vn_s, o_s, h_s, bars, h_bar) = rest
     bh = lax.axis_index("bh")
-    v0 = lax.axis_index("v") * BV
-    vs = pl.ds(v0, BV)
+    vs = pl.ds(pl.multiple_of(lax.axis_index("v") * BV, BV), BV)
     ins = ((qg_ref, qg_s, None), (wn_ref, wn_s, None), (kg_ref, kg_s, None), (u_ref, u_s, vs), (a_ref, a_s, None), (d_ref, d_s, None))
 
     def issue(n, slot):
@@ -143,7 +145,7 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *r
 
 
 def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_states=False, heads=None,
-                 chunk_major=False, a_transposed=False):
+                 chunk_major=False, a_transposed=False, block_v=None):
     """Run the inter-chunk kernel.
 
     qg, wn, kg [BH, NT, C, K]; u [BH, NT, C, V]; a [BH, NT, C, C] (one operand
@@ -154,25 +156,29 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
     With `heads` = H (BH = B * H), o is [B, NT * C, H, V] instead (the layout of the inputs).
     `chunk_major`: the chunk operands (qg .. a, d) are [NT, BH, ...] instead (`chunk.py`'s layout).
     `a_transposed`: a holds A^T (as `mosaic_intra_bf16` writes it).
-    `interpret`: run under the Mosaic GPU interpreter (CPU tests).
+    `interpret`: run under the Mosaic GPU interpreter (CPU tests). `block_v`: V columns per
+    program, 64, 32 or 16 (None: `chunk_segments.BLOCK_V`, read while tracing).
     """
     NT, BH, Cc, K = qg.shape if chunk_major else (qg.shape[1], qg.shape[0], *qg.shape[2:])
     V = u.shape[-1]
     if Cc != C or K % 64 or V % 64:
         raise ValueError(f"state_output needs C={C} and K, V multiples of 64; got C={Cc}, K={K}, V={V}")
+    BV = chunk_segments.BLOCK_V if block_v is None else block_v
+    if BV not in chunk_segments.BLOCK_V_CHOICES:
+        raise ValueError(f"state_output: block_v={BV!r}; expected one of {chunk_segments.BLOCK_V_CHOICES}")
     dt = qg.dtype
-    BV = 64
+    _smem_ = functools.partial(_smem, BV=BV)
     scratch = [
-        _smem((2, C, K), dt),
-        _smem((2, C, K), dt),
-        _smem((2, C, K), dt),
-        _smem((2, C, BV), dt),
-        _smem((2, C, C), dt),
+        _smem_((2, C, K), dt),
+        _smem_((2, C, K), dt),
+        _smem_((2, C, K), dt),
+        _smem_((2, C, BV), dt),
+        _smem_((2, C, C), dt),
         plgpu.SMEM((2, K), jnp.float32),
-        _smem((K, BV), dt),
-        _smem((C, BV), dt),
-        _smem((C, BV), out_dtype),  # swizzled: the register stores of o and h are bank-conflict free
-        _smem((K, BV), jnp.float32),
+        _smem_((K, BV), dt),
+        _smem_((C, BV), dt),
+        _smem_((C, BV), out_dtype),  # swizzled: the register stores of o and h are bank-conflict free
+        _smem_((K, BV), jnp.float32),
         plgpu.Barrier(num_barriers=6 * 2, num_arrivals=1),
         plgpu.Barrier(num_barriers=1),
     ]

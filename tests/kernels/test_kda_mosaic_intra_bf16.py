@@ -108,9 +108,10 @@ def test_lowers_for_cuda_within_two_programs_per_sm(monkeypatch, K, V):
     assert sizes and max(sizes) <= 113 * 1024
 
 
-def test_state_kernel_with_states_lowers_for_cuda():
+@pytest.mark.parametrize("block_v", [64, 32, 16])
+def test_state_kernel_with_states_lowers_for_cuda(block_v):
     """The state kernel's per-chunk state output (the backward's residual), its o written
-    straight into [B, T, H, V] and chunk-major operands lower for CUDA."""
+    straight into [B, T, H, V] and chunk-major operands lower for CUDA, at every V block width."""
     from kernels.kda import mosaic_state
 
     BH, NT, C, K, V = 2, 3, 64, 128, 128
@@ -118,7 +119,7 @@ def test_state_kernel_with_states_lowers_for_cuda():
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
     for chunk_major in (False, True):
         f = jax.jit(lambda *a, cm=chunk_major: mosaic_state.state_output(
-            *a, out_dtype=jnp.bfloat16, with_states=True, heads=2, chunk_major=cm))
+            *a, out_dtype=jnp.bfloat16, with_states=True, heads=2, chunk_major=cm, block_v=block_v))
         lead = (NT, BH) if chunk_major else (BH, NT)
         args = (bf(*lead, C, K), bf(*lead, C, K), bf(*lead, C, K), bf(*lead, C, V), bf(*lead, C, C),
                 f32(*lead, K), f32(BH, K, V))
@@ -161,3 +162,22 @@ def test_kernel_marks_its_profiler_phases_in_order():
     want = ["load", "cumsum", "row_side", "row_side_out", "scores", "scores_operand", "scores_issue",
             "scores_wait", "scores_drain", "scores_out", "inverse", "wy", "store"]
     assert [s for s in seen if s in want] == want
+
+
+@pytest.mark.parametrize("block_v", [32, 16])
+def test_state_kernel_narrow_v_blocks_equal_64(rng, block_v):
+    """V / block_v programs per (batch * head) give the 64-column kernel's o, final state and
+    per-chunk states (interpreted; bf16 operands, float32 accumulation)."""
+    from kernels.kda import mosaic_state
+
+    BH, NT, C, K, V = 2, 3, 64, 64, 64
+    bf = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.bfloat16)  # noqa: E731
+    args = (bf(BH, NT, C, K), bf(BH, NT, C, K), bf(BH, NT, C, K), bf(BH, NT, C, V), bf(BH, NT, C, C),
+            jnp.asarray(rng.uniform(0.5, 1.0, (BH, NT, K)), jnp.float32),
+            jnp.asarray(rng.standard_normal((BH, K, V)), jnp.float32))
+    run = lambda bv: mosaic_state.state_output(*args, out_dtype=jnp.float32, with_states=True,  # noqa: E731
+                                               interpret=True, block_v=bv)
+    for name, want, got in zip(("o", "S", "states"), run(64), run(block_v)):
+        assert_close(name, want.astype(jnp.float32), got.astype(jnp.float32), 1e-6)
+    with pytest.raises(ValueError, match="block_v=48"):
+        run(48)

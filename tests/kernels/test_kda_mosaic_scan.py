@@ -185,9 +185,10 @@ def test_forward_backward_lowers_for_cuda(B, T, H, K, block_v):
     assert module.count("mosaic_gpu") >= 2
 
 
-def test_forward_only_lowers_for_cuda(monkeypatch):
+@pytest.mark.parametrize("block_v", [64, 16])
+def test_forward_only_lowers_for_cuda(monkeypatch, block_v):
     """A forward-only bounded bf16 chunk_mosaic call, as on a Hopper GPU, lowers for CUDA with
-    pallas_gpu's intra and state kernels."""
+    pallas_gpu's intra and state kernels (the state kernel at block_v columns per program)."""
     from kernels.kda import hopper, kda
 
     monkeypatch.setattr(mosaic_scan, "_device_kind", lambda: "hopper")
@@ -196,7 +197,8 @@ def test_forward_only_lowers_for_cuda(monkeypatch):
     sd = jax.ShapeDtypeStruct
     args = [sd((B, T, H, K), jnp.bfloat16)] * 3 + [sd((B, T, H, K), jnp.float32), sd((B, T, H), jnp.float32)]
     fn = jax.jit(lambda *a: kda(*a, lower_bound=-5.0, impl="chunk_mosaic")[0])
-    module = jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+    with chunk.settings(block_v=block_v):
+        module = jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
     assert module.count("mosaic_gpu") >= 2
 
 
