@@ -12,7 +12,15 @@ one row per compiled kernel (registers per thread, spill stores and loads, stack
 JSON (default benchmarks/results/mosaic-ptxas-<time>.json) keeps the raw report too.
 
 Needs a Hopper GPU: on any other device the kernels run interpreted or not at all, and the script
-stops with that reason instead of writing an empty table.
+stops with that reason instead of writing an empty table. Or, on a machine without one:
+
+    pip install jax-cuda12-pjrt==0.11.2 jax-cuda12-plugin==0.11.2   # + a ptxas on PATH (CUDA >= 12.8)
+    python benchmarks/mosaic_ptxas.py --deviceless [--cases ...]
+
+compiles each case ahead of time for an H200 (`H200_TARGET`, compute capability 9.0: sm_90a)
+without running it: the same ptxas report, from the kernels traced as on a Hopper GPU
+(`kernels.kda.hopper.assume_device_kind`). The CUDA plugin loads without a driver when
+JAX_SKIP_CUDA_CONSTRAINTS_CHECK is set, which the flag does before jax is imported.
 """
 
 from __future__ import annotations
@@ -25,6 +33,9 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if "--deviceless" in sys.argv:  # the CUDA plugin beside the CPU backend, no driver needed
+    os.environ.setdefault("JAX_PLATFORMS", "cpu,cuda")
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -163,13 +174,48 @@ CASES = dict(kda_fwd=_case_kda_fwd, kda_intra_bf16=_case_kda_intra_bf16, kda_tra
              gmm=_case_gmm)
 
 
-def run_case(name: str) -> dict:
-    """Compile and run case `name` once with ptxas's report captured; its kernels' rows."""
+# An H200 as XLA's GPU compiler describes a device (GpuTargetConfig), for --deviceless.
+H200_TARGET = """
+gpu_device_info {
+  threads_per_block_limit: 1024  threads_per_warp: 32  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472  threads_per_core_limit: 2048  core_count: 132  fpus_per_core: 128
+  block_dim_limit_x: 2147483647  block_dim_limit_y: 65535  block_dim_limit_z: 65535
+  memory_bandwidth: 4800000000000  l2_cache_size: 52428800  clock_rate_ghz: 1.98
+  device_memory_size: 150754820096  shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 }  registers_per_core_limit: 65536  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 8 }
+runtime_version { major: 12 minor: 8 }
+device_description_str: "NVIDIA H200"
+"""
+
+
+def deviceless_sharding():
+    """A one-device sharding on an H200 compiled for ahead of time (no GPU needed)."""
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    try:
+        topo = topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET, topology="1x1x1")
+    except (NotImplementedError, RuntimeError) as e:
+        raise SystemExit(f"--deviceless needs the CUDA PJRT plugin (pip install jax-cuda12-pjrt==0.11.2 "
+                         f"jax-cuda12-plugin==0.11.2): {type(e).__name__}: {e}") from None
+    return NamedSharding(topologies.make_mesh(topo, (1,), ("d",)), PartitionSpec())
+
+
+def run_case(name: str, sharding=None) -> dict:
+    """Compile and run case `name` once with ptxas's report captured; its kernels' rows. With a
+    `sharding` (`deviceless_sharding`) compile it for that sharding's device without running it."""
     fn, args = CASES[name]()
     os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
     try:
         with captured_fd_stdout() as text:
-            jax.block_until_ready(jax.jit(fn)(*args))
+            if sharding is None:
+                jax.block_until_ready(jax.jit(fn)(*args))
+            else:
+                spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
+                jax.jit(fn).lower(*spec).compile()
     finally:
         os.environ.pop("MOSAIC_GPU_DUMP_PTXAS", None)
     kernels = parse_ptxas(text[0])
@@ -214,10 +260,36 @@ def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {list(CASES)}")
     p.add_argument("--out", help="JSON path (default benchmarks/results/mosaic-ptxas-<time>.json)")
+    p.add_argument("--kda_settings", default="",
+                   help="chunk.settings for every case, as benchmarks/kda.py takes them: e.g. block_v=32")
+    p.add_argument("--deviceless", action="store_true",
+                   help="compile for an H200 ahead of time instead of running on this machine's GPU")
     a = p.parse_args(argv)
-    results = run_cases(p, a.cases, run_case, markdown, "mosaic_ptxas", "elsewhere no kernel is compiled")
-    path = write_json(dict(env=environment(), results=results), a.out, "mosaic-ptxas")
+    from benchmarks.kda import chunk_settings
+    from kernels.kda import chunk
+
+    try:
+        settings = chunk_settings(a.kda_settings)
+    except ValueError as e:
+        p.error(f"--kda_settings: {e}")
+    record = dict(env=environment(), kda_settings=settings)
+    with chunk.settings(**settings):
+        results = _run(p, a, record)
+    path = write_json(dict(record, results=results), a.out, "mosaic-ptxas")
     print(markdown(results) + f"\nwrote {path}", flush=True)
+    return results
+
+
+def _run(p, a, record) -> list[dict]:
+    if a.deviceless:
+        from kernels.kda.hopper import assume_device_kind
+
+        sharding = deviceless_sharding()
+        record["target"] = "NVIDIA H200 (sm_90a), compiled ahead of time without a GPU (--deviceless)"
+        with assume_device_kind("hopper"):
+            results = run_cases(p, a.cases, lambda n: run_case(n, sharding), markdown, "mosaic_ptxas", "")
+    else:
+        results = run_cases(p, a.cases, run_case, markdown, "mosaic_ptxas", "elsewhere no kernel is compiled")
     return results
 
 

@@ -47,3 +47,30 @@ def test_refuses_without_a_hopper_gpu_and_unknown_cases():
         bench.main(["--cases", "kda_fwd"])
     with pytest.raises(SystemExit):
         bench.main(["--cases", "kda_everything"])
+
+
+def test_assume_device_kind_routes_the_kernels_and_restores():
+    """Under assume_device_kind("hopper") the kernels' dispatch sees a Hopper GPU (no interpreter,
+    the Mosaic impls for "auto"); afterwards this machine's kind is back; unknown kinds raise."""
+    from kernels.gmm import ops as gmm_ops
+    from kernels.kda import hopper
+
+    here = hopper.device_kind()
+    assert here == "cpu" and gmm_ops._interpret()
+    with hopper.assume_device_kind("hopper"):
+        assert hopper.device_kind() == "hopper"
+        assert hopper.unsupported_reason(128, 128, "bfloat16", interpret=False) is None
+        assert gmm_ops.resolve_impl("auto", "bfloat16", "bfloat16") == "pallas_gpu" and not gmm_ops._interpret()
+    assert hopper.device_kind() == here and gmm_ops.resolve_impl("auto", "bfloat16", "bfloat16") == "ragged_dot"
+    with pytest.raises(ValueError, match="expected one of"):
+        with hopper.assume_device_kind("ampere"):
+            pass
+
+
+def test_settings_are_checked_and_deviceless_needs_the_plugin():
+    with pytest.raises(SystemExit):
+        bench.main(["--cases", "kda_train", "--kda_settings", "block_v=48"])
+    if importlib.util.find_spec("jax_plugins") and importlib.util.find_spec("jax_plugins.xla_cuda12"):
+        pytest.skip("the CUDA plugin is installed here: --deviceless would compile")
+    with pytest.raises(SystemExit, match="CUDA PJRT plugin"):
+        bench.main(["--cases", "kda_train", "--deviceless"])

@@ -11,12 +11,11 @@ the platform is not a GPU). "auto" picks "pallas_gpu" on Hopper for 16-bit opera
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from kernels.gmm import pallas_gpu, reference
+from kernels.kda.hopper import device_kind
 
 IMPLS = ("ragged_dot", "pallas_gpu")
 
@@ -27,10 +26,8 @@ DEFAULT_BLOCKS = (pallas_gpu.Blocks(), pallas_gpu.Blocks(),
                   pallas_gpu.Blocks(bm=128, bn=128, bk=128, stages=3))
 
 
-@functools.cache
 def _is_hopper() -> bool:
-    d = jax.devices()[0]
-    return d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9.0")
+    return device_kind() == "hopper"
 
 
 def resolve_impl(impl: str, *dtypes) -> str:
@@ -44,7 +41,7 @@ def resolve_impl(impl: str, *dtypes) -> str:
 
 
 def _interpret() -> bool:
-    return jax.devices()[0].platform != "gpu"
+    return device_kind() != "hopper" and jax.devices()[0].platform != "gpu"
 
 
 def _check(lhs, rhs_or_dout, group_sizes, *, rhs_ndim):

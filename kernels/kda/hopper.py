@@ -12,6 +12,7 @@ supported: each shard holds whole sequences).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -20,9 +21,32 @@ import jax.numpy as jnp
 SUPPORTED_DIMS = (64, 128)  # K and V: whole 64-wide wgmma tiles, the state fits the registers
 
 
-@functools.cache
+_ASSUMED: str | None = None  # set by `assume_device_kind`
+DEVICE_KINDS = ("hopper", "cpu", "other")
+
+
 def device_kind() -> str:
-    """'hopper', 'cpu' (interpret mode) or 'other'."""
+    """'hopper', 'cpu' (interpret mode) or 'other': this machine's first device, unless
+    `assume_device_kind` says otherwise."""
+    return _ASSUMED or _detected_kind()
+
+
+@contextlib.contextmanager
+def assume_device_kind(kind: str):
+    """Within the block, trace as on a `kind` device: e.g. "hopper" on a machine without a GPU,
+    to compile the kernels ahead of time for an H200 (`benchmarks/mosaic_ptxas.py --deviceless`)."""
+    global _ASSUMED
+    if kind not in DEVICE_KINDS:
+        raise ValueError(f"assume_device_kind({kind!r}): expected one of {DEVICE_KINDS}")
+    old, _ASSUMED = _ASSUMED, kind
+    try:
+        yield
+    finally:
+        _ASSUMED = old
+
+
+@functools.cache
+def _detected_kind() -> str:
     d = jax.devices()[0]
     if d.platform == "cpu":
         return "cpu"
