@@ -61,6 +61,9 @@ def data_defaults() -> ml_collections.ConfigDict:
     data.seq_len = 0
     # Global batch in sequences (split over hosts and the data/fsdp/expert mesh axes).
     data.batch_size = 32
+    # kind "task": 0 = fresh examples every step; N > 0 = a fixed training set of N examples,
+    # reshuffled every epoch (Zoology's MQAR: 100k). Evaluation always draws fresh examples.
+    data.num_train_examples = 0
     # Held-out batches per in-training evaluation.
     data.eval_batches = 4
     # TFDS: dataset name (e.g. "lm1b") and folder holding prepared array_record datasets.

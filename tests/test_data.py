@@ -225,3 +225,33 @@ def test_sentencepiece_tokenizer_round_trip(tmp_path):
     (tmp_path / "corrupt.model").write_bytes(b"not a model")
     with pytest.raises(ValueError, match="corrupt.model"):
         SentencePieceTokenizer(str(tmp_path / "corrupt.model"))
+
+
+def test_task_pool_is_a_fixed_set_reshuffled_every_epoch():
+    """num_train_examples = N: the stream's first N examples, each exactly once per epoch, in a new
+    order every epoch; hosts' shares tile it; eval stays fresh; other data kinds refuse it."""
+    task = sources.make_task(_task_config().data)
+    N = 20
+    endless = sources.TaskSource(task, 3, "train", block_size=8)
+    pooled = sources.TaskSource(task, 3, "train", block_size=8, pool=N)
+    key = lambda ex: ex["inputs"].tobytes() + ex["targets"].tobytes()  # noqa: E731
+    first = {key(endless[i]): i for i in range(N)}
+    assert len(first) == N
+    epochs = [[first[key(pooled[e * N + j])] for j in range(N)] for e in range(3)]
+    for order in epochs:
+        assert sorted(order) == list(range(N))
+    assert epochs[0] != epochs[1] != epochs[2]
+    ex = pooled[5]
+    assert ex["inputs"].dtype == np.int32 and ex["loss_mask"].dtype == bool
+    np.testing.assert_array_equal(ex["loss_mask"], endless[epochs[0][5]]["loss_mask"])
+    share = [sources.TaskSource(task, 3, "train", block_size=8, pool=N, shard=(h, 2)) for h in range(2)]
+    assert [key(share[h][i]) for i in range(N // 2) for h in range(2)] == [key(pooled[i]) for i in range(N)]
+    with pytest.raises(ValueError, match="pool"):
+        sources.TaskSource(task, 3, "train", pool=-1)
+    config = _task_config()
+    config.data.num_train_examples = N
+    train, fresh = sources.documents(config, "train"), sources.documents(config, "eval")
+    assert train.pool == N and fresh.pool == 0
+    config.data.kind = "files"
+    with pytest.raises(ValueError, match="num_train_examples=20 takes an on-the-fly task"):
+        sources.documents(config, "train")

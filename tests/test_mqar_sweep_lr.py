@@ -147,3 +147,13 @@ def test_zoology_attention_variant():
         batches[t.point["seq_len"]] = config.data.batch_size
     assert batches == {64: 512, 128: 512, 256: 256, 512: 128}  # Zoology's; gpu_long halves them
     assert len(_trials("zoology_attention,widths=64")) == 8
+
+
+def test_train_examples_is_its_own_axis_and_reaches_the_data():
+    plain = _trials("zoology_attention,widths=64,settings=512x64")
+    fixed = _trials("zoology_attention,widths=64,settings=512x64,train_examples=100000")
+    assert len(fixed) == len(plain) == 2 and not {t.name for t in fixed} & {t.name for t in plain}
+    for t, want in [(t, 100000) for t in fixed] + [(t, 0) for t in plain]:
+        assert mqar.get_config(t.config.split(":", 1)[1]).data.num_train_examples == want
+    with pytest.raises(ValueError, match="train_examples=-5"):
+        mqar.get_config("gpu_long,train_examples=-5")

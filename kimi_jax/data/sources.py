@@ -38,28 +38,60 @@ class TaskSource:
     `shard=(index, count)` is this host's share, examples index, index + count, ... of the stream
     (what `grain.MapDataset.source(...)[index::count]` gives, without grain's per-item cost: an
     MQAR batch of 256 rows at L = 64 takes 6.6 ms through grain's path, 2.3 ms this way;
-    `benchmarks/data_pipeline.py`, data-pipeline-cpu2-20261201.json)."""
+    `benchmarks/data_pipeline.py`, data-pipeline-cpu2-20261201.json).
 
-    def __init__(self, task, seed: int, split: str, block_size: int = 256, shard: tuple[int, int] = (0, 1)):
+    `pool` > 0: a fixed training set instead (Zoology's 100k examples over many epochs): the
+    stream's first `pool` examples, held in memory (at L = 512, 100k examples take about 256 MB),
+    visited in a new order every epoch (a permutation seeded by (seed, split, epoch))."""
+
+    def __init__(self, task, seed: int, split: str, block_size: int = 256, shard: tuple[int, int] = (0, 1),
+                 pool: int = 0):
         self.task, self.seed, self.split_id, self.block_size = task, int(seed), _split_id(split), block_size
         self.shard_index, self.shard_count = (int(v) for v in shard)
         if not 0 <= self.shard_index < self.shard_count:
             raise ValueError(f"shard {shard}: expected (index, count) with 0 <= index < count")
+        if isinstance(pool, bool) or not isinstance(pool, int) or pool < 0:
+            raise ValueError(f"pool={pool!r}: expected an int >= 0 (0: fresh examples without end)")
+        self.pool, self._pool_arrays = pool, None
 
     def __len__(self) -> int:
         return ENDLESS // self.shard_count
 
     @functools.lru_cache(maxsize=4)
     def _block(self, block: int) -> dict:
-        seed = int(np.random.SeedSequence([self.seed, self.split_id, block]).generate_state(1)[0] & 0x7FFFFFFF)
-        return self.task.generate(seed, self.block_size)
+        return self.task.generate(self._block_seed(block), self.block_size)
+
+    def _pooled(self) -> dict:
+        """The pool's examples (generated once, in the smallest integer dtype that holds them)."""
+        if self._pool_arrays is None:
+            n_blocks = -(-self.pool // self.block_size)
+            blocks = [self.task.generate(self._block_seed(b), self.block_size) for b in range(n_blocks)]
+            out = {}
+            for key in ("inputs", "targets", "loss_mask"):
+                x = np.concatenate([blk[key] for blk in blocks])[:self.pool]
+                if key != "loss_mask" and x.min() >= 0 and x.max() < 2**16:
+                    x = x.astype(np.uint16)
+                out[key] = x
+            self._pool_arrays = out
+        return self._pool_arrays
+
+    @functools.lru_cache(maxsize=2)
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        seed = np.random.SeedSequence([self.seed, self.split_id, 1 << 40, epoch])
+        return np.random.default_rng(seed).permutation(self.pool)
+
+    def _block_seed(self, block: int) -> int:
+        return int(np.random.SeedSequence([self.seed, self.split_id, block]).generate_state(1)[0] & 0x7FFFFFFF)
 
     def __getitem__(self, index: int) -> dict:
         if index < 0:
             raise IndexError(f"TaskSource index {index}: the stream is endless, index from its start")
         index = self.shard_index + index * self.shard_count
-        block = self._block(index // self.block_size)
-        i = index % self.block_size
+        if self.pool:
+            epoch, j = divmod(index, self.pool)
+            block, i = self._pooled(), int(self._epoch_order(epoch)[j])
+        else:
+            block, i = self._block(index // self.block_size), index % self.block_size
         return {"inputs": block["inputs"][i].astype(np.int32), "targets": block["targets"][i].astype(np.int32),
                 "loss_mask": block["loss_mask"][i].astype(bool)}
 
@@ -118,8 +150,13 @@ def documents(config, split: str, tokenizer=None):
 
     data, is_train = config.data, _split_id(split) == 0
     kind = data.kind
+    pool = data.get("num_train_examples", 0)
+    if pool and kind != "task":
+        raise ValueError(f"data.num_train_examples={pool} takes an on-the-fly task (data.kind='task'); "
+                         f"got kind={kind!r}, whose dataset fixes its own size")
     if kind == "task":  # generated from the seed: no shuffle, endless; the host's share in TaskSource
-        return TaskSource(make_task(data), config.seed, split, shard=(jax.process_index(), jax.process_count()))
+        return TaskSource(make_task(data), config.seed, split, shard=(jax.process_index(), jax.process_count()),
+                          pool=pool if is_train else 0)
     if kind == "tfds_task":
         from kimi_jax.data import tfds_tasks
 
