@@ -1,5 +1,6 @@
-"""The decoder: embedding (+ learned positions) -> blocks (token mixer + dense MLP or MoE, pre-norm, plain or block
-attention residuals) -> final norm -> untied head. Built from a `ModelConfig`.
+"""The decoder: embedding (+ learned positions) -> blocks (token mixer + dense MLP or MoE,
+pre-norm, plain or block attention residuals) -> final norm -> untied head. Built from a
+`ModelConfig`.
 
     model = build_model(config, rngs=nnx.Rngs(0))                 # reads config.model
     logits = model(tokens [B, T])                                 # [B, T, vocab] float32
