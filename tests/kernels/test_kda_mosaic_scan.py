@@ -80,9 +80,11 @@ def test_chunk_mosaic_matches_naive_float32(rng, B, T, H, K, V, gate, seg, lb):
     _compare(rng, inputs, F32_TOL, lb, jnp.float32)
 
 
-def test_chunk_mosaic_bfloat16(rng):
+@pytest.mark.parametrize("block_v", [64, 32])
+def test_chunk_mosaic_bfloat16(rng, block_v):
     inputs = make_inputs(rng, 1, 200, 2, 128, 128, "channel", lower=-5.0, seg="random")
-    _compare(rng, inputs, BF16_TOL, -5.0, jnp.bfloat16)
+    with chunk.settings(block_v=block_v):
+        _compare(rng, inputs, BF16_TOL, -5.0, jnp.bfloat16)
 
 
 def test_forward_only_calls_run_the_bounded_kernel_forward(rng, monkeypatch):
