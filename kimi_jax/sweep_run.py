@@ -36,8 +36,9 @@ class SubprocessRunner:
     <workdir>/times.json; returns success. A failure leaves <workdir>/FAILED: the reason and the
     log's tail. A trial run again (resumed after a stop, retried after a failure) keeps what the
     earlier attempts left: their logs as {train,eval}.log.1, .2, ... and their times in
-    times.json's "earlier" list, oldest first (`total_times` sums them). Setting `stop` ends the running command (SIGTERM to its process group, SIGKILL
-    after `grace_s`): train.py then saves a checkpoint, so a restarted sweep resumes the trial.
+    times.json's "earlier" list, oldest first (`total_times` sums them). Setting `stop` ends the
+    running command (SIGTERM to its process group, SIGKILL after `grace_s`): train.py then saves
+    a checkpoint, so a restarted sweep resumes the trial.
     `share` > 1 trials per device run without preallocation, each with `mem_fraction` (default
     0.9 / share) of the device memory. `extra_env` (e.g. `compile_cache_env`) is set for every
     command."""
@@ -93,7 +94,7 @@ class SubprocessRunner:
         if os.path.exists(trial.failed_file):
             os.remove(trial.failed_file)
         env, times_path = self.env(device), os.path.join(trial.workdir, "times.json")
-        times = {"earlier": earlier_attempts(times_path)}
+        times = {"earlier": _recorded_attempts(times_path)}
         for name in ("train.log", "eval.log"):
             _keep_earlier_log(os.path.join(trial.workdir, name))
         for cmd, name in zip(trial.commands(), ("train.log", "eval.log")):
@@ -111,23 +112,26 @@ class SubprocessRunner:
         return True
 
 
-def earlier_attempts(times_path: str) -> list[dict]:
-    """The attempts a times.json records so far (its "earlier" ones, then its own), oldest first."""
-    if not os.path.exists(times_path):
-        return []
-    with open(times_path) as f:
-        prior = json.load(f)
-    last = {k: v for k, v in prior.items() if k != "earlier"}
-    return prior.get("earlier", []) + ([last] if last else [])
+def attempts(times: dict) -> list[dict]:
+    """The attempts a times.json's content records ({program: seconds} each), oldest first."""
+    last = {k: v for k, v in times.items() if k != "earlier"}
+    return times.get("earlier", []) + ([last] if last else [])
 
 
 def total_times(times: dict) -> dict:
     """{program: wall seconds summed over a times.json's attempts}."""
     total: dict = {}
-    for attempt in times.get("earlier", []) + [{k: v for k, v in times.items() if k != "earlier"}]:
+    for attempt in attempts(times):
         for program, seconds in attempt.items():
             total[program] = round(total.get(program, 0.0) + seconds, 1)
     return total
+
+
+def _recorded_attempts(times_path: str) -> list[dict]:
+    if not os.path.exists(times_path):
+        return []
+    with open(times_path) as f:
+        return attempts(json.load(f))
 
 
 def _keep_earlier_log(log: str) -> None:

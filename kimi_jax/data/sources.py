@@ -62,7 +62,7 @@ class TaskSource:
         return self.task.generate(self._block_seed(block), self.block_size)
 
     def _pooled(self) -> dict:
-        """The pool's examples (generated once, in the smallest integer dtype that holds them)."""
+        """The pool's examples, generated once (token arrays as uint16 when their values fit)."""
         if self._pool_arrays is None:
             n_blocks = -(-self.pool // self.block_size)
             blocks = [self.task.generate(self._block_seed(b), self.block_size) for b in range(n_blocks)]
