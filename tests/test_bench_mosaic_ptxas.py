@@ -62,6 +62,13 @@ def test_assume_device_kind_routes_the_kernels_and_restores():
         assert hopper.unsupported_reason(128, 128, "bfloat16", interpret=False) is None
         assert gmm_ops.resolve_impl("auto", "bfloat16", "bfloat16") == "pallas_gpu" and not gmm_ops._interpret()
     assert hopper.device_kind() == here and gmm_ops.resolve_impl("auto", "bfloat16", "bfloat16") == "ragged_dot"
+    from kernels.kda import chunk, chunk_intra
+
+    with chunk.settings(scores_bwd="mosaic"):  # the kernel is only refused where it cannot compile
+        with hopper.assume_device_kind("hopper"):
+            assert chunk_intra._kernel_scores_bwd("bfloat16", 128)
+        with pytest.raises(ValueError, match="compiles a Mosaic GPU kernel, but the backend is 'cpu'"):
+            chunk_intra._kernel_scores_bwd("bfloat16", 128)
     with pytest.raises(ValueError, match="expected one of"):
         with hopper.assume_device_kind("ampere"):
             pass
