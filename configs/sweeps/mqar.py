@@ -248,14 +248,10 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
     if arg.num_heads:  # a head count for every width (Zoology's attention: 1); its own trial names
         if arg.num_heads < 0:
             raise ValueError(f"num_heads={arg.num_heads}: expected a positive head count (0 = d_model // 32)")
-        sweep.axes.num_heads = [arg.num_heads]
-    for key in ("rope", "mlp", "learned_pos", "full_batch"):  # Zoology's attention: see ZOOLOGY_ATTENTION
-        if key in forms and not arg.softmax_forms:
-            sweep.axes[key] = [bool(arg[key])]
-    if arg.train_examples:  # a fixed training set (Zoology: 100000), reshuffled every epoch
-        if arg.train_examples < 0:
-            raise ValueError(f"train_examples={arg.train_examples}: expected a positive example count (0 = fresh)")
-        sweep.axes.train_examples = [int(arg.train_examples)]
+    if arg.train_examples < 0:  # a fixed training set (Zoology: 100000), reshuffled every epoch
+        raise ValueError(f"train_examples={arg.train_examples}: expected a positive example count (0 = fresh)")
+    for key in forms:  # one value each (Zoology's attention: see ZOOLOGY_ATTENTION)
+        sweep.axes[key] = [arg[key]]
     if arg.tiny:  # 2 trials in seconds on CPU: softmax, width 16, 2 learning rates
         sweep.axes.mixer = ["softmax"]
         sweep.axes.d_model = [16]

@@ -44,6 +44,14 @@ MIN_CHUNKS = 16
 _warned: set = set()
 
 
+def block_v(value=None) -> int:
+    """The Mosaic GPU passes' V columns per program: `value`, or BLOCK_V when None; checked."""
+    bv = BLOCK_V if value is None else value
+    if bv not in BLOCK_V_CHOICES:
+        raise ValueError(f"block_v={bv!r}; expected one of {BLOCK_V_CHOICES}")
+    return bv
+
+
 def _num_sms() -> int:
     return getattr(jax.devices()[0], "core_count", None) or 132
 

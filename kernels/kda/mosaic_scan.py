@@ -32,7 +32,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels.kda import chunk, chunk_segments
 from kernels.kda.hopper import SUPPORTED_DIMS, per_shard, unsupported_reason
 from kernels.kda.hopper import device_kind as _device_kind
-from kernels.kda.mosaic_state import launch_bh_v, load_carried, smem_transforms
+from kernels.kda.mosaic_state import _smem, launch_bh_v, load_carried
 
 log = logging.getLogger(__name__)
 
@@ -49,18 +49,6 @@ def _store_last(x, smem, dst):
     plgpu.copy_smem_to_gmem(smem, dst)
     plgpu.wait_smem_to_gmem(0)
 
-def _smem(shape, dtype, BV):
-    # wgmma takes both SMEM operands with one swizzle: every operand tile is swizzled as a BV-wide
-    # one is (bf16: BV 64 -> 128 bytes, as a K-wide tile; BV 32 -> 64; BV 16 -> 32).
-    return plgpu.SMEM(shape, dtype, transforms=smem_transforms(min(shape[-1], BV), dtype))
-
-
-def block_v() -> int:
-    """The programs' V columns (`chunk_segments.BLOCK_V`, read while tracing)."""
-    BV = chunk_segments.BLOCK_V
-    if BV not in chunk_segments.BLOCK_V_CHOICES:
-        raise ValueError(f"chunk_segments.BLOCK_V={BV!r}; expected one of {chunk_segments.BLOCK_V_CHOICES}")
-    return BV
 
 
 def _mm(fn, shape):
@@ -176,7 +164,7 @@ def state_scan(w, u, kg, decay, h0, *, interpret=False, final_only=False, segmen
     _check_segments(N, segments, h0, BH)
     V = u.shape[-1]
     dt = kg.dtype
-    BV = block_v()
+    BV = chunk_segments.block_v()  # read while tracing
     _check_dims("state_scan", Cc, K, V, BV)
     _smem_ = functools.partial(_smem, BV=BV)
     delta = w is not None
@@ -272,7 +260,7 @@ def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, fin
     _check_segments(N, segments, dS_final, BH)
     V = do.shape[-1]
     dt = kg.dtype
-    BV = block_v()
+    BV = chunk_segments.block_v()  # read while tracing
     _check_dims("grad_scan", Cc, K, V, BV)
     _smem_ = functools.partial(_smem, BV=BV)
     delta = w is not None

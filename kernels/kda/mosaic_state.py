@@ -163,9 +163,7 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
     V = u.shape[-1]
     if Cc != C or K % 64 or V % 64:
         raise ValueError(f"state_output needs C={C} and K, V multiples of 64; got C={Cc}, K={K}, V={V}")
-    BV = chunk_segments.BLOCK_V if block_v is None else block_v
-    if BV not in chunk_segments.BLOCK_V_CHOICES:
-        raise ValueError(f"state_output: block_v={BV!r}; expected one of {chunk_segments.BLOCK_V_CHOICES}")
+    BV = chunk_segments.block_v(block_v)
     dt = qg.dtype
     _smem_ = functools.partial(_smem, BV=BV)
     scratch = [
