@@ -8,6 +8,7 @@ XLA baselines, per kernel and for the whole expert FFN / routed layer, counting 
     python benchmarks/moe.py --out DIR --workloads k3_small --gate_up separate,fused,fused_bwd,fused_glu   # gate/up forms
     python benchmarks/moe.py --out DIR --workloads k3_small --profile 20   # + kernel time per step
     python benchmarks/moe.py --out DIR --workloads k3_small --gate_up fused_glu --glu_blocks 64x128x64/3,64x128x64/4
+    python benchmarks/moe.py --out DIR --workloads k3_small --gate_up fused_glu,fused_ffn --ffn_blocks 64x64x64/2,64x128x64/2
 
 Times: ms per call with calls queued back to back (median of 3 runs of >= 50 ms), after one
 warm-up call; `ms_sync` (waiting on every call) is kept too. `--budget_s` stops starting new
@@ -52,7 +53,7 @@ import numpy as np  # noqa: E402
 from benchmarks.common import PEAK_TFLOPS, attempt, device_profile, environment, markdown_table  # noqa: E402
 from kernels import mxfp4  # noqa: E402
 from kernels.gmm import ops as gmm_ops, pallas_gpu, reference  # noqa: E402
-from kernels.gmm.glu import DEFAULT_GLU_BLOCKS, glu_ffn  # noqa: E402
+from kernels.gmm.glu import DEFAULT_FFN_BLOCKS, DEFAULT_GLU_BLOCKS, glu_ffn  # noqa: E402
 from kimi_jax import moe_dispatch  # noqa: E402
 from kimi_jax.ffn import glu_activation  # noqa: E402
 from kimi_jax.moe_dispatch import (  # noqa: E402
@@ -191,11 +192,11 @@ def _step_fn(part, impl, blocks, capacity, glu_blocks=None):
         matmul = reference.gmm
     else:
         matmul = padded_bmm(capacity)[0]
-    glu = None  # GATE_UP="fused_glu": the FFN with its activation in the kernels, same plain tiles
+    glu = None  # GATE_UP="fused_glu" / "fused_ffn": the FFN with its activation in the kernels
     if impl == "pallas_gpu":
-        def glu(x, wg, wu, wd, gs, act):
+        def glu(x, wg, wu, wd, gs, act, fusion):
             return glu_ffn(x, wg, wu, wd, gs, kind=act.kind, impl="pallas_gpu", blocks=blocks,
-                           glu_blocks=glu_blocks)
+                           glu_blocks=glu_blocks, fusion=fusion)
     if part == "ffn":
         def loss(xs, ex, gs):
             return jnp.sum(grouped_ffn(xs, gs, ex, _swiglu, matmul=matmul, glu_ffn=glu).astype(jnp.float32))
@@ -320,11 +321,13 @@ def mxfp4_row(w, rec, base, x_sorted, gate, group_sizes, warmup, iters):
 
 
 def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines, steps=True,
-                 with_mxfp4=False, gate_up=("separate",), profile=0, glu_tiles=(DEFAULT_GLU_BLOCKS,)):
+                 with_mxfp4=False, gate_up=("separate",), profile=0, glu_tiles=(DEFAULT_GLU_BLOCKS,),
+                 ffn_tiles=(DEFAULT_FFN_BLOCKS,)):
     """Rows in order of value, so that the time budget cuts the least useful ones: baselines
     and default-tile kernels, the fwd+bwd steps with default tiles, the tile sweep, and last
     the steps with the best tile of every kernel. Pallas steps run once per `gate_up` mode
-    (`moe_dispatch.GATE_UP`; "fused_glu" once per tile of the fused kernels in `glu_tiles`),
+    (`moe_dispatch.GATE_UP`; "fused_glu" once per tile of the fused kernels in `glu_tiles`,
+    "fused_ffn" once per tile in `ffn_tiles`),
     baselines with separate gate and up."""
     x, idx, weights, experts = _inputs(w)
     order, token, group_sizes = sort_by_expert(idx, w["experts"])
@@ -371,7 +374,8 @@ def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines, steps=Tru
                            ("layer", (x, experts, idx, weights))):
             for impl, b in variants:
                 modes = gate_up if impl == "pallas_gpu" else ("separate",)
-                for mode, gb in ((m, t) for m in modes for t in (glu_tiles if m == "fused_glu" else (None,))):
+                fused = dict(fused_glu=glu_tiles, fused_ffn=ffn_tiles)
+                for mode, gb in ((m, t) for m in modes for t in fused.get(m, (None,))):
                     if rec.elapsed() > deadline:
                         print(f"time budget spent: skipping {part} {impl} gate_up={mode}", flush=True)
                         continue
@@ -382,8 +386,8 @@ def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines, steps=Tru
                         r["profile"] = attempt(lambda: device_profile(compiled, args, profile, top=12))[0]
                     del compiled
                     tiles = _blocks_str(b)
-                    if mode == "fused_glu":
-                        tiles += f" glu {_blocks_str(gb)}"
+                    if mode in fused:
+                        tiles += f" {mode.removeprefix('fused_')} {_blocks_str(gb)}"
                     rec.add(dict(base, kind="step", name=part, impl=impl, gate_up=mode, blocks=tiles,
                                  **r), 9 * 2 * m * w["d"] * w["f"])
 
@@ -479,6 +483,9 @@ def main(argv=None):
     parser.add_argument("--glu_blocks", default="",
                         help="with --gate_up fused_glu: the fused GLU kernels' tiles, comma-separated "
                              "BMxBNxBK/STAGES (default kernels.gmm.glu.DEFAULT_GLU_BLOCKS)")
+    parser.add_argument("--ffn_blocks", default="",
+                        help="with --gate_up fused_ffn: the whole-FFN kernels' tiles (BN is the F and D "
+                             "tile), comma-separated BMxBNxBK/STAGES (default kernels.gmm.glu.DEFAULT_FFN_BLOCKS)")
     parser.add_argument("--budget_s", type=float, default=260.0,
                         help="stop starting measurements after this many seconds")
     parser.add_argument("--profile", type=int, default=0,
@@ -493,6 +500,10 @@ def main(argv=None):
         glu_tiles = parse_tiles(args.glu_blocks) or (DEFAULT_GLU_BLOCKS,)
     except ValueError as e:
         parser.error(f"--glu_blocks: {e}")
+    try:
+        ffn_tiles = parse_tiles(args.ffn_blocks) or (DEFAULT_FFN_BLOCKS,)
+    except ValueError as e:
+        parser.error(f"--ffn_blocks: {e}")
     iters = args.iters or (1 if args.quick else 5)
     warmup = 0 if args.quick else 1
     meta = dict(environment(), quick=args.quick, iters=iters, warmup=warmup, sweep=args.sweep,
@@ -507,7 +518,7 @@ def main(argv=None):
         deadline = args.budget_s if last else rec.elapsed() + w.get("share", 1.0) * args.budget_s
         run_workload(w, rec, sweep=args.sweep, iters=iters, warmup=warmup, steps=not args.no_steps,
                      with_mxfp4=args.mxfp4, gate_up=gate_up or ("separate",), profile=args.profile,
-                     glu_tiles=glu_tiles,
+                     glu_tiles=glu_tiles, ffn_tiles=ffn_tiles,
                      deadline=min(deadline, args.budget_s), baselines=baselines)
     print(markdown(rec.rows))
     return rec.rows

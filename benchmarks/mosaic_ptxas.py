@@ -169,9 +169,27 @@ def _case_gmm():
     return jax.grad(loss, argnums=(0, 1)), (x, w)
 
 
+def _case_gmm_ffn():
+    """The fused expert FFN (`glu_ffn`, fusion="ffn": forward kernel, backward rows kernel, two tgmm) at
+    the k3_small expert shapes (65536 rows, D = 256, F = 224, 8 experts, SiTU-GLU)."""
+    from kernels.gmm import glu
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    M, D, F, G = 65536, 256, 224, 8
+    x = jax.random.normal(keys[0], (M, D), jnp.bfloat16)
+    wg, wu = (jax.random.normal(k, (G, D, F), jnp.bfloat16) for k in keys[1:3])
+    wd = jax.random.normal(keys[3], (G, F, D), jnp.bfloat16)
+    sizes = jnp.full((G,), M // G, jnp.int32)
+
+    def loss(*a):
+        return jnp.sum(glu.glu_ffn(*a, sizes, kind="situ", impl="pallas_gpu", fusion="ffn").astype(jnp.float32))
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), (x, wg, wu, wd)
+
+
 CASES = dict(kda_fwd=_case_kda_fwd, kda_intra_bf16=_case_kda_intra_bf16, kda_train=_case_kda_train,
              kda_scores_bwd=_case_kda_scores_bwd, kda_decode=_case_kda_decode, short_conv=_case_short_conv,
-             gmm=_case_gmm)
+             gmm=_case_gmm, gmm_ffn=_case_gmm_ffn)
 
 
 # An H200 as XLA's GPU compiler describes a device (GpuTargetConfig), for --deviceless.

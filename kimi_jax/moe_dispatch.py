@@ -52,7 +52,10 @@ class ExpertWeights(NamedTuple):
 # (`glu_ffn=`, given by the gmm and expert-parallel dispatches) and dense expert weights. The
 # fastest form at k3_small (ffn 0.37 vs 0.43 ms, layer 0.46 vs 0.51;
 # moe-k3small-glu-h200-20261202T0220.json) but untimed at K3's per-device shapes, so not the default.
-GATE_UP_MODES = ("separate", "fused", "fused_bwd", "fused_glu")
+# "fused_ffn": the whole FFN of a block of rows in one kernel, its hidden activation in SMEM
+# (`glu_ffn(..., fusion="ffn")`): four launches per step and x the only residual, for experts
+# narrow enough (k3_small's; wider ones raise). Not yet timed.
+GATE_UP_MODES = ("separate", "fused", "fused_bwd", "fused_glu", "fused_ffn")
 GATE_UP = "separate"
 
 
@@ -77,17 +80,18 @@ def grouped_ffn(x_sorted, group_sizes, w: ExpertWeights, activation,
     x_sorted [M, D] (rows of expert e are contiguous, experts in order), group_sizes [E] int32
     (sum <= M; trailing rows beyond the sum give zeros), w: ExpertWeights -> [M, D] in x's dtype.
     `matmul(lhs [M, K], rhs [E, K, N], group_sizes [E]) -> [M, N]` is the grouped matmul; gate and
-    up run as GATE_UP says. `glu_ffn(x, w_gate, w_up, w_down, group_sizes, activation) -> [M, D]`
-    is the whole FFN with the activation fused, which GATE_UP="fused_glu" runs.
+    up run as GATE_UP says. `glu_ffn(x, w_gate, w_up, w_down, group_sizes, activation, fusion) -> [M, D]`
+    is the whole FFN with the activation fused, which GATE_UP="fused_glu" (fusion "glu") and
+    "fused_ffn" (fusion "ffn") run.
     """
     dtype = x_sorted.dtype
     mode = read_setting(sys.modules[__name__], "GATE_UP", GATE_UP_MODES)
-    if mode == "fused_glu":
+    if mode in ("fused_glu", "fused_ffn"):
         if glu_ffn is None:
-            raise ValueError("GATE_UP='fused_glu' needs a fused GLU kernel; the 'gmm' and 'expert_parallel' "
+            raise ValueError(f"GATE_UP={mode!r} needs a fused GLU kernel; the 'gmm' and 'expert_parallel' "
                              "dispatches have one (kernels.gmm.glu_ffn), this dispatch passes none")
         return glu_ffn(x_sorted, w.gate.astype(dtype), w.up.astype(dtype), w.down.astype(dtype), group_sizes,
-                       activation)
+                       activation, mode.removeprefix("fused_"))
     if mode == "fused":
         F = w.gate.shape[2]
         gu = matmul(x_sorted, concat_n(w.gate.astype(dtype), w.up.astype(dtype)), group_sizes)

@@ -49,15 +49,17 @@ def grouped_matmul(lhs, rhs, group_sizes):
     return gmm_ops.gmm(lhs, rhs, group_sizes)
 
 
-def fused_glu_ffn(x, w_gate, w_up, w_down, group_sizes, activation):
-    """The expert FFN with its activation fused into the grouped matmuls (`kernels.gmm.glu_ffn`),
-    for GATE_UP="fused_glu": dense weights and a GLU activation from `ffn.glu_activation`."""
+def fused_glu_ffn(x, w_gate, w_up, w_down, group_sizes, activation, fusion="glu"):
+    """The expert FFN with its activation fused into the grouped matmuls (`kernels.gmm.glu_ffn`,
+    `fusion` "glu" or "ffn"), for GATE_UP="fused_glu" / "fused_ffn": dense weights and a GLU
+    activation from `ffn.glu_activation`."""
+    mode = f"fused_{fusion}"
     if any(isinstance(w, mxfp4.MXFP4Weight) for w in (w_gate, w_up, w_down)):
-        raise ValueError("GATE_UP='fused_glu' runs dense expert weights; MXFP4 experts take 'separate' or 'fused'")
+        raise ValueError(f"GATE_UP={mode!r} runs dense expert weights; MXFP4 experts take 'separate' or 'fused'")
     if not isinstance(activation, GLU):
-        raise ValueError(f"GATE_UP='fused_glu' needs a named GLU activation (ffn.glu_activation); got {activation!r}")
+        raise ValueError(f"GATE_UP={mode!r} needs a named GLU activation (ffn.glu_activation); got {activation!r}")
     return gmm_ops.glu_ffn(x, w_gate, w_up, w_down, group_sizes, kind=activation.kind, beta=activation.beta,
-                           linear_beta=activation.linear_beta)
+                           linear_beta=activation.linear_beta, fusion=fusion)
 
 
 def gmm_dispatch(x, expert_idx, weights, experts: ExpertWeights, activation):

@@ -9,7 +9,7 @@ import pytest
 
 from kernels import mxfp4
 from kernels.gmm import pallas_gpu
-from kimi_jax import moe_dispatch
+from kimi_jax import moe_dispatch, moe_ep
 from kimi_jax.ffn import glu_activation
 from kimi_jax.moe_dispatch import ExpertWeights, concat_n, gate_up, grouped_ffn, ragged_dispatch
 from kimi_jax.moe_ep import gmm_dispatch, grouped_matmul
@@ -110,13 +110,17 @@ def test_gate_up_rejects_unknown_modes_and_mixed_weights():
         moe_dispatch.GATE_UP = old
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "situ"])
-def test_fused_glu_matches_separate_through_the_gmm_dispatch(activation):
-    """GATE_UP="fused_glu" hands the whole expert FFN to kernels.gmm.glu_ffn (its reference on the
-    CPU; the Pallas kernels have their own parity tests): same values and gradients as separate.
-    A dispatch without a fused GLU, or an activation that is not a named GLU, is refused."""
+@pytest.mark.parametrize("activation,mode", [("swiglu", "fused_glu"), ("situ", "fused_glu"), ("situ", "fused_ffn")])
+def test_fused_glu_matches_separate_through_the_gmm_dispatch(activation, mode, monkeypatch):
+    """GATE_UP="fused_glu" / "fused_ffn" hand the whole expert FFN to kernels.gmm.glu_ffn with
+    fusion "glu" / "ffn" (its reference on the CPU; the Pallas kernels have their own parity
+    tests): same values and gradients as separate. A dispatch without a fused GLU, or an
+    activation that is not a named GLU, is refused."""
     x, idx, w, experts = _inputs()
     act = glu_activation(activation)
+    fusions = []
+    glu_ffn = moe_ep.gmm_ops.glu_ffn
+    monkeypatch.setattr(moe_ep.gmm_ops, "glu_ffn", lambda *a, **kw: fusions.append(kw["fusion"]) or glu_ffn(*a, **kw))
 
     def run(mode):
         def loss(x, experts):
@@ -127,11 +131,12 @@ def test_fused_glu_matches_separate_through_the_gmm_dispatch(activation):
             return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, experts)
 
     (_, y_sep), g_sep = run("separate")
-    (_, y_glu), g_glu = run("fused_glu")
+    (_, y_glu), g_glu = run(mode)
+    assert fusions and set(fusions) == {mode.removeprefix("fused_")}
     np.testing.assert_allclose(np.asarray(y_glu), np.asarray(y_sep), rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves(g_sep), jax.tree.leaves(g_glu)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
-    with gate_up("fused_glu"):
+    with gate_up(mode):
         with pytest.raises(ValueError, match="fused GLU kernel"):
             ragged_dispatch(x, idx, w, experts, act)
         with pytest.raises(ValueError, match="named GLU"):

@@ -285,15 +285,18 @@ def test_benchmark_gate_up_rows(tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench, "measure", fake_measure)
     monkeypatch.setattr(bench, "KERNELS", ())
-    rows = bench.main(["--quick", "--gate_up", "separate,fused,fused_glu", "--glu_blocks", "64x128x64/3,64x64x64/4",
-                       "--baselines", "ragged_dot", "--out", str(tmp_path)])
+    rows = bench.main(["--quick", "--gate_up", "separate,fused,fused_glu,fused_ffn", "--glu_blocks",
+                       "64x128x64/3,64x64x64/4", "--ffn_blocks", "64x128x64/2", "--baselines", "ragged_dot",
+                       "--out", str(tmp_path)])
     steps = [(r["name"], r["impl"], r["gate_up"]) for r in rows if r["kind"] == "step"]
     assert steps == [(p, i, m) for p in ("ffn", "layer") for i, m in
                      (("pallas_gpu", "separate"), ("pallas_gpu", "fused"), ("pallas_gpu", "fused_glu"),
-                      ("pallas_gpu", "fused_glu"), ("ragged_dot", "separate"))]
+                      ("pallas_gpu", "fused_glu"), ("pallas_gpu", "fused_ffn"), ("ragged_dot", "separate"))]
     assert seen == [m for _, _, m in steps] and moe_dispatch.GATE_UP == "separate"
     glu_tiles = [r["blocks"].split(" glu ")[1] for r in rows if r.get("gate_up") == "fused_glu"]
     assert glu_tiles == ["64x128x64/3/band8", "64x64x64/4/band8"] * 2
+    ffn_tiles = [r["blocks"].split(" ffn ")[1] for r in rows if r.get("gate_up") == "fused_ffn"]
+    assert ffn_tiles == ["64x128x64/2/band8"] * 2
     assert "| quick | step | ffn | pallas_gpu (gate/up fused) |" in (tmp_path / "moe_quick.md").read_text()
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--gate_up", "interleaved", "--out", str(tmp_path)])
