@@ -34,8 +34,9 @@ SEGMENTS = 1
 # V columns per program of the Mosaic GPU passes (`mosaic_scan`; the XLA passes ignore it): at
 # V = 128, 64 gives two chains per (batch * head), 32 four, 16 eight, each step a product of width
 # BV. The other way besides segments to put more programs on the GPU when B * H is small. Set with
-# `chunk.settings(block_v=...)`; read while tracing. Not yet timed on a GPU: the default stays 64.
-BLOCK_V_CHOICES = (64, 32, 16)
+# `chunk.settings(block_v=...)`; read while tracing. "auto" (`auto_block_v`) takes the widest block
+# that still gives every SM a program. Not yet timed on a GPU: the default stays 64.
+BLOCK_V_CHOICES = (64, 32, 16, "auto")
 BLOCK_V = 64
 # "auto" fills about two programs per SM of the plain pass's (batch * head, BLOCK_V columns) programs
 # and keeps at least MIN_CHUNKS chunks per segment.
@@ -44,12 +45,27 @@ MIN_CHUNKS = 16
 _warned: set = set()
 
 
-def block_v(value=None) -> int:
-    """The Mosaic GPU passes' V columns per program: `value`, or BLOCK_V when None; checked."""
+def block_v(value=None, programs64: int | None = None) -> int:
+    """The Mosaic GPU passes' V columns per program: `value`, or BLOCK_V when None; checked.
+    "auto" needs `programs64`, the pass's program count at 64 columns (`auto_block_v`)."""
     bv = BLOCK_V if value is None else value
     if bv not in BLOCK_V_CHOICES:
         raise ValueError(f"block_v={bv!r}; expected one of {BLOCK_V_CHOICES}")
+    if bv == "auto":
+        if programs64 is None:
+            raise ValueError("block_v='auto' needs the pass's program count at 64 columns")
+        return auto_block_v(programs64)
     return bv
+
+
+def auto_block_v(programs64: int) -> int:
+    """The widest of 64, 32, 16 columns whose programs (programs64 * 64 / width) cover every SM;
+    16 when none does. At V = 128: 8 x 4096 x 16 heads keeps 64 (256 programs), 1 x 65536 x 16
+    takes 16 (128 programs, from 32 at 64 columns)."""
+    for bv in (64, 32):
+        if programs64 * (64 // bv) >= _num_sms():
+            return bv
+    return 16
 
 
 def _num_sms() -> int:

@@ -2,7 +2,7 @@
 
 Both walk the chunks of one (batch*head, V-block) program in order, the carried [K, BV] matrix in
 float32 registers (a wgmma accumulator), the chunk tensors streaming in by TMA, double-buffered.
-BV (`chunk_segments.BLOCK_V`: 64, 32 or 16, read while tracing) sets the programs per (batch *
+BV (`chunk_segments.BLOCK_V`: 64, 32, 16 or "auto", read while tracing) sets the programs per (batch *
 head): V / BV chains walk the chunks side by side, each with an N = BV product. On chunk arrays
 [N, BH, ...] (chunk index first, as `chunk.py` keeps them; C = 64):
 
@@ -164,7 +164,7 @@ def state_scan(w, u, kg, decay, h0, *, interpret=False, final_only=False, segmen
     _check_segments(N, segments, h0, BH)
     V = u.shape[-1]
     dt = kg.dtype
-    BV = chunk_segments.block_v()  # read while tracing
+    BV = chunk_segments.block_v(programs64=segments * BH * max(V // 64, 1))  # read while tracing
     _check_dims("state_scan", Cc, K, V, BV)
     _smem_ = functools.partial(_smem, BV=BV)
     delta = w is not None
@@ -260,7 +260,7 @@ def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, fin
     _check_segments(N, segments, dS_final, BH)
     V = do.shape[-1]
     dt = kg.dtype
-    BV = chunk_segments.block_v()  # read while tracing
+    BV = chunk_segments.block_v(programs64=segments * BH * max(V // 64, 1))  # read while tracing
     _check_dims("grad_scan", Cc, K, V, BV)
     _smem_ = functools.partial(_smem, BV=BV)
     delta = w is not None

@@ -157,13 +157,13 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
     `chunk_major`: the chunk operands (qg .. a, d) are [NT, BH, ...] instead (`chunk.py`'s layout).
     `a_transposed`: a holds A^T (as `mosaic_intra_bf16` writes it).
     `interpret`: run under the Mosaic GPU interpreter (CPU tests). `block_v`: V columns per
-    program, 64, 32 or 16 (None: `chunk_segments.BLOCK_V`, read while tracing).
+    program, 64, 32, 16 or "auto" (None: `chunk_segments.BLOCK_V`, read while tracing).
     """
     NT, BH, Cc, K = qg.shape if chunk_major else (qg.shape[1], qg.shape[0], *qg.shape[2:])
     V = u.shape[-1]
     if Cc != C or K % 64 or V % 64:
         raise ValueError(f"state_output needs C={C} and K, V multiples of 64; got C={Cc}, K={K}, V={V}")
-    BV = chunk_segments.block_v(block_v)
+    BV = chunk_segments.block_v(block_v, programs64=BH * max(V // 64, 1))
     dt = qg.dtype
     _smem_ = functools.partial(_smem, BV=BV)
     scratch = [

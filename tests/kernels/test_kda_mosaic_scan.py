@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.kda import chunk, mosaic_scan
+from kernels.kda import chunk, chunk_segments, mosaic_scan
 from kernels.kda.chunk import _Numerics, _grad_scan, _state_scan
 from kernels.testing import assert_close
 from tests.kernels.test_kda_chunk import BF16_TOL, F32_TOL, GRADS, _fwd_bwd, _traced, make_inputs
@@ -37,15 +37,30 @@ def _compare(rng, inputs, tol, lower_bound, dtype, impls=("naive", "chunk_mosaic
 
 
 @pytest.mark.parametrize("delta, N, block_v", [(True, 3, 64), (False, 3, 64), (True, 1, 64), (True, 3, 32),
-                                                (False, 2, 16)])
+                                                (False, 2, 16), (True, 2, "auto")])
 def test_kernels_match_xla_passes(rng, delta, N, block_v, monkeypatch):
     """Both kernels against chunk.py's lax.scan passes on random chunk tensors [N, B, H, ...]; at
-    block_v 32 / 16 each (batch * head) runs V / block_v programs side by side."""
+    block_v 32 / 16 each (batch * head) runs V / block_v programs side by side ("auto": 16 for
+    these two heads of 64 columns)."""
     launched, launch = [], mosaic_scan.launch_bh_v
     monkeypatch.setattr(mosaic_scan, "launch_bh_v", lambda *a, **kw: launched.append(kw["BV"]) or launch(*a, **kw))
     with chunk.settings(block_v=block_v):
         _kernels_match_xla_passes(rng, delta, N)
-    assert launched == [block_v, block_v]
+    assert launched == [16 if block_v == "auto" else block_v] * 2
+
+
+def test_auto_block_v_covers_the_sms(monkeypatch):
+    """block_v="auto": the widest block whose programs cover every SM (132 here), else 16."""
+    monkeypatch.setattr(chunk_segments, "_num_sms", lambda: 132)
+    # (batch * head * V / 64 programs at 64 columns) -> columns. At V = 128: 8x4096x16 heads 256,
+    # 4x8192x32 512, 2x16384x16 64 (128 at 32 columns: short of 132), 1x65536x16 32.
+    for programs64, want in ((256, 64), (512, 64), (132, 64), (66, 32), (64, 16), (32, 16), (1, 16)):
+        assert chunk_segments.auto_block_v(programs64) == want, programs64
+        assert chunk_segments.block_v("auto", programs64=programs64) == want
+    with pytest.raises(ValueError, match="program count"):
+        chunk_segments.block_v("auto")
+    with pytest.raises(ValueError, match="block_v=48"):
+        chunk_segments.block_v(48)
 
 
 def _kernels_match_xla_passes(rng, delta, N):
