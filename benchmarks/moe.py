@@ -9,6 +9,7 @@ XLA baselines, per kernel and for the whole expert FFN / routed layer, counting 
     python benchmarks/moe.py --out DIR --workloads k3_small --profile 20   # + kernel time per step
     python benchmarks/moe.py --out DIR --workloads k3_small --gate_up fused_glu --glu_blocks 64x128x64/3,64x128x64/4
     python benchmarks/moe.py --out DIR --workloads k3_small --gate_up fused_glu,fused_ffn --ffn_blocks 64x64x64/2,64x128x64/2
+    python benchmarks/moe.py --out DIR --workloads k3_small --pair_sort argsort,counting   # the dispatch's sort
 
 Times: ms per call with calls queued back to back (median of 3 runs of >= 50 ms), after one
 warm-up call; `ms_sync` (waiting on every call) is kept too. `--budget_s` stops starting new
@@ -38,7 +39,6 @@ it executes E*C/M times the active FLOPs, reported TFLOP/s count active only).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -50,7 +50,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import PEAK_TFLOPS, attempt, device_profile, environment, markdown_table  # noqa: E402
+from benchmarks.common import PEAK_TFLOPS, attempt, device_profile, environment  # noqa: E402
 from kernels import mxfp4  # noqa: E402
 from kernels.gmm import ops as gmm_ops, pallas_gpu, reference  # noqa: E402
 from kernels.gmm.glu import DEFAULT_FFN_BLOCKS, DEFAULT_GLU_BLOCKS, glu_ffn  # noqa: E402
@@ -58,6 +58,7 @@ from kimi_jax import moe_dispatch  # noqa: E402
 from kimi_jax.ffn import glu_activation  # noqa: E402
 from kimi_jax.moe_dispatch import (  # noqa: E402
     ExpertWeights, grouped_ffn, ragged_dispatch, sort_by_expert)
+from benchmarks.moe_report import Recorder, _blocks_str, markdown, rel_rms  # noqa: E402
 
 Blocks = pallas_gpu.Blocks
 DEFAULT = gmm_ops.DEFAULT_BLOCKS  # (forward, dlhs, drhs) tiles the library uses
@@ -255,51 +256,6 @@ def measure(fn, args, warmup, iters):
     return out
 
 
-def rel_rms(ref, got):
-    """Relative RMS difference of two arrays (f32), on the device."""
-    ref, got = jnp.asarray(ref, jnp.float32), jnp.asarray(got, jnp.float32)
-    return float(jnp.sqrt(jnp.mean((ref - got) ** 2) / jnp.maximum(jnp.mean(ref ** 2), 1e-30)))
-
-
-class Recorder:
-    """Keeps the rows and rewrites <out>/<stem>.json and .md after every row."""
-
-    def __init__(self, out_dir, stem, meta):
-        self.rows, self.meta, self.t0 = [], meta, time.perf_counter()
-        os.makedirs(out_dir, exist_ok=True)
-        self.json_path = os.path.join(out_dir, stem + ".json")
-        self.md_path = os.path.join(out_dir, stem + ".md")
-
-    def add(self, row, flops):
-        tf = None if row["ms"] is None else flops / (row["ms"] * 1e-3) / 1e12
-        row.update(gflop=flops / 1e9, tflops=tf, peak_frac=None if tf is None else tf / PEAK_TFLOPS)
-        self.rows.append(row)
-        elapsed = time.perf_counter() - self.t0
-        shown = "failed: " + str(row["error"]) if row["ms"] is None else \
-            f"{row['ms']:.3f} ms {tf:.1f} TFLOP/s ({100 * row['peak_frac']:.1f}%)"
-        if row.get("check"):
-            shown += f" rel_rms vs {row['check']['against']} {row['check']['rel_rms']}"
-        print(f"[{elapsed:6.1f}s] {row['workload']} {row['kind']} {row['name']} {row['impl']} "
-              f"{row.get('blocks') or ''} compile {row['compile_s']}s: {shown}", flush=True)
-        with open(self.json_path, "w") as f:
-            json.dump(dict(meta=self.meta, rows=self.rows), f, indent=1)
-        with open(self.md_path, "w") as f:
-            f.write(f"MoE routed experts, {self.meta['device']}, jax {self.meta['jax']}, "
-                    f"{self.meta['date']}\n\n{markdown(self.rows)}")
-
-    def elapsed(self):
-        return time.perf_counter() - self.t0
-
-
-def _blocks_str(b):
-    if b is None:
-        return None
-    if isinstance(b, Blocks):
-        return (f"{b.bm}x{b.bn}x{b.bk}/{b.stages}/band{b.band}" + ("/ws" if b.wgs == 2 else "")
-                + ("/chain" if b.chain else ""))
-    return " ".join(_blocks_str(x) for x in b)
-
-
 def mxfp4_row(w, rec, base, x_sorted, gate, group_sizes, warmup, iters):
     """The gate projection on MXFP4-packed weights (inference), checked against the bf16 Pallas
     gmm on the dequantised weights."""
@@ -322,13 +278,13 @@ def mxfp4_row(w, rec, base, x_sorted, gate, group_sizes, warmup, iters):
 
 def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines, steps=True,
                  with_mxfp4=False, gate_up=("separate",), profile=0, glu_tiles=(DEFAULT_GLU_BLOCKS,),
-                 ffn_tiles=(DEFAULT_FFN_BLOCKS,)):
+                 ffn_tiles=(DEFAULT_FFN_BLOCKS,), pair_sorts=("argsort",)):
     """Rows in order of value, so that the time budget cuts the least useful ones: baselines
     and default-tile kernels, the fwd+bwd steps with default tiles, the tile sweep, and last
     the steps with the best tile of every kernel. Pallas steps run once per `gate_up` mode
     (`moe_dispatch.GATE_UP`; "fused_glu" once per tile of the fused kernels in `glu_tiles`,
-    "fused_ffn" once per tile in `ffn_tiles`),
-    baselines with separate gate and up."""
+    "fused_ffn" once per tile in `ffn_tiles`; Pallas layer steps once per `pair_sorts` mode too),
+    baselines with separate gate and up and the default pair sort."""
     x, idx, weights, experts = _inputs(w)
     order, token, group_sizes = sort_by_expert(idx, w["experts"])
     x_sorted = x[token]
@@ -373,13 +329,15 @@ def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines, steps=Tru
         for part, args in (("ffn", (x_sorted, experts, group_sizes)),
                            ("layer", (x, experts, idx, weights))):
             for impl, b in variants:
-                modes = gate_up if impl == "pallas_gpu" else ("separate",)
+                pallas = impl == "pallas_gpu"
+                modes = gate_up if pallas else ("separate",)
+                sorts = pair_sorts if pallas and part == "layer" else (moe_dispatch.PAIR_SORT,)
                 fused = dict(fused_glu=glu_tiles, fused_ffn=ffn_tiles)
-                for mode, gb in ((m, t) for m in modes for t in fused.get(m, (None,))):
+                for mode, gb, sort in ((m, t, o) for m in modes for t in fused.get(m, (None,)) for o in sorts):
                     if rec.elapsed() > deadline:
                         print(f"time budget spent: skipping {part} {impl} gate_up={mode}", flush=True)
                         continue
-                    with moe_dispatch.gate_up(mode):  # read while `measure` traces the step
+                    with moe_dispatch.gate_up(mode), moe_dispatch.pair_sort(sort):  # read while tracing
                         r = measure(_step_fn(part, impl, b, capacity, gb), args, warmup, iters)
                     compiled = r.pop("compiled", None)
                     if profile and impl == "pallas_gpu" and r["ms"] is not None:  # device time per call
@@ -388,7 +346,8 @@ def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines, steps=Tru
                     tiles = _blocks_str(b)
                     if mode in fused:
                         tiles += f" {mode.removeprefix('fused_')} {_blocks_str(gb)}"
-                    rec.add(dict(base, kind="step", name=part, impl=impl, gate_up=mode, blocks=tiles,
+                    extra = dict(pair_sort=sort) if part == "layer" else {}
+                    rec.add(dict(base, kind="step", name=part, impl=impl, gate_up=mode, blocks=tiles, **extra,
                                  **r), 9 * 2 * m * w["d"] * w["f"])
 
     default = dict(gmm_fwd_gate=DEFAULT[0], gmm_fwd_down=DEFAULT[0], gmm_dlhs=DEFAULT[1],
@@ -411,61 +370,6 @@ def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines, steps=Tru
         step_rows([("pallas_gpu", tuned)])
 
 
-def _speedups(rows):
-    """{(workload, kind, name, baseline): ms} of every baseline that ran."""
-    base = {}
-    for r in rows:
-        if r["impl"] != "pallas_gpu" and r["ms"] is not None:
-            base[(r["workload"], r["kind"], r["name"], r["impl"])] = r["ms"]
-    return base
-
-
-def _ratio(base, r, impl):
-    key = (r["workload"], r["kind"], r["name"], impl)
-    if r["impl"] != "pallas_gpu" or r["ms"] is None or key not in base:
-        return "–"
-    return f"{base[key] / r['ms']:.2f}x"
-
-
-def _gate_up_note(r) -> str:
-    mode = r.get("gate_up", "separate")
-    return "" if mode == "separate" else f" (gate/up {mode})"
-
-
-def summary(rows) -> str:
-    """The fastest Pallas fwd+bwd step per workload and part, against both baselines."""
-    base, best = _speedups(rows), {}
-    for r in rows:
-        if r["kind"] == "step" and r["impl"] == "pallas_gpu" and r["ms"] is not None:
-            key = (r["workload"], r["name"])
-            if key not in best or r["ms"] < best[key]["ms"]:
-                best[key] = r
-    header = ["workload", "step (fwd+bwd)", "rows x D x F, E", "pallas ms",
-              "TFLOP/s (% of 790)", "vs ragged_dot", "vs padded_bmm", "tiles fwd / dlhs / drhs"]
-    body = [[r["workload"], r["name"] + _gate_up_note(r), f"{r['rows']} x {r['d']} x {r['f']}, {r['experts']}",
-             f"{r['ms']:.2f}", f"{r['tflops']:.1f} ({100 * r['peak_frac']:.1f}%)",
-             _ratio(base, r, "ragged_dot"), _ratio(base, r, "padded_bmm"), r["blocks"] or "–"]
-            for r in best.values()]
-    return markdown_table(header, body) + "\n"
-
-
-def markdown(rows) -> str:
-    header = ["workload", "kind", "name", "impl", "tiles bm x bn x bk / stages / band", "ms",
-              "TFLOP/s (% of 790)", "vs ragged_dot", "vs padded_bmm"]
-    base = _speedups(rows)
-    body = []
-    for r in rows:
-        if r["ms"] is None:
-            cells = [str(r["error"])[:80], "–", "–", "–"]
-        else:
-            prof = r.get("profile") or {}
-            kern = f" (kernels {prof['kernel_ms_per_step']:.2f})" if "kernel_ms_per_step" in prof else ""
-            cells = [f"{r['ms']:.2f}{kern}", f"{r['tflops']:.1f} ({100 * r['peak_frac']:.1f}%)",
-                     _ratio(base, r, "ragged_dot"), _ratio(base, r, "padded_bmm")]
-        body.append([r["workload"], r["kind"], r["name"], r["impl"] + _gate_up_note(r), r["blocks"] or "–"] + cells)
-    return summary(rows) + "\n" + markdown_table(header, body) + "\n"
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
@@ -486,6 +390,9 @@ def main(argv=None):
     parser.add_argument("--ffn_blocks", default="",
                         help="with --gate_up fused_ffn: the whole-FFN kernels' tiles (BN is the F and D "
                              "tile), comma-separated BMxBNxBK/STAGES (default kernels.gmm.glu.DEFAULT_FFN_BLOCKS)")
+    parser.add_argument("--pair_sort", default="argsort",
+                        help=f"comma-separated moe_dispatch.PAIR_SORT modes the Pallas layer steps run with, from "
+                             f"{moe_dispatch.PAIR_SORTS}")
     parser.add_argument("--budget_s", type=float, default=260.0,
                         help="stop starting measurements after this many seconds")
     parser.add_argument("--profile", type=int, default=0,
@@ -493,9 +400,12 @@ def main(argv=None):
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
     gate_up = tuple(m for m in args.gate_up.split(",") if m)
-    for mode in gate_up:
-        if mode not in moe_dispatch.GATE_UP_MODES:
-            parser.error(f"--gate_up {mode!r}: expected modes from {moe_dispatch.GATE_UP_MODES}")
+    pair_sorts = tuple(m for m in args.pair_sort.split(",") if m)
+    for flag, modes, allowed in (("gate_up", gate_up, moe_dispatch.GATE_UP_MODES),
+                                 ("pair_sort", pair_sorts, moe_dispatch.PAIR_SORTS)):
+        for mode in modes:
+            if mode not in allowed:
+                parser.error(f"--{flag} {mode!r}: expected modes from {allowed}")
     try:
         glu_tiles = parse_tiles(args.glu_blocks) or (DEFAULT_GLU_BLOCKS,)
     except ValueError as e:
@@ -518,7 +428,7 @@ def main(argv=None):
         deadline = args.budget_s if last else rec.elapsed() + w.get("share", 1.0) * args.budget_s
         run_workload(w, rec, sweep=args.sweep, iters=iters, warmup=warmup, steps=not args.no_steps,
                      with_mxfp4=args.mxfp4, gate_up=gate_up or ("separate",), profile=args.profile,
-                     glu_tiles=glu_tiles, ffn_tiles=ffn_tiles,
+                     glu_tiles=glu_tiles, ffn_tiles=ffn_tiles, pair_sorts=pair_sorts or ("argsort",),
                      deadline=min(deadline, args.budget_s), baselines=baselines)
     print(markdown(rec.rows))
     return rec.rows

@@ -129,6 +129,42 @@ def _gate_up_fused_bwd_bwd(matmul, res, cts):
 _gate_up_fused_bwd.defvjp(_gate_up_fused_bwd_fwd, _gate_up_fused_bwd_bwd)
 
 
+# How the dispatch sorts the (token, expert) pairs (read while tracing; `pair_sort(mode)` sets it for a
+# block): "argsort" (a stable sort of the expert ids, then one scatter for the inverse permutation;
+# at k3_small XLA's GPU sort took 37 us in 12 launches and the scatter 11 us,
+# benchmarks/results/moe-k3small-h200-20261201T0706.json) or "counting" (a stable counting sort: a
+# pair's sorted position is its expert's offset plus its rank among that expert's pairs, a cumsum
+# down a [pairs, experts] one-hot. Those positions are the inverse permutation, and one scatter of
+# them gives the order). "counting" holds pairs x experts int32 (2 MiB at k3_small, 256 MiB at K3's
+# per-device 524288 x 128), so it refuses more than COUNTING_MAX_ELEMENTS. Not yet timed: "argsort" stays.
+PAIR_SORTS = ("argsort", "counting")
+PAIR_SORT = "argsort"
+COUNTING_MAX_ELEMENTS = 1 << 24
+
+
+def pair_sort(mode: str | None):
+    """Within the block, trace the dispatch's pair sort as `mode` (None: unchanged)."""
+    return traced_setting(sys.modules[__name__], "PAIR_SORT", PAIR_SORTS, mode)
+
+
+def sort_pairs(expert_idx, num_experts: int):
+    """The (token, expert) pairs sorted by expert, stably, as PAIR_SORT says: expert_idx [N, k]
+    -> (order [N*k] (flat pair of each sorted position), inverse [N*k] (sorted position of each
+    pair, argsort(order)), group_sizes [E] int32)."""
+    flat = expert_idx.reshape(-1)
+    if read_setting(sys.modules[__name__], "PAIR_SORT", PAIR_SORTS) == "argsort":
+        order, _, group_sizes = sort_by_expert(expert_idx, num_experts)
+        return order, inverse_permutation(order), group_sizes
+    if flat.size * num_experts > COUNTING_MAX_ELEMENTS:
+        raise ValueError(f"PAIR_SORT='counting' forms a [{flat.size}, {num_experts}] one-hot, more than "
+                         f"COUNTING_MAX_ELEMENTS={COUNTING_MAX_ELEMENTS}; use 'argsort' at this size")
+    onehot = (flat[:, None] == jnp.arange(num_experts, dtype=flat.dtype)).astype(jnp.int32)
+    group_sizes = jnp.sum(onehot, axis=0, dtype=jnp.int32)
+    rank = jnp.sum(jnp.cumsum(onehot, axis=0) * onehot, axis=1) - 1  # earlier pairs of the same expert
+    inverse = (jnp.cumsum(group_sizes) - group_sizes)[flat] + rank
+    return inverse_permutation(inverse), inverse, group_sizes
+
+
 def sort_by_expert(expert_idx, num_experts: int):
     """Sort the N*k (token, expert) pairs by expert.
 
@@ -257,8 +293,7 @@ def ragged_dispatch(x, expert_idx, weights, experts: ExpertWeights, activation,
                     *, matmul: Callable = jax.lax.ragged_dot, glu_ffn: Callable | None = None):
     """Dropless sort + grouped matmul + un-sort (see module docstring; `glu_ffn`: see grouped_ffn)."""
     _check(x, expert_idx, weights, experts)
-    order, _, group_sizes = sort_by_expert(expert_idx, experts.gate.shape[0])
-    inverse = inverse_permutation(order)
+    order, inverse, group_sizes = sort_pairs(expert_idx, experts.gate.shape[0])
     y_sorted = grouped_ffn(gather_pairs(x, order, inverse), group_sizes, experts, activation, matmul=matmul,
                            glu_ffn=glu_ffn)
     return combine_sorted(y_sorted, order, weights, inverse)

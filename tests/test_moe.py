@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kimi_jax import moe_balance
+from kimi_jax import moe_balance, moe_dispatch
 from kimi_jax.config import MoEConfig
 from kimi_jax.ffn import glu_activation, situ_glu
 from kimi_jax.moe import MoE, RouterBias, apply_balancing
-from kimi_jax.moe_dispatch import (ExpertWeights, combine_rows, dispatch_fn, gather_pairs, inverse_permutation, permute_rows,
-                                   sort_by_expert)
+from kimi_jax.moe_dispatch import (ExpertWeights, combine_rows, dispatch_fn, gather_pairs, inverse_permutation, pair_sort,
+                                   permute_rows, sort_by_expert, sort_pairs)
 from tests.jaxprs import equations
 
 
@@ -25,8 +25,8 @@ def _experts(key, E=6, D=8, F=12):
                          jax.random.normal(k3, (E, F, D)) / F**0.5)
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "situ"])
-def test_dense_and_ragged_dispatch_agree_with_gradients(activation):
+@pytest.mark.parametrize("activation,sort", [("swiglu", "argsort"), ("situ", "argsort"), ("situ", "counting")])
+def test_dense_and_ragged_dispatch_agree_with_gradients(activation, sort):
     key = jax.random.key(0)
     N, E, k, D = 10, 6, 2, 8
     x = jax.random.normal(jax.random.fold_in(key, 1), (N, D))
@@ -43,7 +43,8 @@ def test_dense_and_ragged_dispatch_agree_with_gradients(activation):
 
     grad = jax.jit(jax.value_and_grad(loss, argnums=(1, 2, 3), has_aux=True), static_argnums=0)
     (_, y_dense), g_dense = grad("dense", x, w, experts)
-    (_, y_ragged), g_ragged = grad("ragged", x, w, experts)
+    with pair_sort(sort):  # read while tracing
+        (_, y_ragged), g_ragged = grad("ragged", x, w, experts)
     np.testing.assert_allclose(y_ragged, y_dense, rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves(g_dense), jax.tree.leaves(g_ragged)):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
@@ -51,6 +52,26 @@ def test_dense_and_ragged_dispatch_agree_with_gradients(activation):
     for n in range(N):
         ref = sum(float(w[n, j]) * _expert_np(x[n], experts, int(idx[n, j]), act) for j in range(k))
         np.testing.assert_allclose(y_dense[n], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("N,k,E", [(10, 2, 6), (257, 2, 8), (5, 3, 3), (1, 1, 1)])
+def test_counting_sort_equals_the_stable_argsort(N, k, E, monkeypatch):
+    """PAIR_SORT="counting" gives argsort's stable order, its inverse and the group sizes (the last
+    expert never chosen where E > 1); past COUNTING_MAX_ELEMENTS it refuses."""
+    idx = jax.random.randint(jax.random.key(N), (N, k), 0, max(E - 1, 1))
+    flat = np.asarray(idx).reshape(-1)
+    for mode in ("argsort", "counting"):
+        with pair_sort(mode):
+            order, inverse, sizes = jax.jit(sort_pairs, static_argnums=1)(idx, E)
+        assert np.asarray(order).tolist() == np.argsort(flat, kind="stable").tolist(), mode
+        assert np.asarray(inverse).tolist() == np.argsort(np.asarray(order)).tolist(), mode
+        assert np.asarray(sizes).tolist() == np.bincount(flat, minlength=E).tolist(), mode
+    monkeypatch.setattr(moe_dispatch, "COUNTING_MAX_ELEMENTS", N * k * E - 1)
+    with pair_sort("counting"), pytest.raises(ValueError, match="argsort"):
+        sort_pairs(idx, E)
+    with pytest.raises(ValueError, match="PAIR_SORT"):
+        with pair_sort("radix"):
+            pass
 
 
 def _primitives(jaxpr):

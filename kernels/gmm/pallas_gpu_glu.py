@@ -19,7 +19,6 @@ operand dtype before the float32 activation, as separate kernels would store the
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 

@@ -280,26 +280,32 @@ def test_benchmark_gate_up_rows(tmp_path, monkeypatch):
     seen = []
 
     def fake_measure(fn, args, warmup, iters):
-        seen.append(moe_dispatch.GATE_UP)
+        seen.append((moe_dispatch.GATE_UP, moe_dispatch.PAIR_SORT))
         return dict(ms=1.0, compile_s=0.0, mem_gib=None, error=None)
 
     monkeypatch.setattr(bench, "measure", fake_measure)
     monkeypatch.setattr(bench, "KERNELS", ())
     rows = bench.main(["--quick", "--gate_up", "separate,fused,fused_glu,fused_ffn", "--glu_blocks",
                        "64x128x64/3,64x64x64/4", "--ffn_blocks", "64x128x64/2", "--baselines", "ragged_dot",
-                       "--out", str(tmp_path)])
-    steps = [(r["name"], r["impl"], r["gate_up"]) for r in rows if r["kind"] == "step"]
-    assert steps == [(p, i, m) for p in ("ffn", "layer") for i, m in
-                     (("pallas_gpu", "separate"), ("pallas_gpu", "fused"), ("pallas_gpu", "fused_glu"),
-                      ("pallas_gpu", "fused_glu"), ("pallas_gpu", "fused_ffn"), ("ragged_dot", "separate"))]
-    assert seen == [m for _, _, m in steps] and moe_dispatch.GATE_UP == "separate"
+                       "--pair_sort", "argsort,counting", "--out", str(tmp_path)])
+    steps = [(r["name"], r["impl"], r["gate_up"], r.get("pair_sort")) for r in rows if r["kind"] == "step"]
+    forms = [("pallas_gpu", "separate"), ("pallas_gpu", "fused"), ("pallas_gpu", "fused_glu"),
+             ("pallas_gpu", "fused_glu"), ("pallas_gpu", "fused_ffn")]
+    assert steps == ([("ffn", i, m, None) for i, m in forms] + [("ffn", "ragged_dot", "separate", None)]
+                     + [("layer", i, m, o) for i, m in forms for o in ("argsort", "counting")]
+                     + [("layer", "ragged_dot", "separate", "argsort")])
+    assert seen == [(m, o or "argsort") for _, _, m, o in steps]
+    assert (moe_dispatch.GATE_UP, moe_dispatch.PAIR_SORT) == ("separate", "argsort")
+    assert "(gate/up fused_ffn, counting sort)" in (tmp_path / "moe_quick.md").read_text()
     glu_tiles = [r["blocks"].split(" glu ")[1] for r in rows if r.get("gate_up") == "fused_glu"]
-    assert glu_tiles == ["64x128x64/3/band8", "64x64x64/4/band8"] * 2
+    assert glu_tiles == ["64x128x64/3/band8", "64x64x64/4/band8"] + ["64x128x64/3/band8"] * 2 + ["64x64x64/4/band8"] * 2
     ffn_tiles = [r["blocks"].split(" ffn ")[1] for r in rows if r.get("gate_up") == "fused_ffn"]
-    assert ffn_tiles == ["64x128x64/2/band8"] * 2
+    assert ffn_tiles == ["64x128x64/2/band8"] * 3
     assert "| quick | step | ffn | pallas_gpu (gate/up fused) |" in (tmp_path / "moe_quick.md").read_text()
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--gate_up", "interleaved", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--pair_sort", "radix", "--out", str(tmp_path)])
 
 
 def test_padded_bmm_baseline_matches_ragged_dot(rng):
