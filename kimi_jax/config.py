@@ -18,6 +18,8 @@ once and returns plain frozen dataclasses. Keys of `config.model`:
     max_position_embeddings                0 (none: positions come from the mixers, e.g. RoPE) or the
                                            length of a learned absolute position table added to the
                                            token embedding (Zoology's attention models, GPT-2)
+    embed_dropout                          dropout rate on the embedding (with positions) in training,
+                                           when the model is called with a dropout key (Zoology: 0.1)
     norm_eps, dtype, param_dtype, init_std
 """
 
@@ -115,6 +117,7 @@ class ModelConfig:
     residual: str = "plain"
     attn_res_block_size: int = 1
     max_position_embeddings: int = 0
+    embed_dropout: float = 0.0
     norm_eps: float = 1e-5
     dtype: str = "float32"
     param_dtype: str = "float32"
@@ -140,6 +143,9 @@ class ModelConfig:
                 or self.max_position_embeddings < 0):
             raise ValueError(f"max_position_embeddings must be an int >= 0 (0 = no learned positions); "
                              f"got {self.max_position_embeddings!r}")
+        if isinstance(self.embed_dropout, bool) or not isinstance(self.embed_dropout, (int, float)) \
+                or not 0 <= self.embed_dropout < 1:
+            raise ValueError(f"embed_dropout must be a dropout rate in [0, 1); got {self.embed_dropout!r}")
         if not isinstance(self.ffn, bool):
             raise ValueError(f"ffn must be True or False; got {self.ffn!r}")
         if not self.ffn and (self.moe is not None or self.residual != "plain"):

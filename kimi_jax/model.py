@@ -6,11 +6,14 @@ pre-norm, plain or block attention residuals) -> final norm -> untied head. Buil
     logits = model(tokens [B, T])                                 # [B, T, vocab] float32
     logits, aux = model(tokens, return_aux=True)                  # aux: see `AUX_KEYS`
     logits = model(tokens, remat="dots")                          # per-layer checkpointing
+    logits = model(tokens, dropout_key=key)                       # training with the config's dropout
     cache = model.init_cache(batch_size, max_len)
     logits, cache = model.decode_step(tokens [B, 1], cache)       # equals the full forward
 
 With `max_position_embeddings` > 0 a learned position table is added to the token embedding
 (positions restart at every packed document) and the cache gains a last entry {"pos": []}.
+Dropout (`embed_dropout`, softmax attention's `dropout`) applies only to calls given a
+`dropout_key` (the train step's); evaluation and decoding are deterministic.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from kimi_jax.attention import build_mixer
 from kimi_jax.attn_res import AttnResRead, make_stream
 from kimi_jax.config import ModelConfig
 from kimi_jax.ffn import MLP
-from kimi_jax.layers import Embed, Linear, RMSNorm, segment_positions
+from kimi_jax.layers import Embed, Linear, RMSNorm, dropout, segment_positions
 from kimi_jax.moe import STAT_KEYS, MoE
 from kimi_jax.remat import check_policy, checkpointed_block
 from kimi_jax.sharding import constrain
@@ -60,15 +63,18 @@ class Block(nnx.Module):
         self.mixer_read = AttnResRead(d, eps=eps, **kw) if attn_res else None
         self.ffn_read = AttnResRead(d, eps=eps, **kw) if attn_res else None
 
-    def __call__(self, stream, *, segment_ids=None, cache=None):
-        """Advance `stream` by this layer; returns (new mixer cache or None, MoE stats or None)."""
+    def __call__(self, stream, *, segment_ids=None, cache=None, dropout_key=None):
+        """Advance `stream` by this layer; returns (new mixer cache or None, MoE stats or None).
+        `dropout_key` reaches a mixer with a dropout rate (softmax attention's `dropout`)."""
         # Named scopes tag every op (forward and backward) for kimi_jax/profile_summary.py.
         with jax.named_scope("attn_res"):
             x = stream.before_mixer(self.mixer_read, self.layer)
         with jax.named_scope(f"mixer_{self.mixer_name}"):
             x = self.mixer_norm(x)
             if cache is None:
-                y, cache = self.mixer(x, segment_ids=segment_ids), None
+                rate = getattr(getattr(self.mixer, "config", None), "dropout", 0)
+                drop = {"dropout_key": dropout_key} if dropout_key is not None and rate else {}
+                y, cache = self.mixer(x, segment_ids=segment_ids, **drop), None
             else:
                 y, cache = self.mixer.decode(x, cache)
         stream.add(y)
@@ -97,10 +103,12 @@ class Model(nnx.Module):
         self.norm = RMSNorm(d, eps=config.norm_eps, **kw)
         self.head = Linear(d, config.vocab_size, axes=("embed", "vocab"), **kw)
 
-    def __call__(self, tokens, segment_ids=None, *, return_aux: bool = False, remat: str = "none"):
+    def __call__(self, tokens, segment_ids=None, *, return_aux: bool = False, remat: str = "none",
+                 dropout_key=None):
         """tokens [B, T] int -> logits [B, T, vocab] float32 (and aux with return_aux); `remat`
         checkpoints every block: a policy of `kimi_jax.remat.POLICIES`, optionally followed by
-        per-mixer overrides ("dots16/mla=dots_all")."""
+        per-mixer overrides ("dots16/mla=dots_all"). `dropout_key` (a PRNG key; training) turns on
+        the config's dropout: the embedding's with key fold 0, layer i's mixer with fold i + 1."""
         self._check_tokens(tokens)
         check_policy(remat)
         positions = None
@@ -110,8 +118,11 @@ class Model(nnx.Module):
                 raise ValueError(f"tokens have T={T} positions; the learned position table has "
                                  f"max_position_embeddings={self.pos_embed.vocab_size}")
             positions = segment_positions(segment_ids, T, B)
-        stream = self._stream(tokens, positions)
-        stats = [checkpointed_block(block, stream, remat, segment_ids=segment_ids) for block in self.blocks]
+        keys = [None] * (len(self.blocks) + 1) if dropout_key is None else \
+            [jax.random.fold_in(dropout_key, i) for i in range(len(self.blocks) + 1)]
+        stream = self._stream(tokens, positions, keys[0])
+        stats = [checkpointed_block(block, stream, remat, segment_ids=segment_ids, dropout_key=key)
+                 for block, key in zip(self.blocks, keys[1:])]
         logits = self._logits(stream)
         return (logits, collect_aux(stats)) if return_aux else logits
 
@@ -151,11 +162,12 @@ class Model(nnx.Module):
             raise ValueError(f"tokens must be [B, T] integers; got shape {tokens.shape}, "
                              f"dtype {tokens.dtype}")
 
-    def _stream(self, tokens, positions=None):
+    def _stream(self, tokens, positions=None, dropout_key=None):
         with jax.named_scope("embed"):
             h = self.embed(tokens)
             if positions is not None:
                 h = h + self.pos_embed(positions)
+            h = dropout(h, self.config.embed_dropout, dropout_key)
             h = constrain(h, ("act_batch", "act_len", "act_embed"))
         return make_stream(self.config.residual, h, self.config.attn_res_block_size)
 

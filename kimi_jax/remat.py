@@ -118,26 +118,27 @@ def _split_arrays(tree):
     return [x for x, a in zip(leaves, is_array) if a], rebuild
 
 
-def checkpointed_block(block, stream, spec: str, *, segment_ids=None):
-    """`block(stream, segment_ids=...)` under `jax.checkpoint` with the policy `spec` gives the
-    block's mixer; advances `stream` in place and returns the block's second output (MoE
-    statistics or None)."""
+def checkpointed_block(block, stream, spec: str, *, segment_ids=None, dropout_key=None):
+    """`block(stream, segment_ids=..., dropout_key=...)` under `jax.checkpoint` with the policy
+    `spec` gives the block's mixer; advances `stream` in place and returns the block's second
+    output (MoE statistics or None)."""
     policy = policy_for(spec, block.mixer_name)
     if policy == "none":
-        return block(stream, segment_ids=segment_ids)[1]
+        return block(stream, segment_ids=segment_ids, dropout_key=dropout_key)[1]
     graphdef, state = nnx.split(block)
     arrays, rebuild = _split_arrays(vars(stream))
     out_rebuild = []  # set while tracing: the stream's non-array attributes after the block
 
-    def run(state, arrays, segment_ids):
+    def run(state, arrays, segment_ids, dropout_key):
         inner = copy.copy(stream)
         inner.__dict__.update(rebuild(arrays))
-        _, stats = nnx.merge(graphdef, state)(inner, segment_ids=segment_ids)
+        _, stats = nnx.merge(graphdef, state)(inner, segment_ids=segment_ids, dropout_key=dropout_key)
         new_arrays, new_rebuild = _split_arrays(vars(inner))
         out_rebuild[:] = [new_rebuild]
         return new_arrays, stats
 
     tokens = int(np.prod(arrays[0].shape[:2]))  # the stream's first array is [B, T, D]
-    new_arrays, stats = jax.checkpoint(run, policy=make_policy(policy, tokens))(state, arrays, segment_ids)
+    new_arrays, stats = jax.checkpoint(run, policy=make_policy(policy, tokens))(state, arrays, segment_ids,
+                                                                                 dropout_key)
     stream.__dict__.update(out_rebuild[0](new_arrays))
     return stats

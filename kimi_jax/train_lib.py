@@ -128,9 +128,18 @@ def remat_policy(config) -> str:
     return check_policy(str(config.get("remat", "none") or "none"))
 
 
+def has_dropout(config) -> bool:
+    """Whether `config.model` asks for dropout in training (the embedding's or a mixer's rate)."""
+    model = config.model
+    rates = [model.get("embed_dropout", 0.0)] + [(s or {}).get("dropout", 0.0)
+                                                  for s in (model.get("mixers") or {}).values()]
+    return any(float(r) > 0 for r in rates)
+
+
 def make_loss_fn(config, graphdef):
-    """loss(params, rest, batch, num_tokens) -> (loss, (sums, aux, rest)): the mean cross-entropy
-    over the global batch's trained tokens, plus z-loss and the MoE auxiliary loss."""
+    """loss(params, rest, batch, num_tokens, dropout_key=None) -> (loss, (sums, aux, rest)): the
+    mean cross-entropy over the global batch's trained tokens, plus z-loss and the MoE auxiliary
+    loss; `dropout_key` turns on the model config's dropout."""
     dtype = COMPUTE_DTYPES.get(config.optim.compute_dtype)
     if dtype is None:
         raise ValueError(f"Unknown optim.compute_dtype={config.optim.compute_dtype!r}; "
@@ -139,9 +148,10 @@ def make_loss_fn(config, graphdef):
     remat = remat_policy(config)
     kw = {} if remat == "none" else {"remat": remat}
 
-    def loss_fn(params, rest, batch, num_tokens):
+    def loss_fn(params, rest, batch, num_tokens, dropout_key=None):
         model = nnx.merge(graphdef, _cast(params, dtype), rest)
-        logits, aux = model(batch["inputs"], segment_ids=batch["segment_ids"], return_aux=True, **kw)
+        drop = {} if dropout_key is None else {"dropout_key": dropout_key}
+        logits, aux = model(batch["inputs"], segment_ids=batch["segment_ids"], return_aux=True, **drop, **kw)
         with jax.named_scope("loss"):
             mask = batch["loss_mask"].astype(jnp.float32)
             nll, z2, correct = token_losses(logits, batch["targets"])
@@ -162,16 +172,19 @@ def _microbatches(batch, n: int):
     return jax.tree.map(split, batch)
 
 
-def _grads(loss_fn, state, batch, num_tokens, accum: int):
-    """Gradients (summed over `accum` micro-batches), loss, token sums, mean aux, new rest."""
+def _grads(loss_fn, state, batch, num_tokens, accum: int, key):
+    """Gradients (summed over `accum` micro-batches), loss, token sums, mean aux, new rest;
+    micro-batch i draws its dropout from `key` folded with i."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if accum == 1:
-        (loss, (sums, aux, rest)), grads = grad_fn(state["params"], state["rest"], batch, num_tokens)
+        (loss, (sums, aux, rest)), grads = grad_fn(state["params"], state["rest"], batch, num_tokens, key)
         return grads, loss, sums, aux, rest
 
     def body(carry, micro):
         grads, loss, sums, aux, rest = carry
-        (l, (s, a, rest)), g = grad_fn(state["params"], rest, micro, num_tokens)
+        micro, i = micro
+        (l, (s, a, rest)), g = grad_fn(state["params"], rest, micro, num_tokens,
+                                       None if key is None else jax.random.fold_in(key, i))
         add = lambda x, y: x + y  # noqa: E731
         return (jax.tree.map(add, grads, g), loss + l, jax.tree.map(add, sums, s),
                 jax.tree.map(lambda x, y: x + y / accum, aux, a), rest), None
@@ -181,7 +194,7 @@ def _grads(loss_fn, state, batch, num_tokens, accum: int):
     _, (s0, a0, _) = jax.eval_shape(loss_fn, state["params"], state["rest"], first, num_tokens)
     zeros = lambda t: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), t)  # noqa: E731
     carry = (zeros(state["params"]), jnp.zeros((), jnp.float32), zeros(s0), zeros(a0), state["rest"])
-    (grads, loss, sums, aux, rest), _ = jax.lax.scan(body, carry, micro)
+    (grads, loss, sums, aux, rest), _ = jax.lax.scan(body, carry, (micro, jnp.arange(accum)))
     return grads, loss, sums, aux, rest
 
 
@@ -196,6 +209,7 @@ def make_train_step(config, graphdef, tx, schedule):
     `metrics["finite"] == False` before anything is saved."""
     loss_fn = make_loss_fn(config, graphdef)
     accum, skip = int(config.optim.grad_accum_steps), bool(config.skip_nonfinite_updates)
+    seed, dropout = int(config.seed), has_dropout(config)
     nan_step = int(config.inject_nan_at_step)
 
     def train_step(state, batch, step, lr=None):
@@ -203,7 +217,10 @@ def make_train_step(config, graphdef, tx, schedule):
         num_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
         if nan_step >= 0:  # fault injection for tests of the non-finite handling
             num_tokens = num_tokens / jnp.where(step == nan_step, jnp.nan, 1.0)
-        grads, loss, sums, aux, rest = _grads(loss_fn, state, batch, num_tokens, accum)
+        # Dropout (where the model config has any) draws from (seed, step): the same masks on
+        # every mesh, and a resumed run repeats them.
+        key = jax.random.fold_in(jax.random.key(seed), step) if dropout else None
+        grads, loss, sums, aux, rest = _grads(loss_fn, state, batch, num_tokens, accum, key)
         with jax.named_scope("optimizer"):
             grad_norm = optax.global_norm(grads)
             updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
@@ -280,5 +297,5 @@ def global_batch(local_batch: dict, mesh) -> dict:
 
 
 __all__ = ["abstract_model", "apply_balancing", "build_model", "global_batch", "jit_train_step", "make_eval_step",
-           "make_init", "make_loss_fn", "make_train_step", "maybe_initialize_distributed", "param_names",
+           "has_dropout", "make_init", "make_loss_fn", "make_train_step", "maybe_initialize_distributed", "param_names",
            "path_name", "remat_policy", "seed_array", "state_shardings", "token_losses"]

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from kimi_jax.layers import read_setting, traced_setting
+from kimi_jax.layers import dropout as apply_dropout, read_setting, traced_setting
 from kimi_jax.sharding import constrain
 
 BTD = ("act_batch", "act_len", "act_embed")
@@ -100,9 +100,10 @@ def causal_mask(segment_ids, T: int, batch_size: int):
     return jnp.broadcast_to(mask, (batch_size, 1, T, T))
 
 
-def xla_attention(q, k, v, mask, scale: float):
+def xla_attention(q, k, v, mask, scale: float, dropout=None):
     """Softmax attention in float32 logits: q [B, T, H, Dk]; k [B, S, G, Dk]; v [B, S, G, Dv]
-    with H a multiple of G (GQA); mask broadcastable to [B, H, T, S]. Returns [B, T, H, Dv]."""
+    with H a multiple of G (GQA); mask broadcastable to [B, H, T, S]. Returns [B, T, H, Dv].
+    `dropout` = (rate, key): inverted dropout on the attention probabilities (training)."""
     B, T, H, Dk = q.shape
     G = k.shape[2]
     if H % G or k.shape[-1] != Dk or v.shape[:3] != k.shape[:3]:
@@ -114,20 +115,23 @@ def xla_attention(q, k, v, mask, scale: float):
     )
     logits = jnp.where(m, logits, jnp.finfo(jnp.float32).min)
     p = jax.nn.softmax(logits, axis=-1)
+    if dropout is not None:
+        p = apply_dropout(p, *dropout)
     out = jnp.einsum("bgrts,bsgd->btgrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(B, T, H, v.shape[-1]).astype(v.dtype)
 
 
-def blocked_xla_attention(q, k, v, segment_ids, scale: float, block: int = 512):
+def blocked_xla_attention(q, k, v, segment_ids, scale: float, block: int = 512, dropout=None):
     """`xla_attention` under the causal (and same-document) mask, `block` query rows at a time:
     [B, H, block, T] float32 logits are live at once, recomputed per block in the backward, where
     the one-shot form holds [B, H, T, T] (4 GiB at B=4, H=16, T=4096, more in its backward) and
-    would not fit at long T. Same arguments and result as `xla_attention(q, k, v, causal_mask(...))`."""
+    would not fit at long T. Same arguments and result as `xla_attention(q, k, v, causal_mask(...))`;
+    with `dropout` = (rate, key) each query block draws its mask from the key folded with its index."""
     B, T, H, Dk = q.shape
     if block < 1:
         raise ValueError(f"block must be >= 1; got {block}")
     if T <= block:
-        return xla_attention(q, k, v, causal_mask(segment_ids, T, B), scale)
+        return xla_attention(q, k, v, causal_mask(segment_ids, T, B), scale, dropout)
     nb = -(-T // block)
     pad = nb * block - T  # padded query rows attend to something finite and are cut off below
     blocks = lambda x: jnp.moveaxis(jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(  # noqa: E731
@@ -141,7 +145,8 @@ def blocked_xla_attention(q, k, v, segment_ids, scale: float, block: int = 512):
         mask = (rows[:, None] >= jnp.arange(T)[None, :])[None, None]  # [1, 1, block, T]
         if segment_ids is not None:
             mask = mask & (seg_blk[:, None, :, None] == seg[:, None, None, :])
-        return xla_attention(q_blk, k, v, mask, scale)
+        drop = None if dropout is None else (dropout[0], jax.random.fold_in(dropout[1], i))
+        return xla_attention(q_blk, k, v, mask, scale, drop)
 
     out = jax.lax.map(one, (jnp.arange(nb), blocks(q), blocks(seg)))  # [nb, B, block, H, Dv]
     return jnp.moveaxis(out, 0, 1).reshape(B, nb * block, H, -1)[:, :T]

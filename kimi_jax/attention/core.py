@@ -179,15 +179,26 @@ def _log_fallback(runs, max_segments):
 
 
 def attention(q, k, v, segment_ids=None, *, scale: float, impl: str = "auto",
-              max_segments: int = DEFAULT_MAX_SEGMENTS):
+              max_segments: int = DEFAULT_MAX_SEGMENTS, dropout=None):
     """Causal attention: q [B, T, H, Dqk], k [B, T, G, Dqk], v [B, T, G, Dv] (H a multiple of G),
-    segment_ids [B, T] or None -> [B, T, H, Dv] in v's dtype."""
+    segment_ids [B, T] or None -> [B, T, H, Dv] in v's dtype. `dropout` = (rate, key): dropout on
+    the attention probabilities (training), which needs them explicit: the blocked XLA path runs
+    (impl "cudnn" refuses; "auto" on a GPU says so once)."""
     B, T, H, Dqk = q.shape
     if k.shape[:2] != (B, T) or k.shape[-1] != Dqk or v.shape[:3] != k.shape[:3] or H % k.shape[2]:
         raise ValueError(f"attention: q {q.shape}, k {k.shape}, v {v.shape} do not fit")
     if segment_ids is not None and segment_ids.shape != (B, T):
         raise ValueError(f"segment_ids must be [B, T] = {(B, T)}; got {segment_ids.shape}")
     check_max_segments(max_segments)
+    if dropout is not None:
+        check_impl(impl)
+        if impl == "cudnn":
+            raise ValueError("attention dropout needs the probabilities explicit, which impl='cudnn' does not "
+                             "form; use impl='auto' or 'xla'")
+        if impl == "auto" and _on_cuda() and "dropout" not in _logged:
+            _logged.add("dropout")
+            log.warning("attention with dropout runs the float32 XLA path (query blocks of 512), not cuDNN")
+        return blocked_xla_attention(q, k, v, segment_ids, scale, dropout=dropout).astype(v.dtype)
     def exact(q, k, v, segment_ids):
         return xla_attention(q, k, v, causal_mask(segment_ids, T, B), scale).astype(v.dtype)
 

@@ -19,7 +19,7 @@ from kimi_jax.attention.common import (
     xla_attention,
 )
 from kimi_jax.attention.core import DEFAULT_MAX_SEGMENTS, IMPLS, attention, check_max_segments
-from kimi_jax.layers import Linear, apply_rope, segment_positions
+from kimi_jax.layers import Linear, apply_rope, check_dropout_rate, segment_positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +27,9 @@ class SoftmaxConfig(MixerConfig):
     """num_kv_heads None = num_heads (MHA); head_dim None = d_model // num_heads (then
     the byte counts need it set); rope_theta None = NoPE; cache_dtype None = the compute dtype.
     impl picks the training/prefill attention ("auto", "xla", "cudnn"; see attention/core.py)
-    and max_segments bounds the packed documents per row on the cuDNN path."""
+    and max_segments bounds the packed documents per row on the cuDNN path. dropout: the rate of
+    dropout on the attention probabilities in training (Zoology's attention: 0.1), applied when the
+    model is called with a dropout key; it runs the XLA attention path."""
 
     num_heads: int = 8
     num_kv_heads: int | None = None
@@ -36,10 +38,12 @@ class SoftmaxConfig(MixerConfig):
     impl: str = "auto"
     cache_dtype: str | None = None
     max_segments: int = DEFAULT_MAX_SEGMENTS
+    dropout: float = 0.0
 
     def __post_init__(self):
         self._check_positive("num_heads", "num_kv_heads", "head_dim", allow_none=("num_kv_heads", "head_dim"))
         self._check_choice("impl", IMPLS)
+        check_dropout_rate("SoftmaxConfig.dropout", self.dropout)
         check_max_segments(self.max_segments)
         self._check_choice("cache_dtype", (None,) + CACHE_DTYPES)
         if self.num_heads % self.kv_heads:
@@ -100,12 +104,14 @@ class SoftmaxAttention(nnx.Module):
             k = apply_rope(k, positions, self.config.rope_theta)
         return q, k, v
 
-    def __call__(self, x, *, segment_ids=None):
+    def __call__(self, x, *, segment_ids=None, dropout_key=None):
+        """`dropout_key` (training): dropout at `config.dropout` on the attention probabilities."""
         x = constrain_btd(x)
         B, T, _ = x.shape
         q, k, v = self._qkv(x, segment_positions(segment_ids, T, B))
+        drop = (self.config.dropout, dropout_key) if dropout_key is not None and self.config.dropout else None
         o = attention(q, k, v, segment_ids, scale=q.shape[-1] ** -0.5, impl=self.config.impl,
-                      max_segments=self.config.max_segments)
+                      max_segments=self.config.max_segments, dropout=drop)
         return constrain_btd(self.o_proj(o))
 
     def init_cache(self, batch_size: int, max_len: int):
