@@ -146,3 +146,20 @@ def test_config_checks_and_sweep_form():
     model = mqar.get_config(drop[0].config.split(":", 1)[1]).model
     assert model.embed_dropout == 0.1 and model.mixers.softmax.dropout == 0.1
     assert mqar.get_config(plain[0].config.split(":", 1)[1]).model.embed_dropout == 0.0
+
+
+def test_dropout_masks_do_not_depend_on_the_mesh():
+    """Two train steps with dropout give one device's loss and parameters on 8 devices, data- and
+    FSDP/tensor-sharded: the masks are drawn for the global arrays, not per shard."""
+    from kimi_jax import sharding
+    from tests.test_sharding import _step, assert_matches
+
+    cfg = ablation_config("softmax", ARG + ",dropout=0.3")
+    cfg.data.task = "mqar"
+    cfg.data.task_kwargs = dict(seq_len=16, num_kv_pairs=2, vocab_size=64)
+    cfg.data.batch_size, cfg.total_steps, cfg.optim.lr = 8, 2, 1e-2
+    batch = next(data.make_iterator(cfg, "train"))
+    ref_state, ref = _step(cfg, sharding.make_mesh({"data": 1}, devices=jax.devices()[:1]), batch)
+    for shape in ({"data": 8}, {"data": 2, "fsdp": 2, "tensor": 2}):
+        state, metrics = _step(cfg, sharding.make_mesh(shape), batch)
+        assert_matches(state, metrics, ref_state, ref, str(shape))
