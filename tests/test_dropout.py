@@ -128,6 +128,9 @@ def test_train_step_draws_dropout_from_seed_and_step():
     cfg_plain.data = cfg.data
     d = loss_at(cfg_plain, 1)
     assert np.isfinite(a) and a == b and a != c and a != d
+    cfg.optim.grad_accum_steps = 2  # micro-batch i draws from the step's key folded with i
+    e = loss_at(cfg, 1)
+    assert np.isfinite(e) and e == loss_at(cfg, 1) and abs(e - a) > 1e-6
 
 
 def test_config_checks_and_sweep_form():
