@@ -10,9 +10,9 @@ ffn_fwd:       x [M, D] -> y [M, D]. Per F block f: gate, up = x @ w_gate[g][:, 
                (one K-pipeline, two accumulators), h[:, f] = act(gate, up) into SMEM; then per D
                block d: y[:, d] = sum_f h[:, f] @ w_down[g][f, d]. x is read once and y written
                once: no h, gate or up reaches HBM, and the forward keeps only x as its residual.
-ffn_bwd_rows:  x, dy [M, D] -> (dx [M, D], h [Mp, Fp], dgu = [dgate | dup] [Mp, 2 Fp]). Per F block:
-               gate and up again (recomputed, as the forward stored neither), dh = dy @
-               w_down[g][f, :]^T, then h and the activation's backward into SMEM; per D block
+ffn_bwd_rows:  x, dy [M, D] -> (dx [M, D], h [Mp, Fp], dgu = [dgate | dup] [Mp, 2 Fp]). Per F block,
+               in one K-pipeline: gate and up again (recomputed, as the forward stored neither)
+               and dh = dy @ w_down[g][f, :]^T; then h and the activation's backward into SMEM; per D block
                dx[:, d] = sum_f dgate[:, f] @ w_gate[g][d, f]^T + dup[:, f] @ w_up[g][d, f]^T.
                h and dgu leave for the weight gradients (two tgmm launches, `glu.py`).
 
@@ -55,8 +55,8 @@ def smem_bytes(D: int, F: int, blocks: Blocks, itemsize: int = 2) -> dict[str, i
     hidden, rows = bm * Fp * itemsize, bm * Dp * itemsize
     gate_up = s * (bm * bk + 2 * bk * bn) * itemsize
     down = s * bn * bn * itemsize
-    return dict(fwd=hidden + rows + max(gate_up, down),
-                bwd=3 * hidden + rows + max(gate_up, s * (bm * bk + bn * bk) * itemsize, 2 * down))
+    rows_bwd = s * (2 * bm * bk + 3 * bk * bn) * itemsize  # x, dy and the three weight blocks
+    return dict(fwd=hidden + rows + max(gate_up, down), bwd=3 * hidden + rows + max(rows_bwd, 2 * down))
 
 
 def check_ffn_fits(D: int, F: int, blocks: Blocks) -> None:
@@ -145,6 +145,31 @@ def _products_over_f(lhs_tiles, rhs_refs, g, d, *, bm, bn, nF, stages, transpose
     return pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
 
 
+def _gate_up_dh(x_ref, dy_ref, wg_ref, wu_ref, wd_ref, g, mb, f, *, bm, bn, bk, num_k, stages):
+    """[bm, bn] f32 tiles gate, up = x[mb] @ w_gate[g][:, f], x[mb] @ w_up[g][:, f] and dh = dy[mb] @
+    w_down[g][f, :]^T: one K-pipeline over D loads the x, dy and three weight blocks of a step
+    together (x and dy share the contraction), so the backward fills one pipeline per F block."""
+    def acc_scope(acc_g, acc_u, acc_dh):
+        def step(_, x_s, dy_s, wg_s, wu_s, wd_s):
+            plgpu.wgmma(acc_g, x_s, wg_s)
+            plgpu.wgmma(acc_u, x_s, wu_s)
+            plgpu.wgmma(acc_dh, dy_s, wd_s.transpose((1, 0)))
+            plgpu.wgmma_wait(3)  # the previous step's products are done: its buffers can go
+
+        rows = plgpu.BlockSpec((bm, bk), lambda kk: (mb, kk), delay_release=1)
+        cols = plgpu.BlockSpec((bk, bn), lambda kk: (kk, f), delay_release=1)
+        plgpu.emit_pipeline(
+            step,
+            grid=(num_k,),
+            in_specs=[rows, rows, cols, cols, plgpu.BlockSpec((bn, bk), lambda kk: (f, kk), delay_release=1)],
+            max_concurrent_steps=stages,
+        )(x_ref, dy_ref, wg_ref.at[g], wu_ref.at[g], wd_ref.at[g])
+        plgpu.wgmma_wait(0)
+        return acc_g[...], acc_u[...], acc_dh[...]
+
+    return pl.run_scoped(acc_scope, *[plgpu.ACC((bm, bn))] * 3)
+
+
 def ffn_fwd(x, w_gate, w_up, w_down, group_sizes, *, act, blocks: Blocks, interpret=False):
     """y [M, D] in x's dtype (rows past sum(group_sizes) zero); `act` = (kind, beta, linear_beta).
     `blocks`: bm rows per program, bn the F and D tile, bk the contraction tile over D."""
@@ -224,10 +249,8 @@ def ffn_bwd_rows(x, dy, w_gate, w_up, w_down, group_sizes, *, act, blocks: Block
             def _():
                 @pl.loop(0, nF)
                 def _(f):
-                    gate, up = group_products(x_ref, (wg_ref, wu_ref), g, mb, f, tile=(bm, bn, bk),
-                                              num_k=Dp // bk, stages=stages)
-                    (dh,) = group_products(dy_ref, (wd_ref,), g, mb, f, tile=(bm, bn, bk), num_k=Dp // bk,
-                                           stages=stages, transpose_rhs=True)
+                    gate, up, dh = _gate_up_dh(x_ref, dy_ref, wg_ref, wu_ref, wd_ref, g, mb, f, bm=bm, bn=bn,
+                                               bk=bk, num_k=Dp // bk, stages=stages)
                     gate, up, dh = gate.astype(dt), up.astype(dt), dh.astype(dt)
                     merge(h_s.at[f], glu_forward(kind, gate, up, beta, linear_beta).astype(dt))
                     dg, du = glu_backward(kind, gate, up, dh, beta, linear_beta)
