@@ -14,34 +14,15 @@ from kernels.gmm import glu, pallas_gpu, pallas_gpu_ffn, reference
 from kernels.gmm.glu_math import glu_backward, glu_forward
 from kernels.testing import assert_close
 from tests.jaxprs import equations
-from tests.kernels.test_gmm_glu import ACTS, SIZES, D, F, M, _data, _f64
+from tests.kernels.test_gmm_glu import (ACTS, SIZES, D, F, M, _data, _f64, check_against_reference,
+                                        check_compiled_against_f32)
 
 TILES = {"64": glu.DEFAULT_FFN_BLOCKS, "128": pallas_gpu.Blocks(bm=64, bn=128, bk=64, stages=2)}
 
 
 @pytest.mark.parametrize("act,tiles", [("swiglu", "64"), ("situ", "64"), ("situ_narrow", "128")])
 def test_matches_reference_values_and_gradients(act, tiles):
-    kind, beta, lb = ACTS[act]
-    x, wg, wu, wd, dy = _data()
-
-    def run(impl):
-        def loss(x, wg, wu, wd):
-            y = glu.glu_ffn(x, wg, wu, wd, SIZES, kind=kind, beta=beta, linear_beta=lb, impl=impl, fusion="ffn",
-                            glu_blocks=TILES[tiles])
-            return jnp.vdot(y.astype(jnp.float32), dy.astype(jnp.float32)), y
-
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, wg, wu, wd)
-
-    (_, y_ref), g_ref = run("ragged_dot")
-    (_, y), g = run("pallas_gpu")
-    assert y.shape == (M, D) and y.dtype == jnp.bfloat16
-    assert_close("y", _f64(y_ref), _f64(y), 1e-2)
-    assert not np.any(_f64(y)[180:]), "rows past the total must be zero"
-    for name, a, b in zip(("dx", "dgate", "dup", "ddown"), g_ref, g):
-        assert a.shape == b.shape and a.dtype == b.dtype, name
-        assert_close(name, _f64(a), _f64(b), 2e-2)
-    assert not np.any(_f64(g[0])[180:]), "rows past the total get no gradient"
-    assert not np.any(_f64(g[1])[1]) and not np.any(_f64(g[3])[1]), "the empty group's weights get no gradient"
+    check_against_reference(act, fusion="ffn", glu_blocks=TILES[tiles])
 
 
 @pytest.mark.parametrize("act", ["swiglu", "situ"])
@@ -124,28 +105,4 @@ def test_rejects_what_does_not_fit():
 def test_gpu_ffn_at_k3_small_shapes(act):
     """The compiled kernels at k3_small's expert widths (D = 256, F = 224, 8 experts with one
     empty, 16384 rows) against the float32 reference: values and gradients."""
-    kind, beta, lb = ACTS[act]
-    rng = np.random.default_rng(0)
-    p = rng.dirichlet(np.full(8, 2.0))
-    p[3] = 0
-    sizes = jnp.asarray(rng.multinomial(16000, p / p.sum()), jnp.int32)
-    k = jax.random.split(jax.random.key(3), 5)
-    Mg, Dg, Fg = 16384, 256, 224
-    x = jax.random.normal(k[0], (Mg, Dg), jnp.float32)
-    w = [jax.random.normal(k[i], s, jnp.float32) / np.sqrt(s[1]) for i, s in
-         ((1, (8, Dg, Fg)), (2, (8, Dg, Fg)), (3, (8, Fg, Dg)))]
-    dy = jax.random.normal(k[4], (Mg, Dg), jnp.float32)
-
-    def run(impl, dtype):
-        def loss(x, wg, wu, wd):
-            y = glu.glu_ffn(x.astype(dtype), wg.astype(dtype), wu.astype(dtype), wd.astype(dtype), sizes,
-                            kind=kind, beta=beta, linear_beta=lb, impl=impl, fusion="ffn")
-            return jnp.vdot(y.astype(jnp.float32), dy), y
-
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, *w)
-
-    (_, y_ref), g_ref = run("ragged_dot", jnp.float32)
-    (_, y), g = run("pallas_gpu", jnp.bfloat16)
-    assert_close("y", _f64(y_ref), _f64(y), 2e-2)
-    for name, a, b in zip(("dx", "dgate", "dup", "ddown"), g_ref, g):
-        assert_close(name, _f64(a), _f64(b), 3e-2)
+    check_compiled_against_f32(act, 16384, 256, 224, 8, (3,), seed=3, fusion="ffn")
