@@ -69,7 +69,8 @@ def check_ffn_fits(D: int, F: int, blocks: Blocks) -> None:
         raise ValueError(
             f"fused FFN at D={D}, F={F} with tiles {blocks.bm}x{blocks.bn}x{blocks.bk}/{blocks.stages} needs "
             f"{need['fwd'] // 1024} / {need['bwd'] // 1024} KiB of SMEM (forward / backward) of "
-            f"{SMEM_BYTES // 1024}: use fewer rows per block or stages, or glu_ffn(..., fusion='glu') for wide experts")
+            f"{SMEM_BYTES // 1024}: use fewer rows per block or stages, or fusion='glu' (GATE_UP='fused_glu') "
+            f"for wide experts")
 
 
 def _prepare(x, w_gate, w_up, w_down, blocks):
