@@ -104,14 +104,15 @@ ABLATION_MIXERS = ("softmax", "linear", "deltanet", "gated_deltanet", "kda", "hy
 
 def ablation_model(mixer: str, d_model: int = 64, num_layers: int = 4, vocab_size: int = 8192,
                    num_heads: int = 0, *, rope: bool = True, ffn: bool = True,
-                   learned_positions: int = 0, dropout: float = 0.0) -> ml_collections.ConfigDict:
+                   learned_positions: int = 0, dropout: float = 0.0, tied: bool = False) -> ml_collections.ConfigDict:
     """Models that differ only in the token mixer (Zoology-style recall ablations): the same
     width, depth, heads, dense SwiGLU MLP (2 d_model) and plain residuals. "hybrid" is the 3:1
     KDA:MLA pattern. num_heads 0 = max(1, d_model // 32). rope=False: softmax attention without
     positions (NoPE; the recurrent mixers and the hybrid's MLA have none anyway); ffn=False:
     mixer-only layers, as Zoology's MQAR models; learned_positions > 0: a learned absolute position
     table of that length added to the token embedding (Zoology's attention); dropout: the training
-    dropout rate of the embedding and of softmax attention's probabilities (Zoology's: 0.1)."""
+    dropout rate of the embedding and of softmax attention's probabilities (Zoology's: 0.1); tied:
+    the head is the token embedding (Zoology's, initialised at std 0.02)."""
     if mixer not in ABLATION_MIXERS:
         raise ValueError(f"Unknown ablation mixer={mixer!r}; expected one of {list(ABLATION_MIXERS)}")
     heads = num_heads or max(1, d_model // 32)
@@ -134,17 +135,18 @@ def ablation_model(mixer: str, d_model: int = 64, num_layers: int = 4, vocab_siz
         mixers=_cd(**{name: mixers[name] for name in sorted(used)}),
         activation="swiglu", dense_layers=num_layers, dense_hidden=2 * d_model, ffn=bool(ffn), moe=None,
         residual="plain", attn_res_block_size=1, max_position_embeddings=int(learned_positions),
-        embed_dropout=float(dropout), norm_eps=1e-5, dtype="float32", param_dtype="float32",
+        embed_dropout=float(dropout), tie_embeddings=bool(tied), norm_eps=1e-5, dtype="float32",
+        param_dtype="float32",
     )
 
 
 def ablation_config(mixer: str, arg=None) -> ml_collections.ConfigDict:
     """Full config of one mixer ablation; arg "d_model=128,num_layers=4,vocab_size=8192,num_heads=0,
-    rope=True,ffn=True,learned_positions=0,dropout=0.0" (see `ablation_model`)."""
+    rope=True,ffn=True,learned_positions=0,dropout=0.0,tied=False" (see `ablation_model`)."""
     arg = common.parse_arg(arg, d_model=64, num_layers=4, vocab_size=8192, num_heads=0, rope=True, ffn=True,
-                           learned_positions=0, dropout=0.0)
+                           learned_positions=0, dropout=0.0, tied=False)
     config = common.base_config()
     config.model = ablation_model(mixer, arg.d_model, arg.num_layers, arg.vocab_size, arg.num_heads,
                                   rope=arg.rope, ffn=arg.ffn, learned_positions=arg.learned_positions,
-                                  dropout=arg.dropout)
+                                  dropout=arg.dropout, tied=arg.tied)
     return config

@@ -20,7 +20,11 @@ once and returns plain frozen dataclasses. Keys of `config.model`:
                                            token embedding (Zoology's attention models, GPT-2)
     embed_dropout                          dropout rate on the embedding (with positions) in training,
                                            when the model is called with a dropout key (Zoology: 0.1)
-    norm_eps, dtype, param_dtype, init_std
+    tie_embeddings                         True: the logits are the final hidden state against the
+                                           token embedding (no separate head; Zoology, GPT-2)
+    init_std                               std of a tied embedding table (an untied one starts at 1;
+                                           every Linear kernel is fan-in scaled)
+    norm_eps, dtype, param_dtype
 """
 
 from __future__ import annotations
@@ -118,6 +122,7 @@ class ModelConfig:
     attn_res_block_size: int = 1
     max_position_embeddings: int = 0
     embed_dropout: float = 0.0
+    tie_embeddings: bool = False
     norm_eps: float = 1e-5
     dtype: str = "float32"
     param_dtype: str = "float32"
@@ -146,6 +151,10 @@ class ModelConfig:
         if isinstance(self.embed_dropout, bool) or not isinstance(self.embed_dropout, (int, float)) \
                 or not 0 <= self.embed_dropout < 1:
             raise ValueError(f"embed_dropout must be a dropout rate in [0, 1); got {self.embed_dropout!r}")
+        if not float(self.init_std) > 0:
+            raise ValueError(f"init_std must be positive; got {self.init_std!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"tie_embeddings must be True or False; got {self.tie_embeddings!r}")
         if not isinstance(self.ffn, bool):
             raise ValueError(f"ffn must be True or False; got {self.ffn!r}")
         if not self.ffn and (self.moe is not None or self.residual != "plain"):

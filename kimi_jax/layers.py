@@ -182,9 +182,10 @@ class Embed(nnx.Module):
     """Token (or learned position) embedding [vocab, embed]; `attend` gives tied logits."""
 
     def __init__(self, vocab_size: int, dim: int, *, axes=("vocab", "embed"), dtype=jnp.float32,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 param_dtype=jnp.float32, init_std: float = 1.0, rngs: nnx.Rngs):
         self.vocab_size, self.dim, self.dtype = int(vocab_size), int(dim), dtype
-        self.embedding = param(rngs, nnx.initializers.normal(1.0), (self.vocab_size, self.dim), axes, param_dtype)
+        self.embedding = param(rngs, nnx.initializers.normal(init_std), (self.vocab_size, self.dim), axes,
+                               param_dtype)
 
     def __call__(self, tokens):
         """tokens [...] int -> [..., D] in the compute dtype."""

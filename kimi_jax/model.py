@@ -1,6 +1,6 @@
 """The decoder: embedding (+ learned positions) -> blocks (token mixer + dense MLP or MoE,
-pre-norm, plain or block attention residuals) -> final norm -> untied head. Built from a
-`ModelConfig`.
+pre-norm, plain or block attention residuals) -> final norm -> head (untied, or the embedding
+with `tie_embeddings`). Built from a `ModelConfig`.
 
     model = build_model(config, rngs=nnx.Rngs(0))                 # reads config.model
     logits = model(tokens [B, T])                                 # [B, T, vocab] float32
@@ -94,14 +94,16 @@ class Model(nnx.Module):
         self.config = config
         d = config.d_model
         kw = dict(dtype=config.compute_dtype, param_dtype=config.weight_dtype, rngs=rngs)
-        self.embed = Embed(config.vocab_size, d, **kw)
+        # A tied table is also the output projection, so it starts small (init_std), not at 1: logits
+        # of std about sqrt(d) * init_std against the unit-RMS final hidden state.
+        self.embed = Embed(config.vocab_size, d, init_std=config.init_std if config.tie_embeddings else 1.0, **kw)
         n_pos = config.max_position_embeddings
         self.pos_embed = Embed(n_pos, d, axes=(None, "embed"), **kw) if n_pos else None
         self.blocks = nnx.List([Block(config, i, rngs=rngs) for i in range(config.num_layers)])
         self.final_read = (AttnResRead(d, eps=config.norm_eps, **kw)
                            if config.residual == "attn_res" else None)
         self.norm = RMSNorm(d, eps=config.norm_eps, **kw)
-        self.head = Linear(d, config.vocab_size, axes=("embed", "vocab"), **kw)
+        self.head = None if config.tie_embeddings else Linear(d, config.vocab_size, axes=("embed", "vocab"), **kw)
 
     def __call__(self, tokens, segment_ids=None, *, return_aux: bool = False, remat: str = "none",
                  dropout_key=None):
@@ -175,7 +177,8 @@ class Model(nnx.Module):
         with jax.named_scope("attn_res"):
             h = stream.final(self.final_read)
         with jax.named_scope("head"):
-            logits = self.head(self.norm(h)).astype(jnp.float32)
+            h = self.norm(h)
+            logits = (self.embed.attend(h) if self.head is None else self.head(h)).astype(jnp.float32)
             return constrain(logits, ("act_batch", "act_len", "act_vocab"))
 
 
