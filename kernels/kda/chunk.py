@@ -238,7 +238,8 @@ def run_chunked(q, k, v, g, beta, *, scale, initial_state, segment_ids, bounded,
     return _run_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids,
                         bounded=bounded, delta=delta, state_pass=state_pass, scores=scores,
                         traced_settings=chunk_intra.traced_settings() + (chunk_segments.SEGMENTS,
-                                                                           chunk_segments.BLOCK_V))
+                                                                           chunk_segments.BLOCK_V,
+                                                                           chunk_segments.GRAD_ISSUE))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "bounded", "delta", "state_pass", "scores", "traced_settings"))
@@ -308,7 +309,8 @@ def _settings_table(keys=None):
              "scores": lambda: (sys.modules[__name__], "DEFAULT_SCORES", SCORES),
              "forward_only": _forward_only_setting,
              "segments": lambda: (chunk_segments, "SEGMENTS", chunk_segments.SEGMENT_CHOICES),
-             "block_v": lambda: (chunk_segments, "BLOCK_V", chunk_segments.BLOCK_V_CHOICES)}
+             "block_v": lambda: (chunk_segments, "BLOCK_V", chunk_segments.BLOCK_V_CHOICES),
+             "grad_issue": lambda: (chunk_segments, "GRAD_ISSUE", chunk_segments.GRAD_ISSUES)}
     for key in keys or ():
         if key not in table:
             raise ValueError(f"unknown KDA setting {key!r}; expected one of {SETTINGS}")
@@ -320,7 +322,8 @@ def _forward_only_setting():
     return ms, "FORWARD_ONLY", ms.FORWARD_ONLY_CHOICES
 
 
-SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse", "forward_only", "segments", "block_v")
+SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse", "forward_only", "segments", "block_v",
+            "grad_issue")
 
 
 def setting_values(key: str) -> tuple:
@@ -331,7 +334,7 @@ def setting_values(key: str) -> tuple:
 @contextlib.contextmanager
 def settings(**values):
     """Within the block, trace with these module settings (diag=, rows=, scores=, cumsum=,
-    scores_bwd=, inverse=, forward_only=, segments=, block_v=; see SETTINGS), restored afterwards; an unknown
+    scores_bwd=, inverse=, forward_only=, segments=, block_v=, grad_issue=; see SETTINGS), restored afterwards; an unknown
     key or value raises."""
     table = _settings_table(values)
     for key, value in values.items():

@@ -38,6 +38,12 @@ SEGMENTS = 1
 # that still gives every SM a program. Not yet timed on a GPU: the default stays 64.
 BLOCK_V_CHOICES = (64, 32, 16, "auto")
 BLOCK_V = 64
+# When the Mosaic reverse pass issues qg_n^T do_n, the one product of a step that does not wait on
+# the carried dS: "in_order" (after dv'_n, beside w_n^T dv'_n) or "early" (first, so the tensor
+# cores run it while dS is stored to SMEM; then only w_n^T dv'_n follows dv'_n). Same values. Set
+# with `chunk.settings(grad_issue=...)`; read while tracing. Not yet timed: "in_order" stays.
+GRAD_ISSUES = ("in_order", "early")
+GRAD_ISSUE = "in_order"
 # "auto" fills about two programs per SM of the plain pass's (batch * head, BLOCK_V columns) programs
 # and keeps at least MIN_CHUNKS chunks per segment.
 PROGRAMS_PER_SM = 2
@@ -56,6 +62,13 @@ def block_v(value=None, programs64: int | None = None) -> int:
             raise ValueError("block_v='auto' needs the pass's program count at 64 columns")
         return auto_block_v(programs64)
     return bv
+
+
+def grad_issue() -> str:
+    """GRAD_ISSUE, checked (read while tracing)."""
+    if GRAD_ISSUE not in GRAD_ISSUES:
+        raise ValueError(f"chunk_segments.GRAD_ISSUE={GRAD_ISSUE!r}; expected one of {GRAD_ISSUES}")
+    return GRAD_ISSUE
 
 
 def auto_block_v(programs64: int) -> int:

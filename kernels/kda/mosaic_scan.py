@@ -188,7 +188,7 @@ def state_scan(w, u, kg, decay, h0, *, interpret=False, final_only=False, segmen
     return (None, None, out[0]) if final_only else out
 
 
-def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only):
+def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early):
     ins_refs, (dhs_ref, dvn_ref, dh0_ref), scratch = _outputs(refs, 7 if delta else 6, final_only)
     if delta:
         w_ref, kg_ref, qg_ref, do_ref, dvi_ref, d_ref, dS_ref = ins_refs
@@ -216,34 +216,39 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only):
 
         wait(slot)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last chunk's stores have read ds_f, dvn_s
-        if dhs_ref is not None:
-            ds_f[...] = dS
-        ds_c[...] = dS.astype(dt)
-        plgpu.commit_smem()
-        if dhs_ref is not None:
-            plgpu.copy_smem_to_gmem(ds_f, dhs_ref.at[first + n, bh, :, vs])
 
-        def kdS(acc):
-            plgpu.wgmma(acc, kg_s.at[slot], ds_c)
-            return acc[...]
+        def dvn_and_stores():  # write dS, form dv' = dvi + kg dS, write it (and -dv' for the w product)
+            if dhs_ref is not None:
+                ds_f[...] = dS
+            ds_c[...] = dS.astype(dt)
+            plgpu.commit_smem()
+            if dhs_ref is not None:
+                plgpu.copy_smem_to_gmem(ds_f, dhs_ref.at[first + n, bh, :, vs])
 
-        dvi = plgpu.load(dvi_s.at[slot], layout=plgpu.Layout.WGMMA)
-        dvn = dvi + _mm(kdS, (C, BV))
-        if dvn_ref is not None:
-            dvn_s[...] = dvn.astype(dt)
-        if delta:
-            neg_s[...] = (-dvn).astype(dt)  # rounding is symmetric: exactly -round(dv')
-        plgpu.commit_smem()
-        if dvn_ref is not None:
-            plgpu.copy_smem_to_gmem(dvn_s, dvn_ref.at[first + n, bh, :, vs])
-        d = plgpu.load(d_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
+            def kdS(acc):
+                plgpu.wgmma(acc, kg_s.at[slot], ds_c)
+                return acc[...]
 
-        def back(acc):
+            dvn = plgpu.load(dvi_s.at[slot], layout=plgpu.Layout.WGMMA) + _mm(kdS, (C, BV))
+            if dvn_ref is not None:
+                dvn_s[...] = dvn.astype(dt)
+            if delta:
+                neg_s[...] = (-dvn).astype(dt)  # rounding is symmetric: exactly -round(dv')
+            plgpu.commit_smem()
+            if dvn_ref is not None:
+                plgpu.copy_smem_to_gmem(dvn_s, dvn_ref.at[first + n, bh, :, vs])
+
+        def back(acc):  # qg^T do - w^T dv'; `early`: qg^T do (it does not wait on dS) before dv'
             plgpu.wgmma(acc, qg_s.at[slot].transpose((1, 0)), do_s.at[slot])
+            if early:
+                dvn_and_stores()
             if delta:
                 plgpu.wgmma(acc, w_s.at[slot].transpose((1, 0)), neg_s)
             return acc[...]
 
+        if not early:  # the [K, BV] accumulator is live only from here (registers)
+            dvn_and_stores()
+        d = plgpu.load(d_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
         return dS * lax.broadcast_in_dim(d, dS.shape, [0]) + _mm(back, (K, BV))
 
     _store_last(lax.fori_loop(0, NT, step, dS), ds_f, dh0_ref.at[p, :, vs])
@@ -283,7 +288,7 @@ def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, fin
         jax.ShapeDtypeStruct((N, BH, K, V), f32), jax.ShapeDtypeStruct((N, BH, C, V), dt), first)
     args = ((w,) if delta else ()) + (kg, qg, do, dvn_intra, decay, dS_final)
     body = functools.partial(_bwd_body, NT=N // segments, BH=BH, K=K, BV=BV, dt=dt, delta=delta,
-                             final_only=final_only)
+                             final_only=final_only, early=chunk_segments.grad_issue() == "early")
     out = launch_bh_v(body, out_type, scratch, args, BH=segments * BH, V=V, BV=BV, interpret=interpret)
     return (None, None, out[0]) if final_only else out
 

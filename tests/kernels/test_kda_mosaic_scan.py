@@ -36,17 +36,24 @@ def _compare(rng, inputs, tol, lower_bound, dtype, impls=("naive", "chunk_mosaic
         assert_close(name, r, x, tol[name])
 
 
-@pytest.mark.parametrize("delta, N, block_v", [(True, 3, 64), (False, 3, 64), (True, 1, 64), (True, 3, 32),
-                                                (False, 2, 16), (True, 2, "auto")])
-def test_kernels_match_xla_passes(rng, delta, N, block_v, monkeypatch):
+@pytest.mark.parametrize("delta, N, block_v, grad_issue", [
+    (True, 3, 64, "in_order"), (False, 3, 64, "in_order"), (True, 1, 64, "in_order"), (True, 3, 32, "in_order"),
+    (False, 2, 16, "in_order"), (True, 2, "auto", "in_order"), (True, 3, 64, "early"), (False, 2, 32, "early")])
+def test_kernels_match_xla_passes(rng, delta, N, block_v, grad_issue, monkeypatch):
     """Both kernels against chunk.py's lax.scan passes on random chunk tensors [N, B, H, ...]; at
     block_v 32 / 16 each (batch * head) runs V / block_v programs side by side ("auto": 16 for
-    these two heads of 64 columns)."""
+    these two heads of 64 columns); grad_issue "early" issues the reverse pass's qg^T do first."""
     launched, launch = [], mosaic_scan.launch_bh_v
-    monkeypatch.setattr(mosaic_scan, "launch_bh_v", lambda *a, **kw: launched.append(kw["BV"]) or launch(*a, **kw))
-    with chunk.settings(block_v=block_v):
+
+    def spy(body, *a, **kw):
+        launched.append((kw["BV"], body.keywords.get("early")))
+        return launch(body, *a, **kw)
+
+    monkeypatch.setattr(mosaic_scan, "launch_bh_v", spy)
+    with chunk.settings(block_v=block_v, grad_issue=grad_issue):
         _kernels_match_xla_passes(rng, delta, N)
-    assert launched == [16 if block_v == "auto" else block_v] * 2
+    bv = 16 if block_v == "auto" else block_v
+    assert launched == [(bv, None), (bv, grad_issue == "early")]
 
 
 def test_auto_block_v_covers_the_sms(monkeypatch):
@@ -182,9 +189,10 @@ def test_falls_back_once_with_reason(rng, caplog):
     assert mosaic_scan.unsupported_reason(128, 64, jnp.float32, interpret=True) is None
 
 
-@pytest.mark.parametrize("B, T, H, K, block_v", [(8, 4096, 16, 128, 64), (1, 128, 2, 64, 64),
-                                                  (1, 65536, 16, 128, 32), (1, 128, 2, 128, 16)])
-def test_forward_backward_lowers_for_cuda(B, T, H, K, block_v):
+@pytest.mark.parametrize("B, T, H, K, block_v, grad_issue", [
+    (8, 4096, 16, 128, 64, "in_order"), (1, 128, 2, 64, 64, "in_order"), (1, 65536, 16, 128, 32, "in_order"),
+    (1, 128, 2, 128, 16, "in_order"), (8, 4096, 16, 128, 64, "early"), (1, 65536, 16, 128, 16, "early")])
+def test_forward_backward_lowers_for_cuda(B, T, H, K, block_v, grad_issue):
     """The Mosaic GPU lowering (layouts, wgmma operands with one swizzle, SMEM budget) of both
     kernels in the bf16 forward+backward, exported for CUDA from this CPU machine."""
 
@@ -197,7 +205,7 @@ def test_forward_backward_lowers_for_cuda(B, T, H, K, block_v):
     args = [sd((B, T, H, K), jnp.bfloat16)] * 3 + [sd((B, T, H, K), jnp.float32), sd((B, T, H), jnp.float32),
                                                    sd((B, H, K, K), jnp.float32)]
     fn = jax.jit(jax.grad(loss, argnums=tuple(range(6))))
-    with chunk.settings(block_v=block_v):
+    with chunk.settings(block_v=block_v, grad_issue=grad_issue):
         module = jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
     assert module.count("mosaic_gpu") >= 2
 
@@ -318,10 +326,11 @@ def test_scan_bench_pass_work_counts_what_each_pass_reads_and_writes():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_v", [32, 16])
-def test_gpu_narrow_v_blocks_match_naive(rng, block_v):
-    """The compiled serial passes with V / block_v programs per (batch * head), at a training
-    shape (bf16, bounded gates, packed documents) against naive, at the usual tolerances."""
+@pytest.mark.parametrize("block_v, grad_issue", [(32, "in_order"), (16, "in_order"), (64, "early"), (16, "early")])
+def test_gpu_narrow_v_blocks_match_naive(rng, block_v, grad_issue):
+    """The compiled serial passes with V / block_v programs per (batch * head), and the reverse
+    pass with qg^T do issued early, at a training shape (bf16, bounded gates, packed documents)
+    against naive, at the usual tolerances."""
     inputs = make_inputs(rng, 2, 4096, 16, 128, 128, "channel", lower=-5.0, seg="random")
-    with chunk.settings(block_v=block_v):
+    with chunk.settings(block_v=block_v, grad_issue=grad_issue):
         _compare(rng, inputs, BF16_TOL, -5.0, jnp.bfloat16)
