@@ -10,6 +10,7 @@ XLA baselines, per kernel and for the whole expert FFN / routed layer, counting 
     python benchmarks/moe.py --out DIR --workloads k3_small --gate_up fused_glu --glu_blocks 64x128x64/3,64x128x64/4
     python benchmarks/moe.py --out DIR --workloads k3_small --gate_up fused_glu,fused_ffn --ffn_blocks 64x64x64/2,64x128x64/2
     python benchmarks/moe.py --out DIR --workloads k3_small --pair_sort argsort,counting   # the dispatch's sort
+    python benchmarks/moe.py --out DIR --workloads k3_device --gate_up separate,fused_glu --no_kernels   # steps only
 
 Times: ms per call with calls queued back to back (median of 3 runs of >= 50 ms), after one
 warm-up call; `ms_sync` (waiting on every call) is kept too. `--budget_s` stops starting new
@@ -276,7 +277,7 @@ def mxfp4_row(w, rec, base, x_sorted, gate, group_sizes, warmup, iters):
             2 * m * d * f)
 
 
-def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines, steps=True,
+def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines, steps=True, kernels=True,
                  with_mxfp4=False, gate_up=("separate",), profile=0, glu_tiles=(DEFAULT_GLU_BLOCKS,),
                  ffn_tiles=(DEFAULT_FFN_BLOCKS,), pair_sorts=("argsort",)):
     """Rows in order of value, so that the time budget cuts the least useful ones: baselines
@@ -352,7 +353,7 @@ def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines, steps=Tru
 
     default = dict(gmm_fwd_gate=DEFAULT[0], gmm_fwd_down=DEFAULT[0], gmm_dlhs=DEFAULT[1],
                    tgmm=DEFAULT[2])
-    for kernel in KERNELS:
+    for kernel in KERNELS if kernels else ():
         kernel_rows(kernel, [(i, None) for i in baselines] + [("pallas_gpu", default[kernel])])
     if with_mxfp4 and rec.elapsed() <= deadline:
         mxfp4_row(w, rec, base, x_sorted, experts.gate, group_sizes, warmup, iters)
@@ -375,6 +376,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
     parser.add_argument("--sweep", nargs="?", const="main", default=None, choices=list(SWEEPS),
                         help="time the tiles of SWEEPS[name] (main when no name is given)")
+    parser.add_argument("--no_kernels", action="store_true",
+                        help="skip the single kernels with default tiles (steps only)")
     parser.add_argument("--no_steps", action="store_true",
                         help="skip the fwd+bwd steps with default tiles")
     parser.add_argument("--mxfp4", action="store_true",
@@ -426,7 +429,7 @@ def main(argv=None):
         # every workload but the last gets at most `share` of the budget
         last = i == len(todo) - 1
         deadline = args.budget_s if last else rec.elapsed() + w.get("share", 1.0) * args.budget_s
-        run_workload(w, rec, sweep=args.sweep, iters=iters, warmup=warmup, steps=not args.no_steps,
+        run_workload(w, rec, sweep=args.sweep, iters=iters, warmup=warmup, steps=not args.no_steps, kernels=not args.no_kernels,
                      with_mxfp4=args.mxfp4, gate_up=gate_up or ("separate",), profile=args.profile,
                      glu_tiles=glu_tiles, ffn_tiles=ffn_tiles, pair_sorts=pair_sorts or ("argsort",),
                      deadline=min(deadline, args.budget_s), baselines=baselines)

@@ -284,10 +284,10 @@ def test_benchmark_gate_up_rows(tmp_path, monkeypatch):
         return dict(ms=1.0, compile_s=0.0, mem_gib=None, error=None)
 
     monkeypatch.setattr(bench, "measure", fake_measure)
-    monkeypatch.setattr(bench, "KERNELS", ())
     rows = bench.main(["--quick", "--gate_up", "separate,fused,fused_glu,fused_ffn", "--glu_blocks",
                        "64x128x64/3,64x64x64/4", "--ffn_blocks", "64x128x64/2", "--baselines", "ragged_dot",
-                       "--pair_sort", "argsort,counting", "--out", str(tmp_path)])
+                       "--pair_sort", "argsort,counting", "--no_kernels", "--out", str(tmp_path)])
+    assert rows and all(r["kind"] == "step" for r in rows)  # --no_kernels: steps only
     steps = [(r["name"], r["impl"], r["gate_up"], r.get("pair_sort")) for r in rows if r["kind"] == "step"]
     forms = [("pallas_gpu", "separate"), ("pallas_gpu", "fused"), ("pallas_gpu", "fused_glu"),
              ("pallas_gpu", "fused_glu"), ("pallas_gpu", "fused_ffn")]
