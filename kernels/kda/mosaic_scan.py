@@ -217,37 +217,65 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early):
         wait(slot)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last chunk's stores have read ds_f, dvn_s
 
-        def dvn_and_stores():  # write dS, form dv' = dvi + kg dS, write it (and -dv' for the w product)
+        def write_dS_f32():  # the float32 dS for the dhs output (no product of this step reads it)
             if dhs_ref is not None:
                 ds_f[...] = dS
-            ds_c[...] = dS.astype(dt)
-            plgpu.commit_smem()
+
+        def send_dS_f32():
             if dhs_ref is not None:
                 plgpu.copy_smem_to_gmem(ds_f, dhs_ref.at[first + n, bh, :, vs])
 
-            def kdS(acc):
-                plgpu.wgmma(acc, kg_s.at[slot], ds_c)
-                return acc[...]
+        def kdS(acc):  # kg dS; `early`: dS's float32 copy is written and sent while it runs
+            plgpu.wgmma(acc, kg_s.at[slot], ds_c)
+            if early and dhs_ref is not None:
+                write_dS_f32()
+                plgpu.commit_smem()
+                send_dS_f32()
+            return acc[...]
 
-            dvn = plgpu.load(dvi_s.at[slot], layout=plgpu.Layout.WGMMA) + _mm(kdS, (C, BV))
+        def write_dvn(dvn):
             if dvn_ref is not None:
                 dvn_s[...] = dvn.astype(dt)
             if delta:
                 neg_s[...] = (-dvn).astype(dt)  # rounding is symmetric: exactly -round(dv')
-            plgpu.commit_smem()
+
+        def send_dvn():
             if dvn_ref is not None:
                 plgpu.copy_smem_to_gmem(dvn_s, dvn_ref.at[first + n, bh, :, vs])
 
-        def back(acc):  # qg^T do - w^T dv'; `early`: qg^T do (it does not wait on dS) before dv'
+        def qg_do(acc):
             plgpu.wgmma(acc, qg_s.at[slot].transpose((1, 0)), do_s.at[slot])
-            if early:
-                dvn_and_stores()
+
+        def w_dvn(acc):
             if delta:
                 plgpu.wgmma(acc, w_s.at[slot].transpose((1, 0)), neg_s)
-            return acc[...]
 
-        if not early:  # the [K, BV] accumulator is live only from here (registers)
-            dvn_and_stores()
+        if early:  # qg^T do (it does not wait on dS) first, the output copies while products run
+            def back(acc):
+                qg_do(acc)
+                ds_c[...] = dS.astype(dt)
+                plgpu.commit_smem()
+                dvn = plgpu.load(dvi_s.at[slot], layout=plgpu.Layout.WGMMA) + _mm(kdS, (C, BV))
+                write_dvn(dvn)
+                plgpu.commit_smem()
+                w_dvn(acc)
+                send_dvn()
+                return acc[...]
+        else:  # in order: dS written, dv' formed and written, then qg^T do - w^T dv'
+            write_dS_f32()
+            ds_c[...] = dS.astype(dt)
+            plgpu.commit_smem()
+            send_dS_f32()
+            dvn = plgpu.load(dvi_s.at[slot], layout=plgpu.Layout.WGMMA) + _mm(kdS, (C, BV))
+            write_dvn(dvn)
+            plgpu.commit_smem()
+            send_dvn()
+
+            def back(acc):
+                qg_do(acc)
+                w_dvn(acc)
+                return acc[...]
+
         d = plgpu.load(d_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
         return dS * lax.broadcast_in_dim(d, dS.shape, [0]) + _mm(back, (K, BV))
 
