@@ -250,8 +250,12 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early):
             if delta:
                 plgpu.wgmma(acc, w_s.at[slot].transpose((1, 0)), neg_s)
 
-        if early:  # qg^T do (it does not wait on dS) first, the output copies while products run
-            def back(acc):
+        def decayed():
+            d = plgpu.load(d_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
+            return dS * lax.broadcast_in_dim(d, dS.shape, [0])
+
+        if early:  # qg^T do (it does not wait on dS) first; output copies and the decay while products run
+            def step_dS(acc):
                 qg_do(acc)
                 ds_c[...] = dS.astype(dt)
                 plgpu.commit_smem()
@@ -260,24 +264,26 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early):
                 plgpu.commit_smem()
                 w_dvn(acc)
                 send_dvn()
-                return acc[...]
-        else:  # in order: dS written, dv' formed and written, then qg^T do - w^T dv'
-            write_dS_f32()
-            ds_c[...] = dS.astype(dt)
-            plgpu.commit_smem()
-            send_dS_f32()
-            dvn = plgpu.load(dvi_s.at[slot], layout=plgpu.Layout.WGMMA) + _mm(kdS, (C, BV))
-            write_dvn(dvn)
-            plgpu.commit_smem()
-            send_dvn()
+                dS_decayed = decayed()
+                return dS_decayed + acc[...]
 
-            def back(acc):
-                qg_do(acc)
-                w_dvn(acc)
-                return acc[...]
+            return _mm(step_dS, (K, BV))
+        # in order: dS written, dv' formed and written, then decay dS + qg^T do - w^T dv'
+        write_dS_f32()
+        ds_c[...] = dS.astype(dt)
+        plgpu.commit_smem()
+        send_dS_f32()
+        dvn = plgpu.load(dvi_s.at[slot], layout=plgpu.Layout.WGMMA) + _mm(kdS, (C, BV))
+        write_dvn(dvn)
+        plgpu.commit_smem()
+        send_dvn()
 
-        d = plgpu.load(d_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
-        return dS * lax.broadcast_in_dim(d, dS.shape, [0]) + _mm(back, (K, BV))
+        def back(acc):
+            qg_do(acc)
+            w_dvn(acc)
+            return acc[...]
+
+        return decayed() + _mm(back, (K, BV))
 
     _store_last(lax.fori_loop(0, NT, step, dS), ds_f, dh0_ref.at[p, :, vs])
 
