@@ -20,7 +20,7 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
-from kimi_jax import logging_utils
+from kimi_jax import kernel_settings, logging_utils
 from kimi_jax.evaluators import evaluate
 from kimi_jax.evaluators.report import write, write_comparison
 
@@ -42,7 +42,8 @@ def evaluate_workdir(config, workdir: str, names) -> dict:
     ckpt.close()
     model = load_model(config, workdir)
     logging.info("evaluating %s at step %s", workdir, step)
-    results = evaluate(config, model, names)
+    with kernel_settings.applied(kernel_settings.parse(config.get("kernel_settings", ""))):
+        results = evaluate(config, model, names)
     results["workdir"], results["step"] = os.path.abspath(workdir), step
     return results
 

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
-from kimi_jax import checkpoint, data, logging_utils, optim, sharding, train_lib
+from kimi_jax import checkpoint, data, kernel_settings, logging_utils, optim, sharding, train_lib
 
 
 def define_flags() -> None:
@@ -43,7 +43,16 @@ def _log(msg: str) -> None:
 
 
 def train_and_evaluate(config, workdir: str) -> dict:
-    """Run (or resume) training; returns the last logged metrics."""
+    """Run (or resume) training; returns the last logged metrics. The steps are traced with
+    `config.kernel_settings` in place (`kimi_jax.kernel_settings`)."""
+    settings = kernel_settings.parse(config.get("kernel_settings", ""))
+    if settings:
+        _log(f"kernel settings: {settings}")
+    with kernel_settings.applied(settings):
+        return _train_and_evaluate(config, workdir)
+
+
+def _train_and_evaluate(config, workdir: str) -> dict:
     for key in ("log_every_steps", "checkpoint_every_steps"):
         if int(config[key]) < 1:
             raise ValueError(f"config.{key}={config[key]} must be >= 1 (eval_every_steps=0 turns evaluation off)")

@@ -46,6 +46,10 @@ def training_defaults(config: ml_collections.ConfigDict) -> None:
     # XLA compile options of the train step, "name=value,..." (e.g. "xla_allow_excess_precision=false":
     # intermediates the model declares bf16 are stored in bf16, not kept in float32); "" = XLA's defaults.
     config.xla_options = ""
+    # Traced implementation settings, "key=value/..." (kimi_jax/kernel_settings.py: the KDA kernels'
+    # block_v, grad_issue, segments, ..., the MoE's gate_up and pair_sort, the backward forms), in
+    # place while train.py and eval.py trace their steps; "" = every default.
+    config.kernel_settings = ""
 
 
 def data_defaults() -> ml_collections.ConfigDict:
