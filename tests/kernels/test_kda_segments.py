@@ -47,8 +47,15 @@ def test_segmented_passes_equal_the_plain_passes(rng, delta, N, segments):
         assert_close(name, r, x, 1e-5)
 
 
-def test_segmented_mosaic_kernels_equal_the_plain_passes(rng):
-    """The Mosaic GPU passes (interpreted) in segments, their width-(K + V) pass included."""
+@pytest.mark.parametrize("grad_issue", ["in_order", "early"])
+def test_segmented_mosaic_kernels_equal_the_plain_passes(rng, grad_issue):
+    """The Mosaic GPU passes (interpreted) in segments, their width-(K + V) pass included, with
+    either order of the reverse pass's products."""
+    with chunk.settings(grad_issue=grad_issue):
+        _segmented_mosaic_kernels_equal_the_plain_passes(rng)
+
+
+def _segmented_mosaic_kernels_equal_the_plain_passes(rng):
     w, u, kg, qg, do, dvi, decay, h0, dS = _chunks(rng, 4, True, B=1, H=2, K=64, V=64)
     scan = lambda *a, **kw: mosaic_scan.state_scan_chunks(*a, cd=jnp.float32, interpret=True, **kw)  # noqa: E731
     want, got = scan(h0, w, u, kg, decay), chunk_segments.state_scan(scan, h0, w, u, kg, decay, 2)
