@@ -59,16 +59,18 @@ def test_matches_single_device_reference(rng, shape):
         assert_close(name, a, b, 1e-5)
 
 
-def test_fused_glu_expert_parallel_with_tensor_axis(rng):
-    """GATE_UP="fused_glu" inside shard_map: each shard runs the fused FFN (kernels.gmm.glu_ffn;
-    its reference on the CPU) on its experts and its slice of the hidden width, SiTU-GLU."""
+@pytest.mark.parametrize("mode", ["fused_glu", "fused_ffn"])
+def test_fused_glu_expert_parallel_with_tensor_axis(rng, mode):
+    """GATE_UP="fused_glu" / "fused_ffn" inside shard_map: each shard runs the fused FFN
+    (kernels.gmm.glu_ffn; its reference on the CPU) on its experts and its slice of the hidden
+    width, SiTU-GLU."""
     from kimi_jax.moe_dispatch import gate_up
 
     act = glu_activation("situ")
     x, idx, w, ex = _problem(rng)
     fn = lambda x, w, ex: jnp.sum(jnp.sin(dense_dispatch(x, idx, w, ex, act)))  # noqa: E731
     want_y, want_g = jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 2)))(x, w, ex)
-    with jax.set_mesh(_mesh({"data": 2, "expert": 2, "tensor": 2})), gate_up("fused_glu"):
+    with jax.set_mesh(_mesh({"data": 2, "expert": 2, "tensor": 2})), gate_up(mode):
         fn = lambda x, w, ex: jnp.sum(jnp.sin(moe_ep.expert_parallel_dispatch(x, idx, w, ex, act)))  # noqa: E731
         y, g = jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 2)))(x, w, ex)
     assert_close("loss", want_y, y, 1e-5)
