@@ -253,7 +253,13 @@ def run_shape(shape, impls, peers, on_row=None):
     for impl in impls:
         _check_impl(impl)
         res, err = _ours(impl, x, shape)
-        add(_row(f"{impl}", "ours", shape, res, err), None if res is None else res[2])
+        row = _row(f"{impl}", "ours", shape, res, err)
+        name, _, opt = impl.partition(":")
+        if name in ("chunk", "chunk_mosaic") and chunk_settings(opt).get("block_v") == "auto":
+            from kernels.kda import chunk_segments  # the width "auto" resolves to at this shape
+
+            row["block_v"] = chunk_segments.auto_block_v(B * H * max(D // 64, 1))
+        add(row, None if res is None else res[2])
     for name in peers:
         for label, (res, err) in _peer(name, x):
             add(_row(label, "peer", shape, res, err), None if res is None else res[2])

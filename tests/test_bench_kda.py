@@ -14,8 +14,9 @@ def test_benchmark_script_quick(tmp_path):
     from benchmarks import kda as bench
 
     out = tmp_path / "kda.json"
-    bench.main(["--quick", "--shapes", "1x70x1x16", "--impls", "chunk,pallas_gpu,chunk:cumsum=matmul/scores=tiled",
-                "--peers", "cudnn", "--out", str(out)])
+    bench.main(["--quick", "--shapes", "1x70x1x16", "--impls",
+                "chunk,pallas_gpu,chunk:cumsum=matmul/scores=tiled,chunk:block_v=auto", "--peers", "cudnn",
+                "--out", str(out)])
     res = json.loads(out.read_text())
     assert {"date", "device", "jax", "torch", "fla"} <= set(res["env"])
     assert res["config"]["shapes"] == [[1, 70, 1, 16]]
@@ -27,6 +28,7 @@ def test_benchmark_script_quick(tmp_path):
     assert "| 1,70,1,16 | chunk |" in res["table"]
     variant = rows["chunk:cumsum=matmul/scores=tiled"]  # traced under those settings: chunk's values
     assert variant["error"] is None and variant["o_rel_err_vs_chunk"] < 1e-5
+    assert rows["chunk:block_v=auto"]["block_v"] == 16 and "block_v" not in rows["chunk"]  # one program of 64
     assert bench.chunk_settings("tiled") == {"scores": "tiled"}
     assert bench.chunk_settings("forward_only=chunk") == {"forward_only": "chunk"}
     assert bench.chunk_settings("segments=8/inverse=doubling") == {"segments": 8, "inverse": "doubling"}
