@@ -143,6 +143,7 @@ def test_zoology_attention_variant():
         model = config.model
         assert model.max_position_embeddings == t.point["seq_len"] and model.ffn is False
         assert model.mixers.softmax.rope_theta is None and model.mixers.softmax.num_heads == 1
+        assert model.embed_dropout == model.mixers.softmax.dropout == 0.1 and model.tie_embeddings is True
         assert config.total_steps == 12000
         batches[t.point["seq_len"]] = config.data.batch_size
     assert batches == {64: 512, 128: 512, 256: 256, 512: 128}  # Zoology's; gpu_long halves them

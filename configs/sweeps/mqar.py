@@ -267,12 +267,12 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
 
 
 # `zoology_attention`: softmax attention as Zoology's Fig. 2 builds it (learned absolute positions,
-# one head of width d_model, no MLP) at Zoology's batch per length (512 / 512 / 256 / 128, twice
-# the gpu batches), on the gpu_long budget (12000 steps) at lr 1e-3 and 3e-3: 24 trials, named
-# apart from the grid's. Zoology's fixed set of 100k examples is `train_examples=100000` on top, and
-# its dropout 0.1 (embedding and attention probabilities) `dropout=0.1`.
+# one head of width d_model, no MLP, dropout 0.1 on the embedding and the attention probabilities,
+# the head tied to the embedding) at Zoology's batch per length (512 / 512 / 256 / 128, twice the
+# gpu batches), on the gpu_long budget (12000 steps) at lr 1e-3 and 3e-3: 24 trials, named apart
+# from the grid's. Zoology's fixed set of 100k examples is `train_examples=100000` on top.
 ZOOLOGY_ATTENTION = dict(gpu_long=True, mixers="softmax", rope=False, learned_pos=True, mlp=False, num_heads=1,
-                         full_batch=True, lrs="1e-3+3e-3")
+                         full_batch=True, lrs="1e-3+3e-3", dropout=0.1, tied=True)
 
 # Trial-arg values of the size variants; keys given explicitly in the arg win.
 VARIANTS = dict(
