@@ -104,6 +104,12 @@ class MoEConfig:
         check_experts_dtype(self.experts_dtype, self.dispatch)
 
 
+def check_dropout_rate(name: str, rate) -> None:
+    """A dropout rate (the model's or a mixer's) must be a number in [0, 1)."""
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
+        raise ValueError(f"{name} must be a dropout rate in [0, 1); got {rate!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -148,9 +154,7 @@ class ModelConfig:
                 or self.max_position_embeddings < 0):
             raise ValueError(f"max_position_embeddings must be an int >= 0 (0 = no learned positions); "
                              f"got {self.max_position_embeddings!r}")
-        if isinstance(self.embed_dropout, bool) or not isinstance(self.embed_dropout, (int, float)) \
-                or not 0 <= self.embed_dropout < 1:
-            raise ValueError(f"embed_dropout must be a dropout rate in [0, 1); got {self.embed_dropout!r}")
+        check_dropout_rate("embed_dropout", self.embed_dropout)
         if not float(self.init_std) > 0:
             raise ValueError(f"init_std must be positive; got {self.init_std!r}")
         if not isinstance(self.tie_embeddings, bool):

@@ -401,11 +401,6 @@ def _ccs_bwd(res, dy):
 causal_conv_silu.defvjp(_ccs_fwd, _ccs_bwd)
 
 
-def check_dropout_rate(name: str, rate) -> None:
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
-        raise ValueError(f"{name} must be a dropout rate in [0, 1); got {rate!r}")
-
-
 def dropout(x, rate: float, key):
     """Inverted dropout: each element zeroed with probability `rate`, the others scaled by
     1 / (1 - rate) so the expectation is x; x itself where `key` is None (evaluation) or rate is 0."""

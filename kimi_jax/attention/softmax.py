@@ -19,7 +19,8 @@ from kimi_jax.attention.common import (
     xla_attention,
 )
 from kimi_jax.attention.core import DEFAULT_MAX_SEGMENTS, IMPLS, attention, check_max_segments
-from kimi_jax.layers import Linear, apply_rope, check_dropout_rate, segment_positions
+from kimi_jax.config import check_dropout_rate
+from kimi_jax.layers import Linear, apply_rope, segment_positions
 
 
 @dataclasses.dataclass(frozen=True)
