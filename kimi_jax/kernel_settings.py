@@ -30,25 +30,32 @@ MODEL_SETTINGS = {
 }
 
 
-def choices() -> dict[str, tuple]:
-    """Every key with its allowed values: the KDA kernels' (`kernels.kda.chunk.SETTINGS`) and the
-    model's (MODEL_SETTINGS)."""
-    return {k: chunk.setting_values(k) for k in chunk.SETTINGS} | {k: v for k, (v, _) in MODEL_SETTINGS.items()}
+def keys() -> tuple[str, ...]:
+    """Every key: the KDA kernels' (`kernels.kda.chunk.SETTINGS`) and the model's (MODEL_SETTINGS)."""
+    return tuple(chunk.SETTINGS) + tuple(MODEL_SETTINGS)
+
+
+def values(key: str) -> tuple:
+    """The values `key` takes (a KDA key's are looked up only when asked: "forward_only" imports
+    the Mosaic GPU passes)."""
+    return chunk.setting_values(key) if key in chunk.SETTINGS else MODEL_SETTINGS[key][0]
 
 
 def parse(text: str, extra: dict | None = None) -> dict:
     """"block_v=auto/gate_up=fused_ffn" -> {"block_v": "auto", "gate_up": "fused_ffn"} (values as
     the settings take them, e.g. "segments=8" -> 8); "" -> {}. `extra`: more keys a caller
     accepts (key -> allowed string values). An unknown key or value raises."""
-    allowed = {k: {str(v): v for v in values} for k, values in (choices() | (extra or {})).items()}
+    extra = extra or {}
     out = {}
     for item in filter(None, str(text or "").split("/")):
         key, eq, value = item.partition("=")
-        if not eq or key not in allowed:
-            raise ValueError(f"kernel setting {item!r}: expected key=value with key in {sorted(allowed)}")
-        if value not in allowed[key]:
-            raise ValueError(f"kernel setting {key}={value!r}: expected one of {list(allowed[key])}")
-        out[key] = allowed[key][value]
+        if not eq or key not in keys() + tuple(extra):
+            raise ValueError(f"kernel setting {item!r}: expected key=value with key in "
+                             f"{sorted(keys() + tuple(extra))}")
+        allowed = {str(v): v for v in (extra[key] if key in extra else values(key))}
+        if value not in allowed:
+            raise ValueError(f"kernel setting {key}={value!r}: expected one of {list(allowed)}")
+        out[key] = allowed[value]
     return out
 
 
