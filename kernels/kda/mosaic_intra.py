@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels.kda.mosaic_state import C, _mm, _smem
+from kernels.kda.mosaic_state import C, _mm, _smem, flat_grid, grid_indices
 
 SUB = 16
 ANCHOR_ROWS = tuple(range(0, C, SUB)) + (C - 1,)
@@ -38,10 +38,9 @@ def _rows_in(idx, lo, hi):
     return (idx >= lo) & (idx < hi)
 
 
-def _body(q_ref, k_ref, v_ref, G_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_ref, *scratch, H, K, V, scale, dt):
+def _body(q_ref, k_ref, v_ref, G_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_ref, *scratch, H, K, V, scale, dt, grid):
     (q_s, k_s, v_s, G_s, b_s, an_s, xa_s, xk_s, kt_s, m_s, wn_o, u_o, a_o, bars) = scratch
-    n = lax.axis_index("n")
-    bh = lax.axis_index("bh")
+    n, bh = grid_indices(grid)
     b, h = lax.div(bh, H), lax.rem(bh, H)
     rows_t = pl.ds(n * C, C)
     srcs = ((q_ref.at[b, rows_t, h], q_s), (k_ref.at[b, rows_t, h], k_s), (v_ref.at[b, rows_t, h], v_s),
@@ -201,12 +200,11 @@ def intra_bounded(q, k, v, G, beta_t, *, scale, interpret=False):
     ]
     sds = lambda *s: jax.ShapeDtypeStruct((B * H, NT, *s), dt)
     out_type = (sds(C, K), sds(C, K), sds(C, K), sds(C, V), sds(C, C))
-    body = functools.partial(_body, H=H, K=K, V=V, scale=float(scale), dt=dt)
+    body = functools.partial(_body, H=H, K=K, V=V, scale=float(scale), dt=dt, grid=(NT, B * H))
     return plgpu.kernel(
         body,
         out_type=out_type,
         scratch_types=scratch,
-        grid=(NT, B * H),
-        grid_names=("n", "bh"),
+        **flat_grid((NT, B * H)),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q, k, v, G, beta_t)

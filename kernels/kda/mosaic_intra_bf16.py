@@ -34,7 +34,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import profiling
 from kernels.kda.mosaic_intra import MAX_EXP, _split_store, per_block as _per_block, split_parts
-from kernels.kda.mosaic_state import C, _smem
+from kernels.kda.mosaic_state import C, _smem, flat_grid, grid_indices
 
 SUB = 16
 NB = C // SUB  # row blocks per chunk
@@ -96,13 +96,13 @@ def _mm_pair(pairs, m_s, dt, a_s=None):
     return pl.run_scoped(prod, *[plgpu.ACC((C, C), jnp.float32) for _ in pairs])
 
 
-def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_ref, *rest, H, KH, VH, scale, dt):
+def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_ref, *rest, H, KH, VH, scale, dt,
+          grid):
     q_s, k_s, kl_s, an_s, b_s, a_o, union, bars, *a_s = rest
     g_s, (parts, bt_s), kc_s, (v_s, m_s) = union
     phase = profiling.phases()  # named profiler ranges (kernels.profiling), free when not profiling
     phase("load")
-    n = lax.axis_index("n")
-    bh = lax.axis_index("bh")
+    n, bh = grid_indices(grid)
     b, h = lax.div(bh, H), lax.rem(bh, H)
     rows_t = pl.ds(n * C, C)
     half = lambda j: pl.ds(j * HW, HW)  # noqa: E731
@@ -304,13 +304,12 @@ def intra_bf16(q, k, v, g, beta_t, *, scale, interpret=False):
         scratch.append(_smem((4, C, C), dt))
     sds = lambda *s: jax.ShapeDtypeStruct((B * H, NT, *s), dt)  # noqa: E731
     out_type = (sds(C, K), sds(C, K), sds(C, K), sds(C, V), sds(C, C))
-    body = functools.partial(_body, H=H, KH=KH, VH=VH, scale=float(scale), dt=dt)
+    body = functools.partial(_body, H=H, KH=KH, VH=VH, scale=float(scale), dt=dt, grid=(NT, B * H))
     outs = plgpu.kernel(
         body,
         out_type=out_type,
         scratch_types=scratch,
-        grid=(NT, B * H),
-        grid_names=("n", "bh"),
+        **flat_grid((NT, B * H)),
         compiler_params=profiling.compiler_params(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q, k, v, g, an, beta_t)

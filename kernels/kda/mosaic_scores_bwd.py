@@ -40,19 +40,19 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels.kda.chunk_intra import TILE, decayed_scores, hi_lo
 from kernels.kda.mosaic_intra import _split_store, per_block as _per_block
-from kernels.kda.mosaic_state import C, _smem
+from kernels.kda.mosaic_state import C, _smem, flat_grid, grid_indices
 
 KB = 64  # key channels per program
 NB = C // TILE  # 16-row tiles per chunk
 _W = plgpu.Layout.WGMMA
 
 
-def _body(q_ref, k_ref, G_ref, an_ref, dA_ref, dAT_ref, p_ref, qc_ref, *scratch, X, scale, dt, operands, slots):
+def _body(q_ref, k_ref, G_ref, an_ref, dA_ref, dAT_ref, p_ref, qc_ref, *scratch, X, scale, dt, operands, slots, grid):
     an_s, inputs, stage, bars, *more = scratch
     (a_s, k_s, G_s), ops0 = inputs
     ring = [ops0, *more]  # operand slots: (row operand, column operand), each hi + lo
     (dAs_s, dATs_s), out_s = stage
-    n, bh, kx = lax.axis_index("n"), lax.axis_index("bh"), lax.axis_index("kx")
+    n, bh, kx = grid_indices(grid)
     kh, x = lax.div(kx, X), lax.rem(kx, X)
     ks = pl.ds(kh * KB, KB)
     srcs = [(k_ref.at[n, bh, :, ks], k_s), (G_ref.at[n, bh, :, ks], G_s), (an_ref.at[n, bh, :, ks], an_s)]
@@ -180,13 +180,13 @@ def scores_bwd_kernel(q, k, G, anchors, dA, dAT, *, scale, interpret=False, oper
     scratch = [plgpu.SMEM((2 * NB, KB), f32), inputs, stage, plgpu.Barrier(num_barriers=8)]
     scratch += [operand_slot() for _ in range(slots - 1)]
     out_type = (jax.ShapeDtypeStruct((N, BH, X, K, C), f32),) * 2
-    body = functools.partial(_body, X=X, scale=float(scale), dt=dt, operands=operands, slots=slots)
+    grid = (N, BH, (K // KB) * X)
+    body = functools.partial(_body, X=X, scale=float(scale), dt=dt, operands=operands, slots=slots, grid=grid)
     return plgpu.kernel(
         body,
         out_type=out_type,
         scratch_types=scratch,
-        grid=(N, BH, (K // KB) * X),
-        grid_names=("n", "bh", "kx"),
+        **flat_grid(grid),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q, k, G, anchors, dA, dAT)

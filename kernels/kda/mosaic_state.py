@@ -28,9 +28,20 @@ from kernels.kda import chunk_segments
 C = 64  # chunk length (rows of every wgmma's M side except the state update)
 
 
+# CUDA caps a grid's y and z axes at 65535 blocks (x at 2^31 - 1): a grid over the chunks on y
+# would stop at 65535 chunks (4,194,240 tokens). Kernels with a program per chunk use one x axis.
+MAX_PROGRAMS = 2**31 - 1
+MAX_Y = 65535
+
+
 def launch_bh_v(body, out_type, scratch, args, *, BH, V, BV, interpret):
     """One program per (batch*head, V-block of BV): the chunk-walking kernels and the decode step.
-    The body runs in one named scope (its function's name: a profiler range, `kernels.profiling`)."""
+    The body runs in one named scope (its function's name: a profiler range, `kernels.profiling`).
+    batch*head is CUDA's y axis (the V blocks of one head launch side by side, sharing its K-wide
+    inputs in L2), so it is capped at 65535."""
+    if BH > MAX_Y:
+        raise ValueError(f"{BH} (batch * head) programs exceed CUDA's {MAX_Y} on a grid's y axis; run the "
+                         f"batch in parts of at most {MAX_Y} sequence-heads each")
     fn = body.func if isinstance(body, functools.partial) else body
     name = f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__.strip('_')}"  # e.g. "mosaic_scan.fwd_body"
 
@@ -47,6 +58,27 @@ def launch_bh_v(body, out_type, scratch, args, *, BH, V, BV, interpret):
         compiler_params=profiling.compiler_params(approx_math=False),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(*args)
+
+
+def flat_grid(sizes: tuple[int, ...]) -> dict:
+    """`plgpu.kernel` grid arguments for prod(sizes) programs on one axis ("t"); read the per-axis
+    indices back with `grid_indices(sizes)`."""
+    total = 1
+    for size in sizes:
+        total *= int(size)
+    if total > MAX_PROGRAMS:
+        raise ValueError(f"{total} programs ({' x '.join(map(str, sizes))}) exceed CUDA's {MAX_PROGRAMS} per grid")
+    return dict(grid=(total,), grid_names=("t",))
+
+
+def grid_indices(sizes: tuple[int, ...]) -> tuple:
+    """This program's index along each of `sizes` in a `flat_grid(sizes)`, the last one fastest
+    (the launch order a multi-axis grid has: its last axis is CUDA's x)."""
+    t, out = lax.axis_index("t"), []
+    for size in reversed(sizes[1:]):
+        out.append(lax.rem(t, size))
+        t = lax.div(t, size)
+    return (t, *reversed(out))
 
 
 def load_carried(first, issue, src, smem, bar):

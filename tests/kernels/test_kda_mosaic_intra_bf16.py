@@ -108,6 +108,39 @@ def test_lowers_for_cuda_within_two_programs_per_sm(monkeypatch, K, V):
     assert sizes and max(sizes) <= 113 * 1024
 
 
+def test_program_per_chunk_kernels_run_past_65535_chunks():
+    """The kernels with a program per (chunk, head) launch them on CUDA's x axis alone (y and z
+    stop at 65535): 65,537 chunks (4,194,368 tokens) lower for CUDA as one grid axis of that many
+    programs, and `grid_indices` undoes the flattening in the launch order of the 2-D grid."""
+    from kernels.kda import mosaic_state
+
+    T, K = 65537 * 64, 64
+    bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)  # noqa: E731
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+    f = jax.jit(lambda *a: mosaic_intra_bf16.intra_bf16(*a, scale=K**-0.5))
+    text = f.trace(bf(1, T, 1, K), bf(1, T, 1, K), bf(1, T, 1, K), f32(1, T, 1, K), f32(1, 1, T)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    assert mosaic_state.flat_grid((65537, 2)) == dict(grid=(131074,), grid_names=("t",))
+    with pytest.raises(ValueError, match="exceed"):
+        mosaic_state.flat_grid((2**16, 2**16))
+    with pytest.raises(ValueError, match="y axis"):  # the chunk-walking kernels keep batch * head on y
+        mosaic_state.launch_bh_v(lambda *r: None, None, [], (), BH=65536, V=128, BV=64, interpret=True)
+    # the flattened index, last axis fastest, read back per axis (as the kernels do) in the interpreter
+    sizes = (3, 2, 5)
+
+    def body(o_ref):
+        n, bh, kx = mosaic_state.grid_indices(sizes)
+        t = jax.lax.axis_index("t")
+        o_ref[t] = (n * 100 + bh * 10 + kx).astype(jnp.int32)
+
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    out = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((30,), jnp.int32), **mosaic_state.flat_grid(sizes),
+                       interpret=plgpu.InterpretGPUParams())()
+    want = [n * 100 + b * 10 + x for n in range(3) for b in range(2) for x in range(5)]
+    assert list(map(int, out)) == want
+
+
 @pytest.mark.parametrize("block_v", [64, 32, 16])
 def test_state_kernel_with_states_lowers_for_cuda(block_v):
     """The state kernel's per-chunk state output (the backward's residual), its o written
