@@ -5,7 +5,6 @@ axis a row's devices form. Also read by `benchmarks/kda_profile.py --mixer --set
 from __future__ import annotations
 
 from kimi_jax import kernel_settings
-from kimi_jax.kernel_settings import MODEL_SETTINGS  # noqa: F401  (re-exported for the benchmarks)
 
 MESH_AXES = ("data", "fsdp")  # the axis a row's devices form
 
