@@ -28,7 +28,9 @@ def test_benchmark_script_quick(tmp_path):
     assert "| 1,70,1,16 | chunk |" in res["table"]
     variant = rows["chunk:cumsum=matmul/scores=tiled"]  # traced under those settings: chunk's values
     assert variant["error"] is None and variant["o_rel_err_vs_chunk"] < 1e-5
-    assert rows["chunk:block_v=auto"]["block_v"] == 16 and "block_v" not in rows["chunk"]  # one program of 64
+    auto = rows["chunk:block_v=auto"]
+    assert auto["error"] is None and auto["o_rel_err_vs_chunk"] < 1e-5
+    assert auto["block_v"] == 16 and "block_v" not in rows["chunk"]  # one program of 64
     assert bench.chunk_settings("tiled") == {"scores": "tiled"}
     assert bench.chunk_settings("forward_only=chunk") == {"forward_only": "chunk"}
     assert bench.chunk_settings("segments=8/inverse=doubling") == {"segments": 8, "inverse": "doubling"}

@@ -71,6 +71,12 @@ def grad_issue() -> str:
     return GRAD_ISSUE
 
 
+def pass_programs(BH: int, V: int) -> int:
+    """Programs of a plain Mosaic pass over BH (batch * head) rows of V columns at BLOCK_V
+    ("auto" resolved for them)."""
+    return BH * max(1, V // block_v(programs64=BH * max(1, V // 64)))
+
+
 def auto_block_v(programs64: int) -> int:
     """The widest of 64, 32, 16 columns whose programs (programs64 * 64 / width) cover every SM;
     16 when none does. At V = 128: 8 x 4096 x 16 heads keeps 64 (256 programs), 1 x 65536 x 16
@@ -155,7 +161,7 @@ def state_scan(scan, h0, w, u, kg, decay, segments: int):
     from its own row block (finals likewise); with final_only it may skip the per-chunk outputs,
     which pass 1 does not use. Returns the plain pass's triple."""
     B, H, K, V = h0.shape
-    s = effective_segments(kg.shape[0], segments, B * H * max(1, V // BLOCK_V))
+    s = effective_segments(kg.shape[0], segments, pass_programs(B * H, V))
     if s == 1:
         return scan(h0, w, u, kg, decay)
     _, _, ends = scan(_identity_start(jnp.zeros((s * B, H, K, V), h0.dtype)), w, _widen(u, K), kg, decay,
@@ -177,7 +183,7 @@ def grad_scan(scan, dS_final, chunked, sources, segments: int):
     entries pass), `sources`: those that carry V in their last axis (they enter linearly: zeros
     before them make pass 1's [I | 0] columns a pure transition). Returns the same triple."""
     B, H, K, V = dS_final.shape
-    s = effective_segments(next(x for x in chunked if x is not None).shape[0], segments, B * H * max(1, V // BLOCK_V))
+    s = effective_segments(next(x for x in chunked if x is not None).shape[0], segments, pass_programs(B * H, V))
     if s == 1:
         return scan(dS_final, chunked, sources)
     zero_end = jnp.zeros((s * B, H, K, V), dS_final.dtype)

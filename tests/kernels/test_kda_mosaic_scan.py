@@ -102,7 +102,7 @@ def test_chunk_mosaic_matches_naive_float32(rng, B, T, H, K, V, gate, seg, lb):
     _compare(rng, inputs, F32_TOL, lb, jnp.float32)
 
 
-@pytest.mark.parametrize("block_v", [64, 32])
+@pytest.mark.parametrize("block_v", [64, 32, "auto"])
 def test_chunk_mosaic_bfloat16(rng, block_v):
     inputs = make_inputs(rng, 1, 200, 2, 128, 128, "channel", lower=-5.0, seg="random")
     with chunk.settings(block_v=block_v):
