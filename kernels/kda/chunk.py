@@ -103,6 +103,11 @@ def _state_scan(nm, h0, w, u, kg, decay, state_pass="xla", final_only=False, seg
     outputs (XLA drops unused ones itself)."""
     if state_pass != "xla":
         ms, interpret = _mosaic_scan(state_pass)
+        if w is not None and chunk_segments.scan_form() == "transition":
+            from kernels.kda import mosaic_scan_transition as mt
+
+            return mt.state_scan_chunks(nm, h0, w, u, kg, decay, interpret=interpret, final_only=final_only,
+                                        segments=segments)
         return ms.state_scan_chunks(h0, w, u, kg, decay, cd=nm.cd, interpret=interpret, final_only=final_only,
                                     segments=segments)
     if segments > 1:
@@ -182,6 +187,11 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
         ms, interpret = _mosaic_scan(state_pass)
         scan = lambda dS, c, src, **kw: ms.grad_scan_chunks(  # noqa: E731
             dS, c[0], c[1], c[2], src[0], src[1], c[3], cd=nm.cd, interpret=interpret, **kw)
+        if delta and chunk_segments.scan_form() == "transition":
+            from kernels.kda import mosaic_scan_transition as mt
+
+            scan = lambda dS, c, src, **kw: mt.grad_scan_chunks(  # noqa: E731
+                nm, dS, c[0], c[1], c[2], src[0], src[1], c[3], interpret=interpret, **kw)
         chunked, sources = (w, P["kg"], P["qg"], P["decay"]), (do, dvn_intra)
     dhs, dvn, dh0 = chunk_segments.grad_scan(scan, dS_final, chunked, sources, chunk_segments.SEGMENTS)
     # State update S_{n+1} = decay S_n + kg^T v'.
@@ -239,7 +249,8 @@ def run_chunked(q, k, v, g, beta, *, scale, initial_state, segment_ids, bounded,
                         bounded=bounded, delta=delta, state_pass=state_pass, scores=scores,
                         traced_settings=chunk_intra.traced_settings() + (chunk_segments.SEGMENTS,
                                                                            chunk_segments.BLOCK_V,
-                                                                           chunk_segments.GRAD_ISSUE))
+                                                                           chunk_segments.GRAD_ISSUE,
+                                                                           chunk_segments.SCAN_FORM))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "bounded", "delta", "state_pass", "scores", "traced_settings"))
@@ -310,7 +321,8 @@ def _settings_table(keys=None):
              "forward_only": _forward_only_setting,
              "segments": lambda: (chunk_segments, "SEGMENTS", chunk_segments.SEGMENT_CHOICES),
              "block_v": lambda: (chunk_segments, "BLOCK_V", chunk_segments.BLOCK_V_CHOICES),
-             "grad_issue": lambda: (chunk_segments, "GRAD_ISSUE", chunk_segments.GRAD_ISSUES)}
+             "grad_issue": lambda: (chunk_segments, "GRAD_ISSUE", chunk_segments.GRAD_ISSUES),
+             "scan_form": lambda: (chunk_segments, "SCAN_FORM", chunk_segments.SCAN_FORMS)}
     for key in keys or ():
         if key not in table:
             raise ValueError(f"unknown KDA setting {key!r}; expected one of {SETTINGS}")
@@ -323,7 +335,7 @@ def _forward_only_setting():
 
 
 SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse", "forward_only", "segments", "block_v",
-            "grad_issue")
+            "grad_issue", "scan_form")
 
 
 def setting_values(key: str) -> tuple:
@@ -334,8 +346,8 @@ def setting_values(key: str) -> tuple:
 @contextlib.contextmanager
 def settings(**values):
     """Within the block, trace with these module settings (diag=, rows=, scores=, cumsum=,
-    scores_bwd=, inverse=, forward_only=, segments=, block_v=, grad_issue=; see SETTINGS), restored afterwards; an unknown
-    key or value raises."""
+    scores_bwd=, inverse=, forward_only=, segments=, block_v=, grad_issue=, scan_form=; see
+    SETTINGS), restored afterwards; an unknown key or value raises."""
     table = _settings_table(values)
     for key, value in values.items():
         if value not in table[key][2]:

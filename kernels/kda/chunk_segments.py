@@ -44,6 +44,12 @@ BLOCK_V = 64
 # with `chunk.settings(grad_issue=...)`; read while tracing. Not yet timed: "in_order" stays.
 GRAD_ISSUES = ("in_order", "early")
 GRAD_ISSUE = "in_order"
+# How the Mosaic delta-rule passes chain their steps: "wy" (`mosaic_scan`: v' = u - w S, then
+# kg^T v', two dependent products a step) or "transition" (`mosaic_scan_transition`: one product
+# with M = -kg^T w formed for all chunks first, v' and dv' formed from the states afterwards).
+# Set with `chunk.settings(scan_form=...)`; read while tracing. Not yet timed: "wy" stays.
+SCAN_FORMS = ("wy", "transition")
+SCAN_FORM = "wy"
 # "auto" fills about two programs per SM of the plain pass's (batch * head, BLOCK_V columns) programs
 # and keeps at least MIN_CHUNKS chunks per segment.
 PROGRAMS_PER_SM = 2
@@ -69,6 +75,13 @@ def grad_issue() -> str:
     if GRAD_ISSUE not in GRAD_ISSUES:
         raise ValueError(f"chunk_segments.GRAD_ISSUE={GRAD_ISSUE!r}; expected one of {GRAD_ISSUES}")
     return GRAD_ISSUE
+
+
+def scan_form() -> str:
+    """SCAN_FORM, checked (read while tracing)."""
+    if SCAN_FORM not in SCAN_FORMS:
+        raise ValueError(f"chunk_segments.SCAN_FORM={SCAN_FORM!r}; expected one of {SCAN_FORMS}")
+    return SCAN_FORM
 
 
 def pass_programs(BH: int, V: int) -> int:
