@@ -35,19 +35,22 @@ SEGMENTS = 1
 # V = 128, 64 gives two chains per (batch * head), 32 four, 16 eight, each step a product of width
 # BV. The other way besides segments to put more programs on the GPU when B * H is small. Set with
 # `chunk.settings(block_v=...)`; read while tracing. "auto" (`auto_block_v`) takes the widest block
-# that still gives every SM a program. Not yet timed on a GPU: the default stays 64.
+# that still gives every SM a program. Timed at 1,65536,16,128 (H200, forward+backward): 64 23.32 ms,
+# 32 22.73, 16 23.47 (`kda-t65536-levers-h200-20261205T0233.json`); within runs' spread, 64 stays.
 BLOCK_V_CHOICES = (64, 32, 16, "auto")
 BLOCK_V = 64
 # When the Mosaic reverse pass issues qg_n^T do_n, the one product of a step that does not wait on
 # the carried dS: "in_order" (after dv'_n, beside w_n^T dv'_n) or "early" (first, so the tensor
 # cores run it while dS is stored to SMEM; then only w_n^T dv'_n follows dv'_n). Same values. Set
-# with `chunk.settings(grad_issue=...)`; read while tracing. Not yet timed: "in_order" stays.
+# with `chunk.settings(grad_issue=...)`; read while tracing. Timed at 1,65536,16,128 with 16 columns:
+# 23.58 ms against 23.47 in order, so "in_order" stays.
 GRAD_ISSUES = ("in_order", "early")
 GRAD_ISSUE = "in_order"
 # How the Mosaic delta-rule passes chain their steps: "wy" (`mosaic_scan`: v' = u - w S, then
 # kg^T v', two dependent products a step) or "transition" (`mosaic_scan_transition`: one product
 # with M = -kg^T w formed for all chunks first, v' and dv' formed from the states afterwards).
-# Set with `chunk.settings(scan_form=...)`; read while tracing. Not yet timed: "wy" stays.
+# Set with `chunk.settings(scan_form=...)`; read while tracing. Slower where it was meant to pay
+# (1,65536,16,128: 24.97 ms forward+backward against 23.32), so "wy" stays.
 SCAN_FORMS = ("wy", "transition")
 SCAN_FORM = "wy"
 # "auto" fills about two programs per SM of the plain pass's (batch * head, BLOCK_V columns) programs

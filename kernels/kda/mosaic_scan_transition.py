@@ -20,7 +20,10 @@ the same 2.5e-3 (relative, bf16), dominated by the staged S. Costs: M's HBM roun
 outputs, so it pays only where the chain is the bound: few (batch * head) programs walking many
 chunks. SMEM per program at BV = 64: 161 KiB forward, 209 KiB reverse (one program per SM).
 Selected by `chunk.settings(scan_form="transition")` (`chunk_segments.SCAN_FORM`); delta rule only
-(linear attention has no product on its chain), plain passes only (segments = 1).
+(linear attention has no product on its chain), plain passes only (segments = 1). On an H200 at
+1,65536,16,128 it is slower than the WY passes (24.97 against 23.32 ms forward+backward,
+`benchmarks/results/kda-t65536-levers-h200-20261205T0233.json`): the passes are 3.1 ms of that
+step, so the chain it shortens is not the bound there and its extra XLA work is.
 """
 
 from __future__ import annotations
