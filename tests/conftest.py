@@ -3,12 +3,14 @@ the relative-RMS metric, a `gpu` marker that skips without a GPU, and one persis
 cache for the whole run."""
 
 import os
+import re
 import shutil
 import tempfile
 
 from tests.cpu_env import CPU_O0_FLAG
 
 # Must happen before jax is imported anywhere.
+_PLATFORM_DEFAULTED = "JAX_PLATFORMS" not in os.environ
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
@@ -60,6 +62,11 @@ def _has_gpu() -> bool:
 def pytest_collection_modifyitems(config, items):
     if _has_gpu():
         return
+    asks_gpu = re.search(r"(?<!not )\bgpu\b", config.getoption("markexpr", "") or "")
+    if _PLATFORM_DEFAULTED and asks_gpu and any("gpu" in item.keywords for item in items):
+        # `-m gpu` on a GPU machine would otherwise skip every test without a word.
+        raise pytest.UsageError("gpu tests selected, but this suite runs on the CPU unless JAX_PLATFORMS "
+                                "says otherwise: run `make test-gpu` or set JAX_PLATFORMS=cuda")
     skip = pytest.mark.skip(reason="needs a GPU (run with JAX_PLATFORMS=cuda on a GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
