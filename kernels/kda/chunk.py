@@ -243,14 +243,11 @@ def run_chunked(q, k, v, g, beta, *, scale, initial_state, segment_ids, bounded,
     """Pad T to a multiple of 64 (g = 0, beta = 0, q = k = v = 0 leave the state unchanged), chunk,
     run `chunk_core`, un-chunk. Canonical-form inputs; returns (o [B, T, H, V] in v's dtype, S).
     `scores` ("tiled" or "dense") picks the intra-chunk score formulation (`chunk_intra.prep`)."""
-    # Module settings read while tracing are part of the jit cache key: a program traced under
-    # one setting of chunk_intra.traced_settings() is never reused under another (an unknown value raises here).
+    # Module settings read while tracing are part of the jit cache key: a program traced under one
+    # set of `traced_key()` is never reused under another (an unknown chunk_intra value raises here).
     return _run_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids,
                         bounded=bounded, delta=delta, state_pass=state_pass, scores=scores,
-                        traced_settings=chunk_intra.traced_settings() + (chunk_segments.SEGMENTS,
-                                                                           chunk_segments.BLOCK_V,
-                                                                           chunk_segments.GRAD_ISSUE,
-                                                                           chunk_segments.SCAN_FORM))
+                        traced_settings=traced_key())
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "bounded", "delta", "state_pass", "scores", "traced_settings"))
@@ -327,6 +324,17 @@ def _settings_table(keys=None):
         if key not in table:
             raise ValueError(f"unknown KDA setting {key!r}; expected one of {SETTINGS}")
     return {k: entry() for k, entry in table.items() if keys is None or k in keys}
+
+
+def traced_key() -> tuple:
+    """The value of every setting in SETTINGS (those read while tracing): part of the jit cache key
+    of this op and of any jitted caller that must not reuse a program traced under other settings."""
+    import sys
+
+    ms = sys.modules.get("kernels.kda.mosaic_scan")  # "forward_only" exists once the kernels are imported
+    return chunk_intra.traced_settings() + (DEFAULT_SCORES, chunk_segments.SEGMENTS, chunk_segments.BLOCK_V,
+                                            chunk_segments.GRAD_ISSUE, chunk_segments.SCAN_FORM,
+                                            ms.FORWARD_ONLY if ms else None)
 
 
 def _forward_only_setting():

@@ -70,9 +70,9 @@ def _fwd_bwd(q, k, v, g, beta, h0, seg, do, dS, *, impl, lower_bound, has_seg, t
 
 
 def _traced():
-    from kernels.kda import chunk, chunk_intra
+    from kernels.kda import chunk
 
-    return chunk_intra.traced_settings() + (chunk.DEFAULT_SCORES,)
+    return chunk.traced_key()
 
 
 def compare(rng, inputs, tol, lower_bound=None, dtype=jnp.float32):
