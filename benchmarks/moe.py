@@ -279,7 +279,7 @@ def mxfp4_row(w, rec, base, x_sorted, gate, group_sizes, warmup, iters):
 
 def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines, steps=True, kernels=True,
                  with_mxfp4=False, gate_up=("separate",), profile=0, glu_tiles=(DEFAULT_GLU_BLOCKS,),
-                 ffn_tiles=(DEFAULT_FFN_BLOCKS,), pair_sorts=("argsort",)):
+                 ffn_tiles=(DEFAULT_FFN_BLOCKS,), pair_sorts=("auto",)):
     """Rows in order of value, so that the time budget cuts the least useful ones: baselines
     and default-tile kernels, the fwd+bwd steps with default tiles, the tile sweep, and last
     the steps with the best tile of every kernel. Pallas steps run once per `gate_up` mode
@@ -340,6 +340,7 @@ def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines, steps=Tru
                         continue
                     with moe_dispatch.gate_up(mode), moe_dispatch.pair_sort(sort):  # read while tracing
                         r = measure(_step_fn(part, impl, b, capacity, gb), args, warmup, iters)
+                        sort_run = moe_dispatch.resolve_pair_sort(m, w["experts"])  # "auto" as resolved
                     compiled = r.pop("compiled", None)
                     if profile and impl == "pallas_gpu" and r["ms"] is not None:  # device time per call
                         r["profile"] = attempt(lambda: device_profile(compiled, args, profile, top=12))[0]
@@ -347,7 +348,7 @@ def run_workload(w, rec, *, sweep, iters, warmup, deadline, baselines, steps=Tru
                     tiles = _blocks_str(b)
                     if mode in fused:
                         tiles += f" {mode.removeprefix('fused_')} {_blocks_str(gb)}"
-                    extra = dict(pair_sort=sort) if part == "layer" else {}
+                    extra = dict(pair_sort=sort, pair_sort_resolved=sort_run) if part == "layer" else {}
                     rec.add(dict(base, kind="step", name=part, impl=impl, gate_up=mode, blocks=tiles, **extra,
                                  **r), 9 * 2 * m * w["d"] * w["f"])
 
@@ -393,7 +394,7 @@ def main(argv=None):
     parser.add_argument("--ffn_blocks", default="",
                         help="with --gate_up fused_ffn: the whole-FFN kernels' tiles (BN is the F and D "
                              "tile), comma-separated BMxBNxBK/STAGES (default kernels.gmm.glu.DEFAULT_FFN_BLOCKS)")
-    parser.add_argument("--pair_sort", default="argsort",
+    parser.add_argument("--pair_sort", default="auto",
                         help=f"comma-separated moe_dispatch.PAIR_SORT modes the Pallas layer steps run with, from "
                              f"{moe_dispatch.PAIR_SORTS}")
     parser.add_argument("--budget_s", type=float, default=260.0,
@@ -431,7 +432,7 @@ def main(argv=None):
         deadline = args.budget_s if last else rec.elapsed() + w.get("share", 1.0) * args.budget_s
         run_workload(w, rec, sweep=args.sweep, iters=iters, warmup=warmup, steps=not args.no_steps, kernels=not args.no_kernels,
                      with_mxfp4=args.mxfp4, gate_up=gate_up or ("separate",), profile=args.profile,
-                     glu_tiles=glu_tiles, ffn_tiles=ffn_tiles, pair_sorts=pair_sorts or ("argsort",),
+                     glu_tiles=glu_tiles, ffn_tiles=ffn_tiles, pair_sorts=pair_sorts or ("auto",),
                      deadline=min(deadline, args.budget_s), baselines=baselines)
     print(markdown(rec.rows))
     return rec.rows

@@ -76,7 +76,7 @@ def _ratio(base, r, impl):
 
 def _gate_up_note(r) -> str:
     notes = [f"gate/up {r['gate_up']}"] if r.get("gate_up", "separate") != "separate" else []
-    notes += [f"{r['pair_sort']} sort"] if r.get("pair_sort", "argsort") != "argsort" else []
+    notes += [f"{r['pair_sort']} sort"] if r.get("pair_sort", "auto") != "auto" else []  # "auto": the default
     return f" ({', '.join(notes)})" if notes else ""
 
 

@@ -136,9 +136,12 @@ _gate_up_fused_bwd.defvjp(_gate_up_fused_bwd_fwd, _gate_up_fused_bwd_bwd)
 # pair's sorted position is its expert's offset plus its rank among that expert's pairs, a cumsum
 # down a [pairs, experts] one-hot. Those positions are the inverse permutation, and one scatter of
 # them gives the order). "counting" holds pairs x experts int32 (2 MiB at k3_small, 256 MiB at K3's
-# per-device 524288 x 128), so it refuses more than COUNTING_MAX_ELEMENTS. Not yet timed: "argsort" stays.
-PAIR_SORTS = ("argsort", "counting")
-PAIR_SORT = "argsort"
+# per-device 524288 x 128), so it refuses more than COUNTING_MAX_ELEMENTS. "auto" (the default) takes
+# "counting" up to that size and "argsort" past it: on an H200 the k3_small layer step (fused_glu)
+# took 0.40 ms with "counting" against 0.46 with "argsort" side by side
+# (benchmarks/results/moe-k3small-sort-ffn-h200-20261205T0318.json).
+PAIR_SORTS = ("auto", "argsort", "counting")
+PAIR_SORT = "auto"
 COUNTING_MAX_ELEMENTS = 1 << 24
 
 
@@ -147,12 +150,21 @@ def pair_sort(mode: str | None):
     return traced_setting(sys.modules[__name__], "PAIR_SORT", PAIR_SORTS, mode)
 
 
+def resolve_pair_sort(pairs: int, num_experts: int) -> str:
+    """PAIR_SORT for `pairs` (token, expert) pairs over `num_experts`: "auto" is "counting" while its
+    [pairs, experts] one-hot stays within COUNTING_MAX_ELEMENTS, else "argsort" (same order)."""
+    mode = read_setting(sys.modules[__name__], "PAIR_SORT", PAIR_SORTS)
+    if mode == "auto":
+        return "counting" if pairs * num_experts <= COUNTING_MAX_ELEMENTS else "argsort"
+    return mode
+
+
 def sort_pairs(expert_idx, num_experts: int):
     """The (token, expert) pairs sorted by expert, stably, as PAIR_SORT says: expert_idx [N, k]
     -> (order [N*k] (flat pair of each sorted position), inverse [N*k] (sorted position of each
     pair, argsort(order)), group_sizes [E] int32)."""
     flat = expert_idx.reshape(-1)
-    if read_setting(sys.modules[__name__], "PAIR_SORT", PAIR_SORTS) == "argsort":
+    if resolve_pair_sort(flat.size, num_experts) == "argsort":
         order, _, group_sizes = sort_by_expert(expert_idx, num_experts)
         return order, inverse_permutation(order), group_sizes
     if flat.size * num_experts > COUNTING_MAX_ELEMENTS:

@@ -50,7 +50,7 @@ def test_train_py_traces_with_the_settings_and_refuses_bad_ones(monkeypatch, tmp
     config = toy_config(**{"total_steps": 2, "kernel_settings": "grad_issue=early/pair_sort=counting"})
     train.train_and_evaluate(config, str(tmp_path / "run"))
     assert seen and set(seen) == {("early", "counting")}
-    assert (chunk_segments.GRAD_ISSUE, moe_dispatch.PAIR_SORT) == ("in_order", "argsort")
+    assert (chunk_segments.GRAD_ISSUE, moe_dispatch.PAIR_SORT) == ("in_order", "auto")
     with pytest.raises(ValueError, match="grad_issue='late'"):
         train.train_and_evaluate(toy_config(**{"kernel_settings": "grad_issue=late"}), str(tmp_path / "bad"))
     assert not (tmp_path / "bad").exists()

@@ -69,6 +69,14 @@ def test_counting_sort_equals_the_stable_argsort(N, k, E, monkeypatch):
     monkeypatch.setattr(moe_dispatch, "COUNTING_MAX_ELEMENTS", N * k * E - 1)
     with pair_sort("counting"), pytest.raises(ValueError, match="argsort"):
         sort_pairs(idx, E)
+    # "auto" (the default): counting while the one-hot fits, argsort past it; the same order.
+    assert moe_dispatch.PAIR_SORT == "auto"
+    assert moe_dispatch.resolve_pair_sort(N * k, E) == "argsort"
+    assert moe_dispatch.resolve_pair_sort(N * k - 1, E) == "counting"
+    monkeypatch.setattr(moe_dispatch, "COUNTING_MAX_ELEMENTS", N * k * E)
+    assert moe_dispatch.resolve_pair_sort(N * k, E) == "counting"
+    order, _, _ = sort_pairs(idx, E)
+    assert np.asarray(order).tolist() == np.argsort(flat, kind="stable").tolist()
     with pytest.raises(ValueError, match="PAIR_SORT"):
         with pair_sort("radix"):
             pass

@@ -293,9 +293,11 @@ def test_benchmark_gate_up_rows(tmp_path, monkeypatch):
              ("pallas_gpu", "fused_glu"), ("pallas_gpu", "fused_ffn")]
     assert steps == ([("ffn", i, m, None) for i, m in forms] + [("ffn", "ragged_dot", "separate", None)]
                      + [("layer", i, m, o) for i, m in forms for o in ("argsort", "counting")]
-                     + [("layer", "ragged_dot", "separate", "argsort")])
-    assert seen == [(m, o or "argsort") for _, _, m, o in steps]
-    assert (moe_dispatch.GATE_UP, moe_dispatch.PAIR_SORT) == ("separate", "argsort")
+                     + [("layer", "ragged_dot", "separate", "auto")])
+    assert seen == [(m, o or "auto") for _, _, m, o in steps]
+    resolved = {r["pair_sort_resolved"] for r in rows if r["impl"] == "ragged_dot" and r["name"] == "layer"}
+    assert resolved == {"counting"}  # "auto" at these sizes
+    assert (moe_dispatch.GATE_UP, moe_dispatch.PAIR_SORT) == ("separate", "auto")
     assert "(gate/up fused_ffn, counting sort)" in (tmp_path / "moe_quick.md").read_text()
     glu_tiles = [r["blocks"].split(" glu ")[1] for r in rows if r.get("gate_up") == "fused_glu"]
     assert glu_tiles == ["64x128x64/3/band8", "64x64x64/4/band8"] + ["64x128x64/3/band8"] * 2 + ["64x64x64/4/band8"] * 2
