@@ -54,7 +54,8 @@ class ExpertWeights(NamedTuple):
 # moe-k3small-glu-h200-20261202T0220.json) but untimed at K3's per-device shapes, so not the default.
 # "fused_ffn": the whole FFN of a block of rows in one kernel, its hidden activation in SMEM
 # (`glu_ffn(..., fusion="ffn")`): four launches per step and x the only residual, for experts
-# narrow enough (k3_small's; wider ones raise). Not yet timed.
+# narrow enough (k3_small's; wider ones raise). Slower than "fused_glu" at k3_small (ffn 0.46 vs
+# 0.37 ms, layer 0.50 vs 0.40; moe-k3small-sort-ffn-h200-20261205T0318.json).
 GATE_UP_MODES = ("separate", "fused", "fused_bwd", "fused_glu", "fused_ffn")
 GATE_UP = "separate"
 

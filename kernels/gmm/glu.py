@@ -37,7 +37,8 @@ from kernels.gmm.glu_math import check_kind, glu_forward
 DEFAULT_GLU_BLOCKS = pallas_gpu.Blocks(bm=64, bn=64, bk=64, stages=3)
 # Tiles of fusion="ffn" (bn is both the F and the D tile): two stages keep the forward's SMEM
 # (hidden activation, output rows and one pipeline) at 112 KiB at k3_small's widths, two programs
-# per SM. Not yet timed against other tiles.
+# per SM. The form itself timed slower than fusion="glu" at k3_small
+# (benchmarks/results/moe-k3small-sort-ffn-h200-20261205T0318.json).
 DEFAULT_FFN_BLOCKS = pallas_gpu.Blocks(bm=64, bn=64, bk=64, stages=2)
 FUSIONS = ("glu", "ffn")
 

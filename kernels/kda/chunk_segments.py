@@ -28,7 +28,8 @@ import jax.numpy as jnp
 log = logging.getLogger(__name__)
 
 # Segments per serial pass (1: the plain pass; "auto": `auto_segments`). Set with
-# `chunk.settings(segments=...)`; read while tracing. Not yet timed on a GPU, so the default stays 1.
+# `chunk.settings(segments=...)`; read while tracing. 8 segments timed slower at 1,65536,16,128
+# (23.99 against 23.24 ms forward+backward, kda-segments-h200-20261202T0222.json), so it stays 1.
 SEGMENT_CHOICES = (1, 2, 4, 8, 16, 32, 64, "auto")
 SEGMENTS = 1
 # V columns per program of the Mosaic GPU passes (`mosaic_scan`; the XLA passes ignore it): at
