@@ -78,6 +78,31 @@ def _loader(ins, bars, bh, vs, first):
     return issue, wait
 
 
+def walk_chunks(ins, bars, h_bar, carried, smem, *, BH, NT, BV, reverse, step):
+    """The chunk loop of one (segment, batch * head, V block) program: `ins` (src, SMEM buffer, by V)
+    double-buffered by TMA, the carried [K, BV] float32 tile `carried(p, vs)` (HBM) loaded through
+    `smem`, then x <- step(n, slot, x, at) for the NT chunks in order (`reverse`: last first), where
+    `at` = (p, bh, first, vs) locates this program's tiles. Returns (final x, at)."""
+    p, bh, first = _program(BH, NT)
+    vs = pl.ds(pl.multiple_of(lax.axis_index("v") * BV, BV), BV)
+    issue, wait = _loader(ins, bars, bh, vs, first)
+    x = load_carried(NT - 1 if reverse else 0, issue, carried(p, vs), smem, h_bar.at[0])
+    at = (p, bh, first, vs)
+
+    def body(i, x):
+        n = NT - 1 - i if reverse else i
+        slot = lax.rem(i, 2)
+
+        @pl.when(n > 0 if reverse else n + 1 < NT)
+        def _prefetch():
+            issue(n - 1 if reverse else n + 1, 1 - slot)
+
+        wait(slot)
+        return step(n, slot, x, at)
+
+    return lax.fori_loop(0, NT, body, x), at
+
+
 def _outputs(refs, n_in, final_only):
     """(inputs, (per-chunk outputs or Nones, final), scratch) of a pass's refs; `final_only`: the
     kernel was launched with its final carried tile as the one output."""
@@ -96,20 +121,9 @@ def _fwd_body(*refs, NT, BH, K, BV, dt, delta, final_only):
         u_ref, kg_ref, d_ref, h0_ref = ins_refs
         u_s, kg_s, d_s, s_s, vn_s, h_s, bars, h_bar = scratch
         ins = ((u_ref, u_s, True), (kg_ref, kg_s, False), (d_ref, d_s, False))
-    p, bh, first = _program(BH, NT)
-    vs = pl.ds(pl.multiple_of(lax.axis_index("v") * BV, BV), BV)
-    issue, wait = _loader(ins, bars, bh, vs, first)
 
-    S = load_carried(0, issue, h0_ref.at[p, :, vs], h_s, h_bar.at[0])
-
-    def step(n, S):
-        slot = lax.rem(n, 2)
-
-        @pl.when(n + 1 < NT)
-        def _prefetch():
-            issue(n + 1, 1 - slot)
-
-        wait(slot)
+    def step(n, slot, S, at):
+        _, bh, first, vs = at
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last chunk's stores have read s_s, vn_s
         s_s[...] = S.astype(dt)
         plgpu.commit_smem()
@@ -137,7 +151,9 @@ def _fwd_body(*refs, NT, BH, K, BV, dt, delta, final_only):
 
         return S * lax.broadcast_in_dim(d, S.shape, [0]) + _mm(kv, (K, BV))
 
-    _store_last(lax.fori_loop(0, NT, step, S), h_s, ht_ref.at[p, :, vs])
+    S, (p, _, _, vs) = walk_chunks(ins, bars, h_bar, lambda p, vs: h0_ref.at[p, :, vs], h_s, BH=BH, NT=NT, BV=BV,
+                                   reverse=False, step=step)
+    _store_last(S, h_s, ht_ref.at[p, :, vs])
 
 
 def _check_dims(name, Cc, K, V, BV):
@@ -200,21 +216,9 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early):
         ins = ()
     ins += ((kg_ref, kg_s, False), (qg_ref, qg_s, False), (do_ref, do_s, True), (dvi_ref, dvi_s, True),
             (d_ref, d_s, False))
-    p, bh, first = _program(BH, NT)
-    vs = pl.ds(pl.multiple_of(lax.axis_index("v") * BV, BV), BV)
-    issue, wait = _loader(ins, bars, bh, vs, first)
 
-    dS = load_carried(NT - 1, issue, dS_ref.at[p, :, vs], ds_f, h_bar.at[0])
-
-    def step(i, dS):
-        n = NT - 1 - i
-        slot = lax.rem(i, 2)
-
-        @pl.when(n > 0)
-        def _prefetch():
-            issue(n - 1, 1 - slot)
-
-        wait(slot)
+    def step(n, slot, dS, at):
+        _, bh, first, vs = at
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last chunk's stores have read ds_f, dvn_s
 
         def write_dS_f32():  # the float32 dS for the dhs output (no product of this step reads it)
@@ -285,7 +289,9 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early):
 
         return decayed() + _mm(back, (K, BV))
 
-    _store_last(lax.fori_loop(0, NT, step, dS), ds_f, dh0_ref.at[p, :, vs])
+    dS, (p, _, _, vs) = walk_chunks(ins, bars, h_bar, lambda p, vs: dS_ref.at[p, :, vs], ds_f, BH=BH, NT=NT, BV=BV,
+                                    reverse=True, step=step)
+    _store_last(dS, ds_f, dh0_ref.at[p, :, vs])
 
 
 def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, final_only=False, segments=1):

@@ -33,12 +33,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels.kda import chunk_segments
-from kernels.kda.mosaic_scan import _check_dims, _flat, _loader, _mm, _program, _store_last
-from kernels.kda.mosaic_state import _smem, launch_bh_v, load_carried
+from kernels.kda.mosaic_scan import _check_dims, _flat, _mm, _store_last, walk_chunks
+from kernels.kda.mosaic_state import _smem, launch_bh_v
 
 C = 64  # chunk length
 _W = plgpu.Layout.WGMMA
@@ -49,19 +48,9 @@ def _fwd_body(m_ref, u_ref, kg_ref, d_ref, h0_ref, *refs, NT, BH, K, BV, dt, fin
     st_ref, ht_ref = (None, outs[0]) if final_only else outs
     m_s, u_s, kg_s, d_s, s_s, h_s, bars, h_bar = scratch
     ins = ((m_ref, m_s, False), (u_ref, u_s, True), (kg_ref, kg_s, False), (d_ref, d_s, False))
-    p, bh, first = _program(BH, NT)
-    vs = pl.ds(pl.multiple_of(lax.axis_index("v") * BV, BV), BV)
-    issue, wait = _loader(ins, bars, bh, vs, first)
-    S = load_carried(0, issue, h0_ref.at[p, :, vs], h_s, h_bar.at[0])
 
-    def step(n, S):
-        slot = lax.rem(n, 2)
-
-        @pl.when(n + 1 < NT)
-        def _prefetch():
-            issue(n + 1, 1 - slot)
-
-        wait(slot)
+    def step(n, slot, S, at):
+        _, bh, first, vs = at
 
         def chain(acc):
             plgpu.wgmma(acc, kg_s.at[slot].transpose((1, 0)), u_s.at[slot])  # kg^T u: off the chain
@@ -76,7 +65,9 @@ def _fwd_body(m_ref, u_ref, kg_ref, d_ref, h0_ref, *refs, NT, BH, K, BV, dt, fin
         d = plgpu.load(d_s.at[slot], layout=_W.reduce(1))
         return S * lax.broadcast_in_dim(d, S.shape, [0]) + _mm(chain, (K, BV))
 
-    _store_last(lax.fori_loop(0, NT, step, S), h_s, ht_ref.at[p, :, vs])
+    S, (p, _, _, vs) = walk_chunks(ins, bars, h_bar, lambda p, vs: h0_ref.at[p, :, vs], h_s, BH=BH, NT=NT, BV=BV,
+                                   reverse=False, step=step)
+    _store_last(S, h_s, ht_ref.at[p, :, vs])
 
 
 def _bwd_body(m_ref, w_ref, qg_ref, do_ref, ndvi_ref, d_ref, dS_ref, *refs, NT, BH, K, BV, dt, final_only):
@@ -85,20 +76,9 @@ def _bwd_body(m_ref, w_ref, qg_ref, do_ref, ndvi_ref, d_ref, dS_ref, *refs, NT, 
     m_s, w_s, qg_s, do_s, ndvi_s, d_s, ds_c, ds_f, bars, h_bar = scratch
     ins = ((m_ref, m_s, False), (w_ref, w_s, False), (qg_ref, qg_s, False), (do_ref, do_s, True),
            (ndvi_ref, ndvi_s, True), (d_ref, d_s, False))
-    p, bh, first = _program(BH, NT)
-    vs = pl.ds(pl.multiple_of(lax.axis_index("v") * BV, BV), BV)
-    issue, wait = _loader(ins, bars, bh, vs, first)
-    dS = load_carried(NT - 1, issue, dS_ref.at[p, :, vs], ds_f, h_bar.at[0])
 
-    def step(i, dS):
-        n = NT - 1 - i
-        slot = lax.rem(i, 2)
-
-        @pl.when(n > 0)
-        def _prefetch():
-            issue(n - 1, 1 - slot)
-
-        wait(slot)
+    def step(n, slot, dS, at):
+        _, bh, first, vs = at
 
         def chain(acc):
             plgpu.wgmma(acc, qg_s.at[slot].transpose((1, 0)), do_s.at[slot])  # off the chain
@@ -116,7 +96,9 @@ def _bwd_body(m_ref, w_ref, qg_ref, do_ref, ndvi_ref, d_ref, dS_ref, *refs, NT, 
         d = plgpu.load(d_s.at[slot], layout=_W.reduce(1))
         return dS * lax.broadcast_in_dim(d, dS.shape, [0]) + _mm(chain, (K, BV))
 
-    _store_last(lax.fori_loop(0, NT, step, dS), ds_f, dh0_ref.at[p, :, vs])
+    dS, (p, _, _, vs) = walk_chunks(ins, bars, h_bar, lambda p, vs: dS_ref.at[p, :, vs], ds_f, BH=BH, NT=NT, BV=BV,
+                                    reverse=True, step=step)
+    _store_last(dS, ds_f, dh0_ref.at[p, :, vs])
 
 
 def _block_v(BH, K, V):
