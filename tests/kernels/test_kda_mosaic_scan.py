@@ -195,6 +195,12 @@ def test_falls_back_once_with_reason(rng, caplog):
 def test_forward_backward_lowers_for_cuda(B, T, H, K, block_v, grad_issue):
     """The Mosaic GPU lowering (layouts, wgmma operands with one swizzle, SMEM budget) of both
     kernels in the bf16 forward+backward, exported for CUDA from this CPU machine."""
+    assert cuda_train_module(B, T, H, K, block_v=block_v, grad_issue=grad_issue).count("mosaic_gpu") >= 2
+
+
+def cuda_train_module(B, T, H, K, **settings) -> str:
+    """The MLIR of jit(grad) of a bf16 bounded chunk_mosaic loss at [B, T, H, K], exported for CUDA
+    under `chunk.settings(**settings)`."""
 
     def loss(q, k, v, g, beta, h0):
         o, S = chunk.run_chunked(q, k, v, g, beta, scale=K**-0.5, initial_state=h0, segment_ids=None,
@@ -205,9 +211,8 @@ def test_forward_backward_lowers_for_cuda(B, T, H, K, block_v, grad_issue):
     args = [sd((B, T, H, K), jnp.bfloat16)] * 3 + [sd((B, T, H, K), jnp.float32), sd((B, T, H), jnp.float32),
                                                    sd((B, H, K, K), jnp.float32)]
     fn = jax.jit(jax.grad(loss, argnums=tuple(range(6))))
-    with chunk.settings(block_v=block_v, grad_issue=grad_issue):
-        module = jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
-    assert module.count("mosaic_gpu") >= 2
+    with chunk.settings(**settings):
+        return jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
 
 
 @pytest.mark.parametrize("block_v", [64, 16])

@@ -11,7 +11,7 @@ from kernels.kda import chunk, chunk_segments, mosaic_scan, mosaic_scan_transiti
 from kernels.kda.chunk import _Numerics, _grad_scan, _state_scan
 from kernels.testing import assert_close
 from tests.kernels.test_kda_chunk import BF16_TOL, F32_TOL, make_inputs
-from tests.kernels.test_kda_mosaic_scan import _compare
+from tests.kernels.test_kda_mosaic_scan import _compare, cuda_train_module
 
 
 @pytest.mark.parametrize("N, block_v", [(3, 64), (2, 16)])
@@ -93,19 +93,7 @@ def test_linear_attention_and_settings(rng, monkeypatch):
 def test_forward_backward_lowers_for_cuda(B, T, H, block_v):
     """Both transition passes in the bf16 forward+backward lower for CUDA (wgmma operands and
     swizzles, the [K, K] transition's SMEM within the budget at 64 columns)."""
-    K = 128
-
-    def loss(q, k, v, g, beta, h0):
-        o, S = chunk.run_chunked(q, k, v, g, beta, scale=K**-0.5, initial_state=h0, segment_ids=None,
-                                 bounded=True, delta=True, state_pass="mosaic")
-        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(S)
-
-    sd = jax.ShapeDtypeStruct
-    args = [sd((B, T, H, K), jnp.bfloat16)] * 3 + [sd((B, T, H, K), jnp.float32), sd((B, T, H), jnp.float32),
-                                                   sd((B, H, K, K), jnp.float32)]
-    with chunk.settings(block_v=block_v, scan_form="transition"):
-        module = jax.export.export(jax.jit(jax.grad(loss, argnums=tuple(range(6)))), platforms=["cuda"])(*args)
-    text = module.mlir_module()
+    text = cuda_train_module(B, T, H, 128, block_v=block_v, scan_form="transition")
     assert text.count("mosaic_gpu") >= 2
     assert "mosaic_scan_transition" in text
 
