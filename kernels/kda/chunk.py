@@ -185,13 +185,14 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
         chunked, sources = (w, P["kg"], P["decay"]), (dS_out, dvn_intra)
     else:  # the kernel forms dS_out = qg^T do per chunk itself
         ms, interpret = _mosaic_scan(state_pass)
-        scan = lambda dS, c, src, **kw: ms.grad_scan_chunks(  # noqa: E731
-            dS, c[0], c[1], c[2], src[0], src[1], c[3], cd=nm.cd, interpret=interpret, **kw)
         if delta and chunk_segments.scan_form() == "transition":
             from kernels.kda import mosaic_scan_transition as mt
 
             scan = lambda dS, c, src, **kw: mt.grad_scan_chunks(  # noqa: E731
                 nm, dS, c[0], c[1], c[2], src[0], src[1], c[3], interpret=interpret, **kw)
+        else:
+            scan = lambda dS, c, src, **kw: ms.grad_scan_chunks(  # noqa: E731
+                dS, c[0], c[1], c[2], src[0], src[1], c[3], cd=nm.cd, interpret=interpret, **kw)
         chunked, sources = (w, P["kg"], P["qg"], P["decay"]), (do, dvn_intra)
     dhs, dvn, dh0 = chunk_segments.grad_scan(scan, dS_final, chunked, sources, chunk_segments.SEGMENTS)
     # State update S_{n+1} = decay S_n + kg^T v'.
