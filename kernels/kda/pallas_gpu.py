@@ -149,7 +149,7 @@ def _chunk_operands(q, k, v, g, beta, seg, scale, chunk_bounded, dt):
     B, _, H, _ = q.shape
     nm = ck._Numerics(q.dtype)
     args, counts, _ = _chunked_inputs(q, k, v, g, beta, seg)
-    P = ck._prep(nm, *args, counts, scale, chunk_bounded, True)
+    P = ck._prep(nm, *args, counts, scale, chunk_bounded, True, ck.default_scores())
     _, w, u = ck._wy(nm, P)
     flat = lambda x: x.reshape(x.shape[0], B * H, *x.shape[3:])
     op = lambda x: flat(x).astype(dt)
@@ -220,7 +220,8 @@ def _core_defaults(ck, interpret=False) -> tuple:
     """`chunk.chunk_core`'s static arguments after (scale, bounded, delta), which its backward
     `_core_bwd` takes before (res, cts): their defaults, except that the serial pass
     (`state_pass`) runs on chunk's Mosaic GPU kernels when chunk offers them and
-    BACKWARD_STATE_PASS asks for them."""
+    BACKWARD_STATE_PASS asks for them, and the score formulation is chunk's current one
+    (`chunk.settings(scores=...)`, read while tracing)."""
     import inspect
 
     params = list(inspect.signature(ck.chunk_core).parameters.values())
@@ -231,6 +232,8 @@ def _core_defaults(ck, interpret=False) -> tuple:
         if p.name == "state_pass" and BACKWARD_STATE_PASS == "mosaic":
             want = "mosaic_interpret" if interpret else "mosaic"
             value = want if want in getattr(ck, "STATE_PASSES", ()) else value
+        if p.name == "scores":
+            value = ck.default_scores()
         out.append(value)
     return tuple(out)
 

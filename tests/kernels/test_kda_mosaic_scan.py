@@ -339,3 +339,27 @@ def test_gpu_narrow_v_blocks_match_naive(rng, block_v, grad_issue):
     inputs = make_inputs(rng, 2, 4096, 16, 128, 128, "channel", lower=-5.0, seg="random")
     with chunk.settings(block_v=block_v, grad_issue=grad_issue):
         _compare(rng, inputs, BF16_TOL, -5.0, jnp.bfloat16)
+
+
+def test_scores_setting_reaches_the_bounded_route(rng, monkeypatch):
+    """chunk.settings(scores="tiled") holds on chunk_mosaic's bounded bf16 route too (pallas_gpu's
+    custom VJP with chunk's forward and backward), not only on impl="chunk": the tiled scores run
+    in the forward and the backward, and the gradient matches the dense one."""
+    from kernels.kda import chunk_scores, kda
+
+    calls, real = [], chunk_scores.tiled_scores
+    monkeypatch.setattr(chunk_scores, "tiled_scores", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v, g, beta, _, _ = make_inputs(rng, 1, 64, 1, 64, 64, "channel", lower=-5.0)
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+
+    def grad(scores):
+        loss = lambda q: jnp.sum(kda(q, bf(k), bf(v), jnp.asarray(g), jnp.asarray(beta), lower_bound=-5.0,  # noqa: E731
+                                     impl="chunk_mosaic")[0].astype(jnp.float32))
+        with chunk.settings(scores=scores):
+            return jax.jit(jax.grad(loss))(bf(q))
+
+    dense = grad("dense")
+    assert calls == []
+    tiled = grad("tiled")
+    assert len(calls) >= 2  # the forward's prep and the backward's recompute
+    assert_close("dq", dense.astype(jnp.float32), tiled.astype(jnp.float32), BF16_TOL["dq"])
