@@ -41,8 +41,8 @@ def launched_ops(hlo_text: str) -> list[dict]:
     bytes of its operands and result and its source lines, largest first."""
     instrs, comps = ps.instructions(hlo_text)
     frames = ps.stack_frames(hlo_text)
-    fused = {m.group(1) for line in instrs.values() if _KIND.search(line) and " fusion(" in line
-             for m in [re.search(r"calls=%?([\w.\-]+)", line)] if m}
+    calls = (re.search(r"calls=%?([\w.\-]+)", line) for line in instrs.values() if " fusion(" in line)
+    fused = {m.group(1) for m in calls if m}  # the fusions' bodies: what runs inside a launched op
     rows = []
     for comp, name, rest in ps.hlo_instructions(hlo_text):
         kind = _KIND.search(" " + rest.split(", metadata")[0])
