@@ -104,7 +104,8 @@ ABLATION_MIXERS = ("softmax", "linear", "deltanet", "gated_deltanet", "kda", "hy
 
 def ablation_model(mixer: str, d_model: int = 64, num_layers: int = 4, vocab_size: int = 8192,
                    num_heads: int = 0, *, rope: bool = True, ffn: bool = True,
-                   learned_positions: int = 0, dropout: float = 0.0, tied: bool = False) -> ml_collections.ConfigDict:
+                   learned_positions: int = 0, dropout: float = 0.0, tied: bool = False,
+                   conv: bool = True) -> ml_collections.ConfigDict:
     """Models that differ only in the token mixer (Zoology-style recall ablations): the same
     width, depth, heads, dense SwiGLU MLP (2 d_model) and plain residuals. "hybrid" is the 3:1
     KDA:MLA pattern. num_heads 0 = max(1, d_model // 32). rope=False: softmax attention without
@@ -112,14 +113,16 @@ def ablation_model(mixer: str, d_model: int = 64, num_layers: int = 4, vocab_siz
     mixer-only layers, as Zoology's MQAR models; learned_positions > 0: a learned absolute position
     table of that length added to the token embedding (Zoology's attention); dropout: the training
     dropout rate of the embedding and of softmax attention's probabilities (Zoology's: 0.1); tied:
-    the head is the token embedding (Zoology's, initialised at std 0.02)."""
+    the head is the token embedding (Zoology's, initialised at std 0.02); conv=False: the recurrent
+    mixers (and the hybrid's KDA layers) without their short convolution (plain linear attention as
+    the Based / Zoology baselines have it: the previous-token shift must then come from a layer)."""
     if mixer not in ABLATION_MIXERS:
         raise ValueError(f"Unknown ablation mixer={mixer!r}; expected one of {list(ABLATION_MIXERS)}")
     heads = num_heads or max(1, d_model // 32)
     if d_model % heads:
         raise ValueError(f"num_heads={heads} must divide d_model={d_model}")
     head_dim = d_model // heads
-    recurrent = _cd(num_heads=heads, head_dim=head_dim, conv_size=4)
+    recurrent = _cd(num_heads=heads, head_dim=head_dim, conv_size=4 if conv else 0)
     mixers = _cd(
         softmax=_cd(num_heads=heads, head_dim=head_dim, rope_theta=10000.0 if rope else None,
                     dropout=float(dropout)),
@@ -142,11 +145,11 @@ def ablation_model(mixer: str, d_model: int = 64, num_layers: int = 4, vocab_siz
 
 def ablation_config(mixer: str, arg=None) -> ml_collections.ConfigDict:
     """Full config of one mixer ablation; arg "d_model=128,num_layers=4,vocab_size=8192,num_heads=0,
-    rope=True,ffn=True,learned_positions=0,dropout=0.0,tied=False" (see `ablation_model`)."""
+    rope=True,ffn=True,learned_positions=0,dropout=0.0,tied=False,conv=True" (see `ablation_model`)."""
     arg = common.parse_arg(arg, d_model=64, num_layers=4, vocab_size=8192, num_heads=0, rope=True, ffn=True,
-                           learned_positions=0, dropout=0.0, tied=False)
+                           learned_positions=0, dropout=0.0, tied=False, conv=True)
     config = common.base_config()
     config.model = ablation_model(mixer, arg.d_model, arg.num_layers, arg.vocab_size, arg.num_heads,
                                   rope=arg.rope, ffn=arg.ffn, learned_positions=arg.learned_positions,
-                                  dropout=arg.dropout, tied=arg.tied)
+                                  dropout=arg.dropout, tied=arg.tied, conv=arg.conv)
     return config

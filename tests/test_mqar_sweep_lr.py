@@ -158,3 +158,17 @@ def test_train_examples_is_its_own_axis_and_reaches_the_data():
         assert mqar.get_config(t.config.split(":", 1)[1]).data.num_train_examples == want
     with pytest.raises(ValueError, match="train_examples=-5"):
         mqar.get_config("gpu_long,train_examples=-5")
+
+
+def test_conv_form_drops_the_short_convolution_and_is_named_apart():
+    """conv=False gives every recurrent mixer (the hybrid's KDA layers too) conv_size 0 in trials
+    named apart from the grid's; the grid keeps its width-4 convolutions."""
+    plain = _trials("gpu_long,mixers=linear+hybrid,settings=512x64,widths=64")
+    bare = _trials("gpu_long,mixers=linear+hybrid,settings=512x64,widths=64,conv=False")
+    assert len(bare) == len(plain) == 2
+    assert not {t.name for t in bare} & {t.name for t in plain}
+    for trials, size in ((bare, 0), (plain, 4)):
+        for t in trials:
+            mixers = mqar.get_config(t.config.split(":", 1)[1]).model.mixers
+            recurrent = [m for name, m in mixers.items() if name in ("linear", "kda")]
+            assert recurrent and all(m.conv_size == size for m in recurrent)

@@ -92,8 +92,10 @@ trials named apart from the grid's (d_model // 32 heads): at lr 3e-3 softmax att
 the plateau with it too (0.01-0.02 at (512, 64), 0.06 at (256, 16), d_model 256), as it does
 with 3x the steps (36000, d_model 64: 0.02). `rope=False`, `mlp=False` and `learned_pos=True` (a
 learned position table of the trial's length), `train_examples=N` (a fixed training set) and
-`dropout=R` (embedding and attention-probability dropout in training) and `tied=True` (the head
-is the token embedding) are forms with their own trial names too; Zoology's
+`dropout=R` (embedding and attention-probability dropout in training), `tied=True` (the head
+is the token embedding) and `conv=False` (the recurrent mixers without their short convolution:
+plain linear attention as the published baselines have it) are forms with their own trial names
+too; Zoology's
 attention, `mixers=softmax,rope=False,learned_pos=True,mlp=False,num_heads=1,batch_size=128`,
 solves (512, 64) at lr 3e-3 on this budget at d_model 64 and 128 (1.00 each; lr 1e-3: 0.01 /
 0.38) and stays on the plateau at 256 (0.01; (256, 16): 0.06), while learned positions with the
@@ -139,7 +141,7 @@ def trial_config(arg) -> ml_collections.ConfigDict:
     config = ablation_config(arg.mixer, f"d_model={arg.d_model},num_layers={layers},num_heads={arg.num_heads},"
                                         f"vocab_size={arg.vocab_size},rope={arg.rope},ffn={arg.mlp},"
                                         f"learned_positions={arg.seq_len if arg.learned_pos else 0},"
-                                        f"dropout={arg.dropout},tied={arg.tied}")
+                                        f"dropout={arg.dropout},tied={arg.tied},conv={arg.conv}")
     config.data.task = "mqar"
     config.data.task_kwargs = ml_collections.ConfigDict(dict(
         seq_len=arg.seq_len, num_kv_pairs=arg.num_kv_pairs, vocab_size=arg.vocab_size,
@@ -181,7 +183,7 @@ def sweep_config(arg) -> ml_collections.ConfigDict:
     forms = {k: v for k, v in (("rope", not arg.rope), ("mlp", not arg.mlp), ("learned_pos", arg.learned_pos),
                                ("full_batch", arg.full_batch), ("num_heads", bool(arg.num_heads)),
                                ("train_examples", bool(arg.train_examples)), ("dropout", bool(arg.dropout)),
-                               ("tied", arg.tied)) if v}
+                               ("tied", arg.tied), ("conv", not arg.conv)) if v}
     if arg.softmax_forms and {"rope", "mlp"} & set(forms):
         raise ValueError("softmax_forms sweeps rope and mlp itself; do not also set rope= or mlp=")
     grid_keys = ("mixer", "d_model", "seq_len", "num_kv_pairs") + (
@@ -289,7 +291,7 @@ def get_config(arg=None):
                            vocab_size=8192, cpu=False, gpu=False, gpu_small=False, gpu_hard=False,
                            softmax_forms=False, gpu_long=False, hi_lr=False, mixers="", widths="", settings="",
                            lrs="", rope=True, mlp=True, num_heads=0, learned_pos=False, full_batch=False,
-                           train_examples=0, dropout=0.0, tied=False, zoology_attention=False)
+                           train_examples=0, dropout=0.0, tied=False, conv=True, zoology_attention=False)
     given = {item.partition("=")[0] for item in arg_str.split(",")}
     if arg.zoology_attention:  # keys given explicitly win, as for the size variants
         arg.update({k: v for k, v in ZOOLOGY_ATTENTION.items() if k not in given})
