@@ -209,10 +209,33 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
         ct["bv"] = nm.mm("nbhrc,nbhrv->nbhcv", Ai, dvn)
         ct["kgam"] = nm.mm("nbhrc,nbhrk->nbhck", Ai, dw)
         ct["L"] = -nm.mm_fine("nbhsr,nbhsc->nbhrc", Ai, nm.mm_fine("nbhsm,nbhcm->nbhsc", dAi, Ai))
+    if cotangents() == "compute" and nm.cd.itemsize < jnp.dtype(nm.sdt).itemsize:
+        # Each of these pieces is only ever a matmul operand in the compute dtype, so its
+        # cotangent is rounded there too: the products write half the bytes and the pull-back
+        # reads half (the convert fuses into both).
+        ct = {key: x.astype(nm.cd).astype(x.dtype) if key in _COMPUTE_PIECES else x for key, x in ct.items()}
     dq, dk, dv, dg, dbeta = pull(ct)
     if not delta:
         dv = dv + dvn.astype(dv.dtype)
     return dq, dk, dv, dg, dbeta, dh0, None
+
+
+# The cotangents of `prep`'s pieces that reach its pull-back (`chunk.settings(cotangents=...)`):
+# "state" (float32, as the products accumulate them) or "compute" (for bf16 / f16 inputs, those of
+# the pieces that are only matmul operands in the compute dtype, `_COMPUTE_PIECES`, rounded to it).
+# "compute" moves 68.35 GB instead of 71.98 in the XLA ops of a forward+backward at 1,65536,16,128
+# (`benchmarks/xla_bytes.py --deviceless`) and raises the gradients' relative errors against the
+# token-serial reference by about 10% (bf16, T=1024, K=V=128, resets: dq 0.0032 -> 0.0036,
+# dg 0.0028 -> 0.0031; tolerances 0.008 / 0.02).
+COTANGENT_CHOICES = ("state", "compute")
+COTANGENTS = "state"
+_COMPUTE_PIECES = ("qg", "kg", "kgam", "bv", "Aqk", "L")
+
+
+def cotangents() -> str:
+    if COTANGENTS not in COTANGENT_CHOICES:
+        raise ValueError(f"chunk.COTANGENTS={COTANGENTS!r}; expected one of {COTANGENT_CHOICES}")
+    return COTANGENTS
 
 
 def _grad_scan(nm, dS, w, kg, decay, dS_out, dvn_intra, final_only=False, segments=1):
@@ -320,7 +343,8 @@ def _settings_table(keys=None):
              "segments": lambda: (chunk_segments, "SEGMENTS", chunk_segments.SEGMENT_CHOICES),
              "block_v": lambda: (chunk_segments, "BLOCK_V", chunk_segments.BLOCK_V_CHOICES),
              "grad_issue": lambda: (chunk_segments, "GRAD_ISSUE", chunk_segments.GRAD_ISSUES),
-             "scan_form": lambda: (chunk_segments, "SCAN_FORM", chunk_segments.SCAN_FORMS)}
+             "scan_form": lambda: (chunk_segments, "SCAN_FORM", chunk_segments.SCAN_FORMS),
+             "cotangents": lambda: (sys.modules[__name__], "COTANGENTS", COTANGENT_CHOICES)}
     for key in keys or ():
         if key not in table:
             raise ValueError(f"unknown KDA setting {key!r}; expected one of {SETTINGS}")
@@ -334,7 +358,7 @@ def traced_key() -> tuple:
 
     ms = sys.modules.get("kernels.kda.mosaic_scan")  # "forward_only" exists once the kernels are imported
     return chunk_intra.traced_settings() + (DEFAULT_SCORES, chunk_segments.SEGMENTS, chunk_segments.BLOCK_V,
-                                            chunk_segments.GRAD_ISSUE, chunk_segments.SCAN_FORM,
+                                            chunk_segments.GRAD_ISSUE, chunk_segments.SCAN_FORM, COTANGENTS,
                                             ms.FORWARD_ONLY if ms else None)
 
 
@@ -344,7 +368,7 @@ def _forward_only_setting():
 
 
 SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse", "forward_only", "segments", "block_v",
-            "grad_issue", "scan_form")
+            "grad_issue", "scan_form", "cotangents")
 
 
 def setting_values(key: str) -> tuple:
@@ -355,7 +379,7 @@ def setting_values(key: str) -> tuple:
 @contextlib.contextmanager
 def settings(**values):
     """Within the block, trace with these module settings (diag=, rows=, scores=, cumsum=,
-    scores_bwd=, inverse=, forward_only=, segments=, block_v=, grad_issue=, scan_form=; see
+    scores_bwd=, inverse=, forward_only=, segments=, block_v=, grad_issue=, scan_form=, cotangents=; see
     SETTINGS), restored afterwards; an unknown key or value raises."""
     table = _settings_table(values)
     for key, value in values.items():
