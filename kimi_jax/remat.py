@@ -33,12 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kernels.kda.chunk import STATES_NAME
+from kernels.kda.chunk import STATES_NAME, VN_NAME
 
 SMALL_PER_TOKEN = 16384  # elements per token below which "dots16" keeps a 16-bit value
-# Checkpoint names "dots16" keeps: the KDA chunk states (a Pallas kernel's output, which the
-# dtype rule cannot see), so the backward does not rerun the forward state pass.
-SAVED_NAMES = (STATES_NAME,)
+# Checkpoint names "dots16" keeps: the KDA chunk states and, when the op keeps it
+# (`chunk.settings(residuals="states_vn")`), v' (Pallas kernels' outputs, which the dtype rule
+# cannot see), so the backward does not rerun the forward state pass.
+SAVED_NAMES = (STATES_NAME, VN_NAME)
 _DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 

@@ -74,11 +74,11 @@ def _prep(nm, q, k, v, g, beta, counts, scale, bounded, delta, scores="dense"):
                 cd=jnp.float32 if f16 else nm.cd, prec=nm.prec)
 
 
-def _wy(nm, P):
-    """Ai = (I + L)^{-1}, w = Ai kgam [.., C, K], u = Ai bv [.., C, V]."""
+def _wy(nm, P, values=True):
+    """Ai = (I + L)^{-1}, w = Ai kgam [.., C, K], u = Ai bv [.., C, V] (None without `values`)."""
     Ai = unit_lower_inverse(P["L"], nm.fine)
     w = nm.mm("...rc,...ck->...rk", Ai, P["kgam"], out=nm.cd)
-    u = nm.mm("...rc,...cv->...rv", Ai, P["bv"], out=nm.cd)
+    u = nm.mm("...rc,...cv->...rv", Ai, P["bv"], out=nm.cd) if values else None
     return Ai, w, u
 
 
@@ -87,6 +87,20 @@ STATE_PASSES = ("xla", "mosaic", "mosaic_interpret")
 # a remat policy that saves it (kimi_jax.remat's "dots16") spares the backward a rerun of the
 # forward state pass.
 STATES_NAME = "kda_chunk_states"
+# What else the forward keeps for the backward (`chunk.settings(residuals=...)`): "states" (only
+# the chunk states: the backward recomputes v' = u - w S_n, one [C, C] x [C, V] and one
+# [C, K] x [K, V] product per chunk and their float32 difference) or "states_vn" (also v'
+# [N, B, H, C, V] in the compute dtype, which the forward's state pass writes anyway, named
+# VN_NAME for remat policies: as many bytes as v held until the backward).
+RESIDUAL_CHOICES = ("states", "states_vn")
+RESIDUALS = "states"
+VN_NAME = "kda_chunk_vn"
+
+
+def residuals() -> str:
+    if RESIDUALS not in RESIDUAL_CHOICES:
+        raise ValueError(f"chunk.RESIDUALS={RESIDUALS!r}; expected one of {RESIDUAL_CHOICES}")
+    return RESIDUALS
 
 
 def _mosaic_scan(state_pass):
@@ -137,7 +151,7 @@ def _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass, sc
     scan = lambda *a, **kw: _state_scan(nm, *a, state_pass, **kw)  # noqa: E731
     states, vn, S = chunk_segments.state_scan(scan, h0, w, u, P["kg"], P["decay"], chunk_segments.SEGMENTS)
     o = nm.mm("nbhck,nbhkv->nbhcv", P["qg"], states) + nm.mm("nbhrc,nbhcv->nbhrv", P["Aqk"], vn)
-    return o, S, states
+    return o, S, states, vn
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
@@ -147,14 +161,20 @@ def chunk_core(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass="
     q, k [N, B, H, C, K] and v [N, B, H, C, V] in one dtype; g [N, B, H, C, K] and beta [N, B, H, C]
     in the state dtype; h0 [B, H, K, V] state dtype; counts [N, B, 1, C] int32 or None;
     state_pass in STATE_PASSES; scores in chunk_intra.SCORES."""
-    o, S, _ = _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass, scores)
+    o, S, _, _ = _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass, scores)
     return o, S
 
 
 def _core_fwd(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass="xla", scores="dense"):
-    o, S, states = _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass, scores)
-    states = checkpoint_name(states, STATES_NAME)
-    return (o, S), (q, k, v, g, beta, counts, states)
+    o, S, states, vn = _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass, scores)
+    states, vn = named_residuals(states, vn, delta)
+    return (o, S), (q, k, v, g, beta, counts, states, vn)
+
+
+def named_residuals(states, vn, delta):
+    """The chunk states, and v' if `residuals()` keeps it (else None), named for remat policies."""
+    keep = delta and residuals() == "states_vn"
+    return checkpoint_name(states, STATES_NAME), (checkpoint_name(vn, VN_NAME) if keep else None)
 
 
 def _core_bwd(scale, bounded, delta, state_pass, scores, res, cts):
@@ -164,13 +184,14 @@ def _core_bwd(scale, bounded, delta, state_pass, scores, res, cts):
 
 
 def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
-    q, k, v, g, beta, counts, states = res
+    q, k, v, g, beta, counts, states, vn = res
     do, dS_final = cts
     nm = _Numerics(q.dtype)
     P, pull = jax.vjp(lambda *a: _prep(nm, *a, counts, scale, bounded, delta, scores), q, k, v, g, beta)
     if delta:
-        Ai, w, u = _wy(nm, P)
-        vn = (u.astype(nm.sdt) - nm.mm("nbhck,nbhkv->nbhcv", w, states)).astype(nm.cd)
+        Ai, w, u = _wy(nm, P, values=vn is None)
+        if vn is None:  # not kept by the forward (`residuals()`): v' = u - w S_n again
+            vn = (u.astype(nm.sdt) - nm.mm("nbhck,nbhkv->nbhcv", w, states)).astype(nm.cd)
     else:
         w, vn = None, v.astype(nm.cd)
     do = do.astype(nm.cd)
@@ -179,6 +200,9 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
     dqg = nm.mm("nbhcv,nbhkv->nbhck", do, states)
     dvn_intra = nm.mm("nbhrc,nbhrv->nbhcv", P["Aqk"], do)
     dS_final = dS_final.astype(nm.sdt)
+    # cotangents "compute": the state gradients in the compute dtype too (the kg product reads them
+    # so; the decay's gradient sums them against the states in float32).
+    compact = cotangents() == "compute" and nm.cd.itemsize < jnp.dtype(nm.sdt).itemsize
     if state_pass == "xla":
         dS_out = nm.mm("nbhck,nbhcv->nbhkv", P["qg"], do)
         scan = lambda dS, c, src, **kw: _grad_scan(nm, dS, c[0], c[1], c[2], *src, **kw)  # noqa: E731
@@ -192,9 +216,12 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
                 nm, dS, c[0], c[1], c[2], src[0], src[1], c[3], interpret=interpret, **kw)
         else:
             scan = lambda dS, c, src, **kw: ms.grad_scan_chunks(  # noqa: E731
-                dS, c[0], c[1], c[2], src[0], src[1], c[3], cd=nm.cd, interpret=interpret, **kw)
+                dS, c[0], c[1], c[2], src[0], src[1], c[3], cd=nm.cd, interpret=interpret,
+                dhs_dtype=nm.cd if compact else jnp.float32, **kw)
         chunked, sources = (w, P["kg"], P["qg"], P["decay"]), (do, dvn_intra)
     dhs, dvn, dh0 = chunk_segments.grad_scan(scan, dS_final, chunked, sources, chunk_segments.SEGMENTS)
+    if compact:  # the XLA and transition passes write float32
+        dhs = dhs.astype(nm.cd)
     # State update S_{n+1} = decay S_n + kg^T v'.
     ct = dict(
         qg=dqg,
@@ -344,7 +371,8 @@ def _settings_table(keys=None):
              "block_v": lambda: (chunk_segments, "BLOCK_V", chunk_segments.BLOCK_V_CHOICES),
              "grad_issue": lambda: (chunk_segments, "GRAD_ISSUE", chunk_segments.GRAD_ISSUES),
              "scan_form": lambda: (chunk_segments, "SCAN_FORM", chunk_segments.SCAN_FORMS),
-             "cotangents": lambda: (sys.modules[__name__], "COTANGENTS", COTANGENT_CHOICES)}
+             "cotangents": lambda: (sys.modules[__name__], "COTANGENTS", COTANGENT_CHOICES),
+             "residuals": lambda: (sys.modules[__name__], "RESIDUALS", RESIDUAL_CHOICES)}
     for key in keys or ():
         if key not in table:
             raise ValueError(f"unknown KDA setting {key!r}; expected one of {SETTINGS}")
@@ -358,7 +386,7 @@ def traced_key() -> tuple:
 
     ms = sys.modules.get("kernels.kda.mosaic_scan")  # "forward_only" exists once the kernels are imported
     return chunk_intra.traced_settings() + (DEFAULT_SCORES, chunk_segments.SEGMENTS, chunk_segments.BLOCK_V,
-                                            chunk_segments.GRAD_ISSUE, chunk_segments.SCAN_FORM, COTANGENTS,
+                                            chunk_segments.GRAD_ISSUE, chunk_segments.SCAN_FORM, COTANGENTS, RESIDUALS,
                                             ms.FORWARD_ONLY if ms else None)
 
 
@@ -368,7 +396,7 @@ def _forward_only_setting():
 
 
 SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse", "forward_only", "segments", "block_v",
-            "grad_issue", "scan_form", "cotangents")
+            "grad_issue", "scan_form", "cotangents", "residuals")
 
 
 def setting_values(key: str) -> tuple:
@@ -379,7 +407,8 @@ def setting_values(key: str) -> tuple:
 @contextlib.contextmanager
 def settings(**values):
     """Within the block, trace with these module settings (diag=, rows=, scores=, cumsum=,
-    scores_bwd=, inverse=, forward_only=, segments=, block_v=, grad_issue=, scan_form=, cotangents=; see
+    scores_bwd=, inverse=, forward_only=, segments=, block_v=, grad_issue=, scan_form=, cotangents=,
+    residuals=; see
     SETTINGS), restored afterwards; an unknown key or value raises."""
     table = _settings_table(values)
     for key, value in values.items():

@@ -204,7 +204,7 @@ def state_scan(w, u, kg, decay, h0, *, interpret=False, final_only=False, segmen
     return (None, None, out[0]) if final_only else out
 
 
-def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early):
+def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact):
     ins_refs, (dhs_ref, dvn_ref, dh0_ref), scratch = _outputs(refs, 7 if delta else 6, final_only)
     if delta:
         w_ref, kg_ref, qg_ref, do_ref, dvi_ref, d_ref, dS_ref = ins_refs
@@ -222,12 +222,12 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last chunk's stores have read ds_f, dvn_s
 
         def write_dS_f32():  # the float32 dS for the dhs output (no product of this step reads it)
-            if dhs_ref is not None:
+            if dhs_ref is not None and not compact:
                 ds_f[...] = dS
 
-        def send_dS_f32():
+        def send_dS_f32():  # `compact`: dhs in the compute dtype, sent from the operand copy ds_c
             if dhs_ref is not None:
-                plgpu.copy_smem_to_gmem(ds_f, dhs_ref.at[first + n, bh, :, vs])
+                plgpu.copy_smem_to_gmem(ds_c if compact else ds_f, dhs_ref.at[first + n, bh, :, vs])
 
         def kdS(acc):  # kg dS; `early`: dS's float32 copy is written and sent while it runs
             plgpu.wgmma(acc, kg_s.at[slot], ds_c)
@@ -294,17 +294,21 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early):
     _store_last(dS, ds_f, dh0_ref.at[p, :, vs])
 
 
-def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, final_only=False, segments=1):
+def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, final_only=False, segments=1,
+              dhs_dtype=jnp.float32):
     """Reverse pass. w, kg, qg [N, BH, C, K] (w None: linear attention) and do [N, BH, C, V] in one
     compute dtype; dvn_intra [N, BH, C, V] f32 (Aqk^T do); decay [N, BH, K] f32; dS_final
     [segments * BH, K, V] f32 (segments > 1: each run of N / segments chunks ends with its own).
     Returns (gradients of the outgoing states [N, BH, K, V] f32, of v' [N, BH, C, V] compute dtype,
     of each run's initial state [segments * BH, K, V] f32); `final_only`: (None, None, that last),
-    the per-chunk outputs never written."""
+    the per-chunk outputs never written. `dhs_dtype` float32 or the compute dtype: the latter
+    writes the rounded copy the kg dS product reads (half the bytes)."""
     N, BH, Cc, K = kg.shape
     _check_segments(N, segments, dS_final, BH)
     V = do.shape[-1]
     dt = kg.dtype
+    if jnp.dtype(dhs_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(dt)):
+        raise ValueError(f"grad_scan: dhs_dtype={jnp.dtype(dhs_dtype)}; expected float32 or the compute dtype {dt}")
     BV = chunk_segments.block_v(programs64=segments * BH * max(V // 64, 1))  # read while tracing
     _check_dims("grad_scan", Cc, K, V, BV)
     _smem_ = functools.partial(_smem, BV=BV)
@@ -325,10 +329,11 @@ def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, fin
     scratch += [plgpu.SMEM((K, BV), f32), plgpu.Barrier(num_barriers=2 * n_in), plgpu.Barrier(num_barriers=1)]
     first = jax.ShapeDtypeStruct((segments * BH, K, V), f32)
     out_type = (first,) if final_only else (
-        jax.ShapeDtypeStruct((N, BH, K, V), f32), jax.ShapeDtypeStruct((N, BH, C, V), dt), first)
+        jax.ShapeDtypeStruct((N, BH, K, V), dhs_dtype), jax.ShapeDtypeStruct((N, BH, C, V), dt), first)
     args = ((w,) if delta else ()) + (kg, qg, do, dvn_intra, decay, dS_final)
     body = functools.partial(_bwd_body, NT=N // segments, BH=BH, K=K, BV=BV, dt=dt, delta=delta,
-                             final_only=final_only, early=chunk_segments.grad_issue() == "early")
+                             final_only=final_only, early=chunk_segments.grad_issue() == "early",
+                             compact=jnp.dtype(dhs_dtype) != jnp.dtype(f32))
     out = launch_bh_v(body, out_type, scratch, args, BH=segments * BH, V=V, BV=BV, interpret=interpret)
     return (None, None, out[0]) if final_only else out
 
@@ -358,7 +363,8 @@ def state_scan_chunks(h0, w, u, kg, decay, *, cd, interpret=False, final_only=Fa
     return _unflat(out, N, B, H, h0.shape)
 
 
-def grad_scan_chunks(dS, w, kg, qg, do, dvn_intra, decay, *, cd, interpret=False, final_only=False, segments=1):
+def grad_scan_chunks(dS, w, kg, qg, do, dvn_intra, decay, *, cd, interpret=False, final_only=False, segments=1,
+                     dhs_dtype=jnp.float32):
     """`grad_scan` on `chunk.py`'s arrays ([N, B, H, ...]; dS [segments * B, H, K, V])."""
     N, B, H = kg.shape[:3]
     K, V = dS.shape[-2:]
@@ -366,7 +372,7 @@ def grad_scan_chunks(dS, w, kg, qg, do, dvn_intra, decay, *, cd, interpret=False
     f32 = lambda x: _flat(x).astype(jnp.float32)
     out = grad_scan(op(w), op(kg), op(qg), op(do), f32(dvn_intra), f32(decay),
                     dS.reshape(-1, K, V).astype(jnp.float32), interpret=interpret,
-                    final_only=final_only, segments=segments)
+                    final_only=final_only, segments=segments, dhs_dtype=dhs_dtype)
     return _unflat(out, N, B, H, dS.shape)
 
 

@@ -47,7 +47,6 @@ import logging
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from kernels.kda import hopper, mosaic_decode, mosaic_intra, mosaic_intra_bf16, mosaic_state
 from kernels.kda.hopper import SUPPORTED_DIMS, device_kind as _device_kind, per_shard
@@ -242,19 +241,21 @@ def _kda_fwd(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret, 
     ck = _chunk_module()
     if ck is None:
         o, S = _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret)
-        return (o, S), (q, k, v, g, beta, h0, seg, None)
+        return (o, S), (q, k, v, g, beta, h0, seg, None, None)
     if train_forward == "chunk":
         from kernels.kda.chunk_intra import from_chunks
 
         args, counts, _ = _chunked_inputs(q, k, v, g, beta, seg)
-        o, S, states = ck._forward(*args, h0, counts, scale, chunk_bounded, True, *_core_defaults(ck, interpret))
+        o, S, states, vn = ck._forward(*args, h0, counts, scale, chunk_bounded, True,
+                                       *_core_defaults(ck, interpret))
         o = from_chunks(o)[:, : q.shape[1]].astype(v.dtype)
-    else:
+    else:  # the kernels do not write v': the backward recomputes it
         o, S, states = _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret,
                                        with_states=True)
-    # Named: saved, not recomputed, by a remat policy that keeps the name (kimi_jax.remat's dots16).
-    states = checkpoint_name(states, ck.STATES_NAME)
-    return (o, S), (q, k, v, g, beta, h0, seg, states)
+        vn = None
+    # Named: saved, not recomputed, by a remat policy that keeps the names (kimi_jax.remat's dots16).
+    states, vn = ck.named_residuals(states, vn, vn is not None)
+    return (o, S), (q, k, v, g, beta, h0, seg, states, vn)
 
 
 def _kda_bwd(scale, intra, chunk_bounded, interpret, train_forward, res, cts):
@@ -263,7 +264,7 @@ def _kda_bwd(scale, intra, chunk_bounded, interpret, train_forward, res, cts):
     when `chunk_bounded` (lower_bound >= -5). Without `kernels.kda.chunk`: recompute through this
     module's float32 plain-JAX path under `jax.vjp`."""
     del intra, train_forward
-    q, k, v, g, beta, h0, seg, states = res
+    q, k, v, g, beta, h0, seg, states, vn = res
     do, dS = cts
     ck = _chunk_module()
     if ck is None:
@@ -279,7 +280,7 @@ def _kda_bwd(scale, intra, chunk_bounded, interpret, train_forward, res, cts):
     sdt = state_dtype(q.dtype)
     args, counts, chunked = _chunked_inputs(q, k, v, g, beta, seg)
     static = (scale, chunk_bounded, True, *_core_defaults(ck, interpret))
-    grads = ck._core_bwd(*static, (*args, counts, states.astype(q.dtype)), (chunked(do, sdt), dS.astype(sdt)))
+    grads = ck._core_bwd(*static, (*args, counts, states.astype(q.dtype), vn), (chunked(do, sdt), dS.astype(sdt)))
     dq, dk, dv, dg, dbeta = (from_chunks(x)[:, :T] for x in grads[:5])
     dh0 = grads[5]
     cast = lambda x, ref: x.astype(ref.dtype)
