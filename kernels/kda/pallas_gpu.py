@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.kda import hopper, mosaic_decode, mosaic_intra, mosaic_intra_bf16, mosaic_state
-from kernels.kda.hopper import SUPPORTED_DIMS, device_kind as _device_kind, per_shard
+from kernels.kda.hopper import device_kind as _device_kind, per_shard
 from kernels.kda.pallas_gpu_prep import chunked_reference, prepare
 
 log = logging.getLogger(__name__)
