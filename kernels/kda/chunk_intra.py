@@ -161,9 +161,7 @@ def decayed_scores(rows, k, G, *, bounded: bool, mm, cd=None):
     # Row tile 0 has no column below its diagonal tile and no row tile has one at c >= C - 16, so
     # the product covers row tiles 1.. and columns ..C-16 only (the rest of A is zero off the
     # diagonal tiles): [..., nt - 1, C - 16, K], 56% of the full [..., nt, C, K] at C = 64.
-    Cm = C - TILE
-    keep = (jnp.arange(Cm)[None, :] < TILE * jnp.arange(1, nt)[:, None])[:, :, None]  # [nt - 1, Cm, 1]
-    k_hat = k[..., None, :Cm, :] * jnp.exp(jnp.where(keep, Ga[..., 1:, :, :] - G[..., None, :Cm, :], -jnp.inf))
+    k_hat = column_operand(k, G, Ga[..., 1:, :, :], jnp.dtype(k.dtype if cd is None else cd))
     row_decay = jnp.exp(Gt - Ga)  # [..., nt, TILE, K], <= 1
     kt = k.reshape(*lead, nt, TILE, K)
     if bounded:  # exp(G_a - G_c) <= exp(-(TILE - 1) * lower_bound) for c in the anchor's tile
@@ -188,6 +186,43 @@ def decayed_scores(rows, k, G, *, bounded: bool, mm, cd=None):
             tile = slice(x * TILE, (x + 1) * TILE)
             out.append(s[..., tile, :].reshape(*lead, C, C) + _block_diag(d[..., tile, :]))
     return out
+
+
+def _column_factors(G, Ga):
+    """exp(G_a(i) - G_c) for c < 16 i, else 0: G [..., C, K], Ga [..., nt - 1, 1, K] (row tiles 1..)
+    -> [..., nt - 1, C - 16, K]."""
+    nt, Cm = Ga.shape[-3] + 1, G.shape[-2] - TILE
+    keep = (jnp.arange(Cm)[None, :] < TILE * jnp.arange(1, nt)[:, None])[:, :, None]  # [nt - 1, Cm, 1]
+    return jnp.exp(jnp.where(keep, Ga - G[..., None, :Cm, :], -jnp.inf))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def column_operand(k, G, Ga, cd):
+    """The column side of the off-diagonal tiles, k_c exp(G_a(i) - G_c) for c < 16 i (else 0), in the
+    compute dtype `cd` (its only use is as a matmul operand): k, G [..., C, K], Ga [..., nt - 1, 1, K]
+    -> [..., nt - 1, C - 16, K]. The VJP recomputes the factors from G, so the float32 operand and
+    the float32 gradient of its exponent are never stored (autodiff wrote both)."""
+    return (k[..., None, :G.shape[-2] - TILE, :] * _column_factors(G, Ga)).astype(cd)
+
+
+def _column_operand_fwd(k, G, Ga, cd):
+    return column_operand(k, G, Ga, cd), (k, G, Ga)
+
+
+def _column_operand_bwd(cd, res, ct):
+    k, G, Ga = res
+    pad = [(0, 0)] * (k.ndim - 2) + [(0, TILE), (0, 0)]
+    ct, kc = ct.astype(k.dtype), k[..., None, :G.shape[-2] - TILE, :]
+    d_hat = ct * _column_factors(G, Ga)  # d k_hat * factor: [..., nt - 1, Cm, K]
+    # The exponent's gradient d k_hat * k_hat, summed over row tiles (dG) and over columns (dGa).
+    # The two sums are formed from differently associated products so that XLA recomputes the
+    # factors in each reduction instead of storing their float32 product for both.
+    dG = -jnp.sum(d_hat * kc, axis=-3)
+    dGa = jnp.sum(ct * (kc * _column_factors(G, Ga)), axis=-2, keepdims=True)
+    return jnp.pad(jnp.sum(d_hat, axis=-3), pad), jnp.pad(dG, pad), dGa
+
+
+column_operand.defvjp(_column_operand_fwd, _column_operand_bwd)
 
 
 def diag_split(cd, sdt) -> bool:
