@@ -11,10 +11,10 @@ tokens per device. `jax.checkpoint` around each block keeps only what the policy
                 the MLP; attention logits, the KDA recurrence and elementwise work are recomputed
     "dots_all"  every matmul output, attention logits included
     "dots16"    "dots" plus every bf16 result of a matmul or of a float32 -> bf16 rounding of at
-                most 16384 elements per token, and the KDA chunk state snapshots (checkpoint
-                name `kernels.kda.chunk.STATES_NAME`): the mixers' bf16 activations are kept, so
-                the backward redoes float32 elementwise work, data movement and MLA's [T, T]
-                attention, not the KDA state scan
+                most 16384 elements per token, and the KDA chunk state snapshots and v'
+                (checkpoint names `kernels.kda.chunk.STATES_NAME`, `VN_NAME`): the mixers' bf16
+                activations are kept, so the backward redoes float32 elementwise work, data
+                movement and MLA's [T, T] attention, not the KDA state scan
 
 A spec may give mixers their own policy after the default: "dots16/mla=dots_all" keeps MLA's
 attention logits and KDA's bf16 activations.

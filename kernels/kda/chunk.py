@@ -91,9 +91,11 @@ STATES_NAME = "kda_chunk_states"
 # the chunk states: the backward recomputes v' = u - w S_n, one [C, C] x [C, V] and one
 # [C, K] x [K, V] product per chunk and their float32 difference) or "states_vn" (also v'
 # [N, B, H, C, V] in the compute dtype, which the forward's state pass writes anyway, named
-# VN_NAME for remat policies: as many bytes as v held until the backward).
+# VN_NAME for remat policies: as many bytes as v held until the backward). "states_vn" took
+# 1,65536,16,128 from 21.17 to 20.75 ms forward+backward on an H200, and to 19.11 with
+# cotangents="compute" (kda-levers-t65536-h200-20261205T0534.json): the default.
 RESIDUAL_CHOICES = ("states", "states_vn")
-RESIDUALS = "states"
+RESIDUALS = "states_vn"
 VN_NAME = "kda_chunk_vn"
 
 
@@ -249,13 +251,15 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
 
 # The cotangents of `prep`'s pieces that reach its pull-back (`chunk.settings(cotangents=...)`):
 # "state" (float32, as the products accumulate them) or "compute" (for bf16 / f16 inputs, those of
-# the pieces that are only matmul operands in the compute dtype, `_COMPUTE_PIECES`, rounded to it).
-# "compute" moves 68.35 GB instead of 71.98 in the XLA ops of a forward+backward at 1,65536,16,128
-# (`benchmarks/xla_bytes.py --deviceless`) and raises the gradients' relative errors against the
-# token-serial reference by about 10% (bf16, T=1024, K=V=128, resets: dq 0.0032 -> 0.0036,
-# dg 0.0028 -> 0.0031; tolerances 0.008 / 0.02).
+# the pieces that are only matmul operands in the compute dtype, `_COMPUTE_PIECES`, rounded to it,
+# and the Mosaic reverse pass's state gradients written in it). "compute" moves 61.23 GB instead
+# of 65.95 in the XLA ops of a forward+backward at 1,65536,16,128 (`benchmarks/xla_bytes.py
+# --deviceless`) and took it from 21.17 to 19.95 ms on an H200
+# (benchmarks/results/kda-levers-t65536-h200-20261205T0534.json); the gradients' relative errors
+# against the token-serial reference rise by about 10% (bf16, T=1024, K=V=128, resets: dq 0.0032
+# -> 0.0036, dg 0.0027 -> 0.0030; tolerances 0.008 / 0.02). The default.
 COTANGENT_CHOICES = ("state", "compute")
-COTANGENTS = "state"
+COTANGENTS = "compute"
 _COMPUTE_PIECES = ("qg", "kg", "kgam", "bv", "Aqk", "L")
 
 
