@@ -94,8 +94,9 @@ with 3x the steps (36000, d_model 64: 0.02). `rope=False`, `mlp=False` and `lear
 learned position table of the trial's length), `train_examples=N` (a fixed training set) and
 `dropout=R` (embedding and attention-probability dropout in training), `tied=True` (the head
 is the token embedding) and `conv=False` (the recurrent mixers without their short convolution:
-plain linear attention as the published baselines have it) are forms with their own trial names
-too; Zoology's
+plain linear attention as the published baselines have it; at (512, 64) it fails, 0.00 at
+d_model 64 and 128, benchmarks/results/mqar-gpu-long-512x64-linear-noconv-lr3e-3-h200-
+20261205T0550.json) are forms with their own trial names too; Zoology's
 attention, `mixers=softmax,rope=False,learned_pos=True,mlp=False,num_heads=1,batch_size=128`,
 solves (512, 64) at lr 3e-3 on this budget at d_model 64 and 128 (1.00 each; lr 1e-3: 0.01 /
 0.38) and stays on the plateau at 256 (0.01; (256, 16): 0.06), while learned positions with the
