@@ -203,7 +203,7 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
     dvn_intra = nm.mm("nbhrc,nbhrv->nbhcv", P["Aqk"], do)
     dS_final = dS_final.astype(nm.sdt)
     # cotangents "compute": the state gradients in the compute dtype too (the kg product reads them
-    # so; the decay's gradient sums them against the states in float32).
+    # so; the decay's gradient sums them against the states in float32), and the pieces' below.
     compact = cotangents() == "compute" and nm.cd.itemsize < jnp.dtype(nm.sdt).itemsize
     if state_pass == "xla":
         dS_out = nm.mm("nbhck,nbhcv->nbhkv", P["qg"], do)
@@ -238,7 +238,7 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
         ct["bv"] = nm.mm("nbhrc,nbhrv->nbhcv", Ai, dvn)
         ct["kgam"] = nm.mm("nbhrc,nbhrk->nbhck", Ai, dw)
         ct["L"] = -nm.mm_fine("nbhsr,nbhsc->nbhrc", Ai, nm.mm_fine("nbhsm,nbhcm->nbhsc", dAi, Ai))
-    if cotangents() == "compute" and nm.cd.itemsize < jnp.dtype(nm.sdt).itemsize:
+    if compact:
         # Each of these pieces is only ever a matmul operand in the compute dtype, so its
         # cotangent is rounded there too: the products write half the bytes and the pull-back
         # reads half (the convert fuses into both).
