@@ -5,26 +5,13 @@ inputs are untouched."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.kda import chunk, kda
+from kernels.kda import chunk
 from tests.kernels.test_kda_chunk import make_inputs, relative_errors
-
-
-def _grads(inputs, dtype, **settings):
-    q, k, v, g, beta, h0, seg = inputs
-    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
-
-    def loss(q, k, v, g, beta):
-        o, S = kda(q, k, v, g, beta, initial_state=h0, segment_ids=jnp.asarray(seg), lower_bound=-5.0,
-                   output_final_state=True, impl="chunk")
-        return jnp.sum(o.astype(jnp.float32) * jnp.cos(jnp.arange(o.shape[-1]))) + jnp.sum(S[..., 0, :])
-
-    with chunk.settings(**settings):
-        return jax.grad(loss, argnums=range(5))(cast(q), cast(k), cast(v), g, beta)
+from tests.kernels.test_kda_residuals import _grads
 
 
 def test_compute_cotangents_keep_bf16_accuracy(rng):
@@ -43,7 +30,8 @@ def test_compute_cotangents_keep_bf16_accuracy(rng):
 def test_float32_inputs_are_untouched(rng):
     """For float32 inputs the compute dtype is the state dtype: nothing is rounded."""
     inputs = make_inputs(rng, 1, 130, 2, 64, 64, "channel", lower=-5.0, seg="random")
-    for a, b in zip(_grads(inputs, jnp.float32, cotangents="state"), _grads(inputs, jnp.float32, cotangents="compute")):
+    state, compute = (_grads(inputs, jnp.float32, cotangents=c)[0] for c in ("state", "compute"))
+    for a, b in zip(state, compute):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
