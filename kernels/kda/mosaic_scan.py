@@ -225,7 +225,7 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact):
             if dhs_ref is not None and not compact:
                 ds_f[...] = dS
 
-        def send_dS_f32():  # `compact`: dhs in the compute dtype, sent from the operand copy ds_c
+        def send_dhs():  # `compact`: dhs in the compute dtype, sent from the operand copy ds_c
             if dhs_ref is not None:
                 plgpu.copy_smem_to_gmem(ds_c if compact else ds_f, dhs_ref.at[first + n, bh, :, vs])
 
@@ -234,7 +234,7 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact):
             if early and dhs_ref is not None:
                 write_dS_f32()
                 plgpu.commit_smem()
-                send_dS_f32()
+                send_dhs()
             return acc[...]
 
         def write_dvn(dvn):
@@ -276,7 +276,7 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact):
         write_dS_f32()
         ds_c[...] = dS.astype(dt)
         plgpu.commit_smem()
-        send_dS_f32()
+        send_dhs()
         dvn = plgpu.load(dvi_s.at[slot], layout=plgpu.Layout.WGMMA) + _mm(kdS, (C, BV))
         write_dvn(dvn)
         plgpu.commit_smem()
