@@ -369,6 +369,8 @@ def _settings_table(keys=None):
              "cumsum": lambda: (chunk_intra, "CUMSUM_MODE", chunk_intra.CUMSUM_MODES),
              "scores_bwd": lambda: (chunk_intra, "SCORES_BWD", chunk_intra.SCORES_BWD_MODES),
              "inverse": lambda: (chunk_intra, "INVERSE_MODE", chunk_intra.INVERSE_MODES),
+             "diag_stack": lambda: (chunk_intra, "DIAG_STACK", chunk_intra.STACKS),
+             "offdiag_stack": lambda: (chunk_intra, "OFFDIAG_STACK", chunk_intra.STACKS),
              "scores": lambda: (sys.modules[__name__], "DEFAULT_SCORES", SCORES),
              "forward_only": _forward_only_setting,
              "segments": lambda: (chunk_segments, "SEGMENTS", chunk_segments.SEGMENT_CHOICES),
@@ -399,8 +401,8 @@ def _forward_only_setting():
     return ms, "FORWARD_ONLY", ms.FORWARD_ONLY_CHOICES
 
 
-SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse", "forward_only", "segments", "block_v",
-            "grad_issue", "scan_form", "cotangents", "residuals")
+SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse", "diag_stack", "offdiag_stack",
+            "forward_only", "segments", "block_v", "grad_issue", "scan_form", "cotangents", "residuals")
 
 
 def setting_values(key: str) -> tuple:
@@ -411,9 +413,9 @@ def setting_values(key: str) -> tuple:
 @contextlib.contextmanager
 def settings(**values):
     """Within the block, trace with these module settings (diag=, rows=, scores=, cumsum=,
-    scores_bwd=, inverse=, forward_only=, segments=, block_v=, grad_issue=, scan_form=, cotangents=,
-    residuals=; see
-    SETTINGS), restored afterwards; an unknown key or value raises."""
+    scores_bwd=, inverse=, diag_stack=, offdiag_stack=, forward_only=, segments=, block_v=,
+    grad_issue=, scan_form=, cotangents=, residuals=; see SETTINGS), restored afterwards; an
+    unknown key or value raises."""
     table = _settings_table(values)
     for key, value in values.items():
         if value not in table[key][2]:

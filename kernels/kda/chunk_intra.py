@@ -72,6 +72,20 @@ CUMSUM_MODE = "matmul_bf16x6"
 # pass through HBM) or "mosaic" (`mosaic_scores_bwd`: a Mosaic GPU kernel builds them in SMEM;
 # "interpret" runs it under the Mosaic GPU interpreter, for CPU tests). Other calls (float32 or
 # float16 inputs, unbounded gates, K not a multiple of 64, scores="tiled") always take "xla".
+# How the dense scores group their rows' products (q and, for the delta rule, k) when ROW_MODE
+# keeps them "separate": DIAG_STACK for the bounded path's float32 diagonal tiles (when not split
+# by hand), OFFDIAG_STACK for the off-diagonal tiles' compute-dtype product. "stacked": every row's
+# tiles in one product (a float32 concatenation of the anchored rows for the diagonal tiles, one
+# in the compute dtype for the others), so the backward forms the shared column side's gradient
+# in one GEMM contracting over all rows instead of one GEMM per row and their sum (and the rows'
+# gradients in one GEMM); "separate": one product per row. The same values up to float32
+# summation order. XLA bytes of a forward+backward (`benchmarks/xla_bytes.py --deviceless`,
+# chunk_mosaic), both "separate" / DIAG_STACK alone / OFFDIAG_STACK alone / both "stacked":
+# 1,65536,16,128 58.48 / 55.49 / 57.32 / 54.13 GB, 8,4096,16,128 31.49 / 30.84 / 30.31 / 30.03
+# (xla-bytes-deviceless-stack-{t65536,8x4096}-20261205.json). Not yet timed on a GPU.
+STACKS = ("stacked", "separate")
+DIAG_STACK = "separate"
+OFFDIAG_STACK = "separate"
 SCORES_BWD_MODES = ("xla", "mosaic", "interpret")
 SCORES_BWD = "xla"
 # How `unit_lower_inverse` inverts the 16x16 diagonal blocks: "substitute" (forward substitution,
@@ -83,16 +97,18 @@ INVERSE_MODES = ("substitute", "doubling")
 INVERSE_MODE = "substitute"
 
 
-def traced_settings() -> tuple[str, str, str, str, str]:
-    """(DIAG_MODE, ROW_MODE, CUMSUM_MODE, SCORES_BWD, INVERSE_MODE), the module settings read while
-    tracing (a jit cache key for the callers that jit); an unknown value raises."""
+def traced_settings() -> tuple[str, str, str, str, str, str, str]:
+    """(DIAG_MODE, ROW_MODE, CUMSUM_MODE, SCORES_BWD, INVERSE_MODE, DIAG_STACK, OFFDIAG_STACK), the
+    module settings read while tracing (a jit cache key for the callers that jit); an unknown value
+    raises."""
     for name, value, allowed in (("DIAG_MODE", DIAG_MODE, DIAG_MODES), ("ROW_MODE", ROW_MODE, ROW_MODES),
                                  ("CUMSUM_MODE", CUMSUM_MODE, CUMSUM_MODES),
                                  ("SCORES_BWD", SCORES_BWD, SCORES_BWD_MODES),
-                                 ("INVERSE_MODE", INVERSE_MODE, INVERSE_MODES)):
+                                 ("INVERSE_MODE", INVERSE_MODE, INVERSE_MODES),
+                                 ("DIAG_STACK", DIAG_STACK, STACKS), ("OFFDIAG_STACK", OFFDIAG_STACK, STACKS)):
         if value not in allowed:
             raise ValueError(f"chunk_intra.{name}={value!r}; expected one of {allowed}")
-    return DIAG_MODE, ROW_MODE, CUMSUM_MODE, SCORES_BWD, INVERSE_MODE
+    return DIAG_MODE, ROW_MODE, CUMSUM_MODE, SCORES_BWD, INVERSE_MODE, DIAG_STACK, OFFDIAG_STACK
 
 
 def chunk_cumsum(g):
@@ -151,8 +167,8 @@ def decayed_scores(rows, k, G, *, bounded: bool, mm, cd=None):
     are finite but meaningless (callers mask them). Tiles below the diagonal use the anchored
     product through `mm(spec, x, y)` (operands in the compute dtype, float32 accumulation); the
     diagonal tiles are float32: pair by pair (exact path) or an anchored float32 matmul (bounded;
-    `DIAG_MODE` "split" for compute dtype `cd`), because their gate gradient is a difference of
-    anchored terms that bf16 operands would swamp."""
+    `DIAG_MODE` "split" for compute dtype `cd`; `DIAG_STACK` "stacked": all rows in one product),
+    because their gate gradient is a difference of anchored terms that bf16 operands would swamp."""
     *lead, C, K = G.shape
     nt = C // TILE
     Gt = G.reshape(*lead, nt, TILE, K)
@@ -166,17 +182,37 @@ def decayed_scores(rows, k, G, *, bounded: bool, mm, cd=None):
     kt = k.reshape(*lead, nt, TILE, K)
     if bounded:  # exp(G_a - G_c) <= exp(-(TILE - 1) * lower_bound) for c in the anchor's tile
         kt_hat = kt * jnp.exp(Ga - Gt)
-    traced_settings()
     # Row tiles [..., nt, R * TILE, K]: the R rows' tiles side by side ("stacked"), or one at a time.
     groups = [rows] if ROW_MODE == "stacked" else [[a] for a in rows]
+    stacked_diag = traced_settings()[5] == "stacked"  # (an unknown setting raises here)
+    split = bounded and cd is not None and diag_split(cd, G.dtype)
+    stack = bounded and not split and stacked_diag
+    if stack:
+        # Every row's diagonal tiles in one product of len(rows) * TILE rows: its backward is one
+        # GEMM for the rows' gradient and one (contracting over all rows) for the column side's,
+        # instead of one of each per row whose column-side outputs are then added.
+        a_all = jnp.concatenate([a.reshape(*lead, nt, TILE, K) * row_decay for a in rows], axis=-2)
+        d_all = jnp.einsum("...ird,...icd->...irc", a_all, kt_hat, precision=diag_precision(cd, a_all.dtype))
+    if traced_settings()[6] == "stacked":
+        # Every row's off-diagonal operand, in the column side's dtype, in one product: as above,
+        # one GEMM writes the column side's gradient instead of one per row and their sum.
+        lows = jnp.concatenate([(a.reshape(*lead, nt, TILE, K) * row_decay)[..., 1:, :, :].astype(k_hat.dtype)
+                                for a in rows], axis=-2)
+        s_all = mm("...ird,...icd->...irc", lows, k_hat)  # [..., nt - 1, len(rows) * TILE, Cm]
     out = []
     for group in groups:
         at = jnp.concatenate([a.reshape(*lead, nt, TILE, K) for a in group], axis=-2)
         a_hat = at * jnp.concatenate([row_decay] * len(group), axis=-2)
-        s = mm("...ird,...icd->...irc", a_hat[..., 1:, :, :], k_hat)  # [..., nt - 1, R * TILE, Cm]
+        if traced_settings()[6] == "stacked":
+            s = s_all[..., len(out) * TILE:(len(out) + len(group)) * TILE, :]
+        else:
+            s = mm("...ird,...icd->...irc", a_hat[..., 1:, :, :], k_hat)  # [..., nt - 1, R * TILE, Cm]
         s = jnp.pad(s, [(0, 0)] * len(lead) + [(1, 0), (0, 0), (0, TILE)])  # [..., nt, R * TILE, C]
-        if bounded and cd is not None and diag_split(cd, a_hat.dtype):
+        if split:
             d = _diag_split(a_hat, kt_hat, jnp.dtype(cd))
+        elif stack:
+            first = len(out) * TILE
+            d = d_all[..., first:first + len(group) * TILE, :]
         elif bounded:
             d = jnp.einsum("...ird,...icd->...irc", a_hat, kt_hat, precision=diag_precision(cd, a_hat.dtype))
         else:

@@ -217,6 +217,15 @@ def assert_as_accurate(base, got):
         assert g <= 1.1 * b + 2e-4, (base, got)
 
 
+def test_stacked_row_products_keep_the_bf16_accuracy(rng):
+    """DIAG_STACK / OFFDIAG_STACK "stacked" on the bounded bf16 path: every output and gradient as
+    close to the reference as with the rows' products separate (the stacked column-side gradient
+    sums the same bf16 products in another order)."""
+    inputs = make_inputs(rng, 1, 256, 2, 64, 64, "channel", lower=-5.0, seg="random")
+    assert_as_accurate(relative_errors(inputs, diag_stack="separate", offdiag_stack="separate"),
+                       relative_errors(inputs, diag_stack="stacked", offdiag_stack="stacked"))
+
+
 @pytest.mark.parametrize("scores", ["dense", "tiled"])
 def test_split_diagonal_tiles_keep_float32_accuracy(rng, scores):
     """chunk_intra.DIAG_MODE="split" (bounded diagonal tiles by three bf16 products, forward and
@@ -269,12 +278,16 @@ def test_diag_mode_is_part_of_the_jit_cache_key(monkeypatch):
                                                 ("ROW_MODE", ("stacked", "separate"), None),
                                                 ("CUMSUM_MODE", ("matmul", "scan"), -5.0),
                                                 ("CUMSUM_MODE", ("matmul_bf16x6", "scan"), -5.0),
-                                                ("INVERSE_MODE", ("doubling", "substitute"), -5.0)])
+                                                ("INVERSE_MODE", ("doubling", "substitute"), -5.0),
+                                                ("DIAG_STACK", ("stacked", "separate"), -5.0),
+                                                ("OFFDIAG_STACK", ("stacked", "separate"), -5.0),
+                                                ("OFFDIAG_STACK", ("stacked", "separate"), None)])
 def test_traced_modes_give_the_same_values(rng, monkeypatch, name, modes, lower):
     """chunk_intra.ROW_MODE "stacked" (q and k row tiles in one product) gives the values and
-    gradients of "separate" (float32: the same sums), on the bounded and the exact path; so does
-    CUMSUM_MODE "matmul" (the gate cumsum as a triangular matmul) against "scan" (float32 sums in
-    another order), with packed documents."""
+    gradients of "separate" (float32: the same sums), on the bounded and the exact path; so do
+    CUMSUM_MODE "matmul" (the gate cumsum as a triangular matmul) against "scan", and DIAG_STACK /
+    OFFDIAG_STACK "stacked" (both rows' diagonal / off-diagonal tiles in one product) against
+    "separate" (float32 sums in another order), with packed documents."""
     from kernels.kda import chunk_intra
 
     inputs = make_inputs(rng, 1, 128, 2, 32, 32, "channel", lower=-5.0, seg="random")
@@ -302,14 +315,19 @@ def test_traced_modes_give_the_same_values(rng, monkeypatch, name, modes, lower)
 
 
 @pytest.mark.parametrize("bounded", [True, False])
-@pytest.mark.parametrize("row_mode", ["stacked", "separate"])
+@pytest.mark.parametrize("row_mode, diag_stack, offdiag_stack", [
+    ("stacked", "separate", "separate"), ("separate", "separate", "separate"), ("separate", "stacked", "separate"),
+    ("separate", "separate", "stacked"), ("separate", "stacked", "stacked"), ("stacked", "stacked", "stacked")])
 @pytest.mark.parametrize("C", [16, 64])
-def test_decayed_scores_match_the_pairwise_sum(monkeypatch, bounded, row_mode, C):
+def test_decayed_scores_match_the_pairwise_sum(monkeypatch, bounded, row_mode, diag_stack, offdiag_stack, C):
     """chunk_intra.decayed_scores against A[r, c] = sum_d a_r k_c exp(G_r - G_c), r >= c, in
-    float64: every entry on and below the diagonal, for one tile (C = 16) and a chunk."""
+    float64: every entry on and below the diagonal, for one tile (C = 16) and a chunk, for each way
+    of grouping the rows' products."""
     from kernels.kda import chunk_intra
 
     monkeypatch.setattr(chunk_intra, "ROW_MODE", row_mode)
+    monkeypatch.setattr(chunk_intra, "DIAG_STACK", diag_stack)
+    monkeypatch.setattr(chunk_intra, "OFFDIAG_STACK", offdiag_stack)
     r = np.random.default_rng(C)
     K = 8
     a = [r.standard_normal((2, C, K)).astype(np.float32) for _ in range(2)]
@@ -329,12 +347,15 @@ def test_decayed_scores_match_the_pairwise_sum(monkeypatch, bounded, row_mode, C
 def test_settings_context_sets_and_restores_the_traced_module_settings():
     from kernels.kda import chunk, chunk_intra
 
-    now = lambda: (chunk_intra.DIAG_MODE, chunk_intra.ROW_MODE, chunk.DEFAULT_SCORES, chunk_intra.CUMSUM_MODE)
+    now = lambda: (chunk_intra.DIAG_MODE, chunk_intra.ROW_MODE, chunk.DEFAULT_SCORES, chunk_intra.CUMSUM_MODE,  # noqa: E731
+                   chunk_intra.DIAG_STACK, chunk_intra.OFFDIAG_STACK)
     before = now()
-    with chunk.settings(diag="split", rows="stacked", scores="tiled", cumsum="matmul"):
-        assert now() == ("split", "stacked", "tiled", "matmul")
+    flip = {"stacked": "separate", "separate": "stacked"}
+    d, o = flip[chunk_intra.DIAG_STACK], flip[chunk_intra.OFFDIAG_STACK]
+    with chunk.settings(diag="split", rows="stacked", scores="tiled", cumsum="matmul", diag_stack=d, offdiag_stack=o):
+        assert now() == ("split", "stacked", "tiled", "matmul", d, o)
     assert now() == before
-    for bad in (dict(diag="bf16"), dict(tile=16)):
+    for bad in (dict(diag="bf16"), dict(tile=16), dict(diag_stack="paired"), dict(offdiag_stack=True)):
         with pytest.raises(ValueError):
             with chunk.settings(**bad):
                 pass
@@ -342,7 +363,8 @@ def test_settings_context_sets_and_restores_the_traced_module_settings():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("setting", [dict(diag="bf16x3"), dict(diag="bf16x6"), dict(cumsum="matmul_bf16x6")])
+@pytest.mark.parametrize("setting", [dict(diag="bf16x3"), dict(diag="bf16x6"), dict(cumsum="matmul_bf16x6"),
+                                     dict(diag="bf16x3", diag_stack="stacked", offdiag_stack="stacked")])
 def test_gpu_tensor_core_algorithms_keep_float32_accuracy(rng, setting):
     """On a GPU, where XLA runs the BF16_BF16_F32_X3/X6 dot algorithms on the tensor cores (CPU
     runs them as float32 products): bf16 inputs, K = V = 128, resets, every output and gradient
