@@ -321,8 +321,9 @@ def test_traced_modes_give_the_same_values(rng, monkeypatch, name, modes, lower)
 @pytest.mark.parametrize("C", [16, 64])
 def test_decayed_scores_match_the_pairwise_sum(monkeypatch, bounded, row_mode, diag_stack, offdiag_stack, C):
     """chunk_intra.decayed_scores against A[r, c] = sum_d a_r k_c exp(G_r - G_c), r >= c, in
-    float64: every entry on and below the diagonal, for one tile (C = 16) and a chunk, for each way
-    of grouping the rows' products."""
+    float64: every entry on and below the diagonal, and the gradients of a weighted sum of them
+    with respect to the rows, k and G, for one tile (C = 16) and a chunk, for each way of grouping
+    the rows' products."""
     from kernels.kda import chunk_intra
 
     monkeypatch.setattr(chunk_intra, "ROW_MODE", row_mode)
@@ -342,6 +343,20 @@ def test_decayed_scores_match_the_pairwise_sum(monkeypatch, bounded, row_mode, d
     for x, A in zip(a, got):
         want = np.einsum("brd,bcd,brcd->brc", x.astype(np.float64), k.astype(np.float64), decay)
         np.testing.assert_allclose(np.where(lower, np.asarray(A), 0), want, rtol=2e-4, atol=2e-4)
+    W = [np.where(lower, r.standard_normal((2, C, C)), 0) for _ in a]
+
+    def loss(a0, a1, k, G):
+        A = chunk_intra.decayed_scores([a0, a1], k, G, bounded=bounded, mm=mm)
+        return sum(jnp.sum(jnp.where(lower, w * x, 0)) for w, x in zip(W, A))
+
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3))(*(jnp.asarray(x) for x in (*a, k, G)))
+    a64, k64 = [x.astype(np.float64) for x in a], k.astype(np.float64)
+    terms = [np.einsum("brc,brd,bcd,brcd->brcd", w, x, k64, decay) for w, x in zip(W, a64)]  # each pair's term
+    want = [np.einsum("brc,bcd,brcd->brd", w, k64, decay) for w in W]
+    want.append(sum(np.einsum("brc,brd,brcd->bcd", w, x, decay) for w, x in zip(W, a64)))
+    want.append(sum(t.sum(axis=2) - t.sum(axis=1) for t in terms))  # + at r, - at c
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=2e-4, atol=2e-4 * np.max(np.abs(w)))
 
 
 def test_settings_context_sets_and_restores_the_traced_module_settings():
@@ -364,7 +379,7 @@ def test_settings_context_sets_and_restores_the_traced_module_settings():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("setting", [dict(diag="bf16x3"), dict(diag="bf16x6"), dict(cumsum="matmul_bf16x6"),
-                                     dict(diag="bf16x3", diag_stack="stacked", offdiag_stack="stacked")])
+                                     dict(diag="bf16x3", diag_stack="separate", offdiag_stack="separate")])
 def test_gpu_tensor_core_algorithms_keep_float32_accuracy(rng, setting):
     """On a GPU, where XLA runs the BF16_BF16_F32_X3/X6 dot algorithms on the tensor cores (CPU
     runs them as float32 products): bf16 inputs, K = V = 128, resets, every output and gradient
