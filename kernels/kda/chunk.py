@@ -198,13 +198,14 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
         w, vn = None, v.astype(nm.cd)
     do = do.astype(nm.cd)
     # Output o = qg S + Aqk v'.
+    # cotangents "compute": the state gradients in the compute dtype too (the kg product reads them
+    # so; the decay's gradient sums them against the states in float32), Aqk^T do in it (the reverse
+    # pass adds it to kg dS and rounds their sum to it), and the pieces' cotangents below.
+    compact = cotangents() == "compute" and nm.cd.itemsize < jnp.dtype(nm.sdt).itemsize
     dAqk = nm.mm("nbhrv,nbhcv->nbhrc", do, vn)
     dqg = nm.mm("nbhcv,nbhkv->nbhck", do, states)
-    dvn_intra = nm.mm("nbhrc,nbhrv->nbhcv", P["Aqk"], do)
+    dvn_intra = nm.mm("nbhrc,nbhrv->nbhcv", P["Aqk"], do, out=nm.cd if compact else None)
     dS_final = dS_final.astype(nm.sdt)
-    # cotangents "compute": the state gradients in the compute dtype too (the kg product reads them
-    # so; the decay's gradient sums them against the states in float32), and the pieces' below.
-    compact = cotangents() == "compute" and nm.cd.itemsize < jnp.dtype(nm.sdt).itemsize
     if state_pass == "xla":
         dS_out = nm.mm("nbhck,nbhcv->nbhkv", P["qg"], do)
         scan = lambda dS, c, src, **kw: _grad_scan(nm, dS, c[0], c[1], c[2], *src, **kw)  # noqa: E731
@@ -237,7 +238,10 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
         dAi = nm.mm("nbhrv,nbhcv->nbhrc", dvn, P["bv"]) + nm.mm("nbhrk,nbhck->nbhrc", dw, P["kgam"])
         ct["bv"] = nm.mm("nbhrc,nbhrv->nbhcv", Ai, dvn)
         ct["kgam"] = nm.mm("nbhrc,nbhrk->nbhck", Ai, dw)
-        ct["L"] = -nm.mm_fine("nbhsr,nbhsc->nbhrc", Ai, nm.mm_fine("nbhsm,nbhcm->nbhsc", dAi, Ai))
+        if compact:  # L's cotangent is rounded to the compute dtype below: its products take it too
+            ct["L"] = -nm.mm("nbhsr,nbhsc->nbhrc", Ai, nm.mm("nbhsm,nbhcm->nbhsc", dAi, Ai, out=nm.cd))
+        else:
+            ct["L"] = -nm.mm_fine("nbhsr,nbhsc->nbhrc", Ai, nm.mm_fine("nbhsm,nbhcm->nbhsc", dAi, Ai))
     if compact:
         # Each of these pieces is only ever a matmul operand in the compute dtype, so its
         # cotangent is rounded there too: the products write half the bytes and the pull-back
@@ -252,12 +256,14 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
 # The cotangents of `prep`'s pieces that reach its pull-back (`chunk.settings(cotangents=...)`):
 # "state" (float32, as the products accumulate them) or "compute" (for bf16 / f16 inputs, those of
 # the pieces that are only matmul operands in the compute dtype, `_COMPUTE_PIECES`, rounded to it,
-# and the Mosaic reverse pass's state gradients written in it). "compute" moves 61.23 GB instead
+# the Mosaic reverse pass's state gradients written in it). "compute" moved 61.23 GB instead
 # of 65.95 in the XLA ops of a forward+backward at 1,65536,16,128 (`benchmarks/xla_bytes.py
 # --deviceless`) and took it from 21.17 to 19.95 ms on an H200
 # (benchmarks/results/kda-levers-t65536-h200-20261205T0534.json); the gradients' relative errors
 # against the token-serial reference rise by about 10% (bf16, T=1024, K=V=128, resets: dq 0.0032
-# -> 0.0036, dg 0.0027 -> 0.0030; tolerances 0.008 / 0.02). The default.
+# -> 0.0036, dg 0.0027 -> 0.0030; tolerances 0.008 / 0.02). The default. Since then it also forms
+# dL = -Ai^T dAi Ai^T from compute-dtype operands and passes Aqk^T do to the Mosaic reverse pass in
+# the compute dtype (50.97 -> 49.31 GB; errors within 1% at T = 512; not yet timed).
 COTANGENT_CHOICES = ("state", "compute")
 COTANGENTS = "compute"
 _COMPUTE_PIECES = ("qg", "kg", "kgam", "bv", "Aqk", "L")

@@ -51,6 +51,21 @@ DIAG_MODE = "bf16x3"
 # setting rows=stacked) says otherwise.
 ROW_MODES = ("stacked", "separate")
 ROW_MODE = "separate"
+# How the dense scores group their rows' products (q and, for the delta rule, k) when ROW_MODE
+# keeps them "separate": DIAG_STACK for the bounded path's float32 diagonal tiles (when not split
+# by hand), OFFDIAG_STACK for the off-diagonal tiles' compute-dtype product. "stacked": every row's
+# tiles in one product (a float32 concatenation of the anchored rows for the diagonal tiles, one
+# in the compute dtype for the others), so the backward forms the shared column side's gradient
+# in one GEMM contracting over all rows instead of one GEMM per row and their sum (and the rows'
+# gradients in one GEMM); "separate": one product per row. The same values up to float32
+# summation order. XLA bytes of a forward+backward (`benchmarks/xla_bytes.py --deviceless`,
+# chunk_mosaic), both "separate" / DIAG_STACK alone / OFFDIAG_STACK alone / both "stacked":
+# 1,65536,16,128 52.85 / 51.21 / 50.69 / 49.31 GB, 8,4096,16,128 29.56 / 28.10 / 28.16 / 27.50
+# (xla-bytes-deviceless-stack-{t65536,8x4096}-20261205.json). Both "stacked" are the defaults,
+# ranked by those bytes; not yet timed on a GPU (every earlier byte cut timed faster in its order).
+STACKS = ("stacked", "separate")
+DIAG_STACK = "stacked"
+OFFDIAG_STACK = "stacked"
 # How the chunk-local cumsum G of the gates is formed: "scan" (jnp.cumsum; XLA on an H200 lowers
 # it to a two-level reduce-window that ran at 22% of HBM bandwidth, 0.29 ms per call at
 # 4 x 4096 x 16 x 128, benchmarks/results/kda-profile-h200-20261130.json) or "matmul" (a lower-
@@ -72,21 +87,6 @@ CUMSUM_MODE = "matmul_bf16x6"
 # pass through HBM) or "mosaic" (`mosaic_scores_bwd`: a Mosaic GPU kernel builds them in SMEM;
 # "interpret" runs it under the Mosaic GPU interpreter, for CPU tests). Other calls (float32 or
 # float16 inputs, unbounded gates, K not a multiple of 64, scores="tiled") always take "xla".
-# How the dense scores group their rows' products (q and, for the delta rule, k) when ROW_MODE
-# keeps them "separate": DIAG_STACK for the bounded path's float32 diagonal tiles (when not split
-# by hand), OFFDIAG_STACK for the off-diagonal tiles' compute-dtype product. "stacked": every row's
-# tiles in one product (a float32 concatenation of the anchored rows for the diagonal tiles, one
-# in the compute dtype for the others), so the backward forms the shared column side's gradient
-# in one GEMM contracting over all rows instead of one GEMM per row and their sum (and the rows'
-# gradients in one GEMM); "separate": one product per row. The same values up to float32
-# summation order. XLA bytes of a forward+backward (`benchmarks/xla_bytes.py --deviceless`,
-# chunk_mosaic), both "separate" / DIAG_STACK alone / OFFDIAG_STACK alone / both "stacked":
-# 1,65536,16,128 54.51 / 52.87 / 52.35 / 50.97 GB, 8,4096,16,128 30.39 / 28.93 / 28.99 / 28.33
-# (xla-bytes-deviceless-stack-{t65536,8x4096}-20261205.json). Both "stacked" are the defaults,
-# ranked by those bytes; not yet timed on a GPU (every earlier byte cut timed faster in its order).
-STACKS = ("stacked", "separate")
-DIAG_STACK = "stacked"
-OFFDIAG_STACK = "stacked"
 SCORES_BWD_MODES = ("xla", "mosaic", "interpret")
 SCORES_BWD = "xla"
 # How `unit_lower_inverse` inverts the 16x16 diagonal blocks: "substitute" (forward substitution,

@@ -250,6 +250,9 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact):
         def qg_do(acc):
             plgpu.wgmma(acc, qg_s.at[slot].transpose((1, 0)), do_s.at[slot])
 
+        def dvi(slot):  # Aqk^T do, float32 or (compact) the compute dtype
+            return plgpu.load(dvi_s.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+
         def w_dvn(acc):
             if delta:
                 plgpu.wgmma(acc, w_s.at[slot].transpose((1, 0)), neg_s)
@@ -263,7 +266,7 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact):
                 qg_do(acc)
                 ds_c[...] = dS.astype(dt)
                 plgpu.commit_smem()
-                dvn = plgpu.load(dvi_s.at[slot], layout=plgpu.Layout.WGMMA) + _mm(kdS, (C, BV))
+                dvn = dvi(slot) + _mm(kdS, (C, BV))
                 write_dvn(dvn)
                 plgpu.commit_smem()
                 w_dvn(acc)
@@ -277,7 +280,7 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact):
         ds_c[...] = dS.astype(dt)
         plgpu.commit_smem()
         send_dhs()
-        dvn = plgpu.load(dvi_s.at[slot], layout=plgpu.Layout.WGMMA) + _mm(kdS, (C, BV))
+        dvn = dvi(slot) + _mm(kdS, (C, BV))
         write_dvn(dvn)
         plgpu.commit_smem()
         send_dvn()
@@ -297,7 +300,7 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact):
 def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, final_only=False, segments=1,
               dhs_dtype=jnp.float32):
     """Reverse pass. w, kg, qg [N, BH, C, K] (w None: linear attention) and do [N, BH, C, V] in one
-    compute dtype; dvn_intra [N, BH, C, V] f32 (Aqk^T do); decay [N, BH, K] f32; dS_final
+    compute dtype; dvn_intra [N, BH, C, V] (Aqk^T do) f32 or the compute dtype; decay [N, BH, K] f32; dS_final
     [segments * BH, K, V] f32 (segments > 1: each run of N / segments chunks ends with its own).
     Returns (gradients of the outgoing states [N, BH, K, V] f32, of v' [N, BH, C, V] compute dtype,
     of each run's initial state [segments * BH, K, V] f32); `final_only`: (None, None, that last),
@@ -307,8 +310,9 @@ def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, fin
     _check_segments(N, segments, dS_final, BH)
     V = do.shape[-1]
     dt = kg.dtype
-    if jnp.dtype(dhs_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(dt)):
-        raise ValueError(f"grad_scan: dhs_dtype={jnp.dtype(dhs_dtype)}; expected float32 or the compute dtype {dt}")
+    for name, x in (("dhs_dtype", jnp.dtype(dhs_dtype)), ("dvn_intra's dtype", dvn_intra.dtype)):
+        if jnp.dtype(x) not in (jnp.dtype(jnp.float32), jnp.dtype(dt)):
+            raise ValueError(f"grad_scan: {name}={jnp.dtype(x)}; expected float32 or the compute dtype {dt}")
     BV = chunk_segments.block_v(programs64=segments * BH * max(V // 64, 1))  # read while tracing
     _check_dims("grad_scan", Cc, K, V, BV)
     _smem_ = functools.partial(_smem, BV=BV)
@@ -318,7 +322,7 @@ def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, fin
         _smem_((2, C, K), dt),
         _smem_((2, C, K), dt),
         _smem_((2, C, BV), dt),
-        plgpu.SMEM((2, C, BV), f32),
+        plgpu.SMEM((2, C, BV), f32) if dvn_intra.dtype == f32 else _smem_((2, C, BV), dt),
         plgpu.SMEM((2, K), f32),
         _smem_((K, BV), dt),
         _smem_((C, BV), dt),
@@ -365,12 +369,14 @@ def state_scan_chunks(h0, w, u, kg, decay, *, cd, interpret=False, final_only=Fa
 
 def grad_scan_chunks(dS, w, kg, qg, do, dvn_intra, decay, *, cd, interpret=False, final_only=False, segments=1,
                      dhs_dtype=jnp.float32):
-    """`grad_scan` on `chunk.py`'s arrays ([N, B, H, ...]; dS [segments * B, H, K, V])."""
+    """`grad_scan` on `chunk.py`'s arrays ([N, B, H, ...]; dS [segments * B, H, K, V]); dvn_intra in
+    the compute dtype `cd` stays so, any other dtype goes in as float32."""
     N, B, H = kg.shape[:3]
     K, V = dS.shape[-2:]
     op = lambda x: None if x is None else _flat(x).astype(cd)
     f32 = lambda x: _flat(x).astype(jnp.float32)
-    out = grad_scan(op(w), op(kg), op(qg), op(do), f32(dvn_intra), f32(decay),
+    dvi = op(dvn_intra) if dvn_intra.dtype == jnp.dtype(cd) else f32(dvn_intra)
+    out = grad_scan(op(w), op(kg), op(qg), op(do), dvi, f32(decay),
                     dS.reshape(-1, K, V).astype(jnp.float32), interpret=interpret,
                     final_only=final_only, segments=segments, dhs_dtype=dhs_dtype)
     return _unflat(out, N, B, H, dS.shape)

@@ -1,7 +1,7 @@
 """The Mosaic reverse pass writing the state gradients in the compute dtype
 (`grad_scan(dhs_dtype=bf16)`, used under `chunk.settings(cotangents="compute")`): the rounded copy
-its kg dS product reads, so exactly the float32 output rounded; both training levers lower for
-CUDA and match naive on the GPU."""
+its kg dS product reads, so exactly the float32 output rounded; it also reads Aqk^T do in the
+compute dtype there; both training levers lower for CUDA and match naive on the GPU."""
 
 from __future__ import annotations
 
@@ -35,11 +35,30 @@ def test_compute_dtype_dhs_is_the_rounded_float32_dhs(rng, delta, grad_issue, bl
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-def test_other_dhs_dtypes_are_refused(rng):
+@pytest.mark.parametrize("delta", [True, False])
+def test_compute_dtype_dvn_intra_reads_the_same_values(rng, delta):
+    """Aqk^T do in bf16 (what cotangents="compute" passes): the same outputs, bit for bit, as its
+    float32 copy, so the kernel only narrows what it reads."""
+    N, B, H, K, V = 3, 1, 2, 64, 128
+    f = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.bfloat16)  # noqa: E731
+    w = f(N, B, H, 64, K) if delta else None
+    kg, qg, do, dvi = f(N, B, H, 64, K), f(N, B, H, 64, K), f(N, B, H, 64, V), f(N, B, H, 64, V)
+    decay = jnp.asarray(rng.uniform(0.3, 1.0, (N, B, H, K)), jnp.float32)
+    dS = jnp.asarray(rng.standard_normal((B, H, K, V)), jnp.float32)
+    run = lambda x: mosaic_scan.grad_scan_chunks(dS, w, kg, qg, do, x, decay, cd=jnp.bfloat16,  # noqa: E731
+                                                 interpret=True, dhs_dtype=jnp.bfloat16)
+    for a, b in zip(run(dvi.astype(jnp.float32)), run(dvi)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_other_dhs_and_dvn_intra_dtypes_are_refused(rng):
     x = jnp.zeros((1, 2, 64, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="dhs_dtype=float16"):
         mosaic_scan.grad_scan(x, x, x, x, jnp.zeros((1, 2, 64, 64)), jnp.zeros((1, 2, 64)), jnp.zeros((2, 64, 64)),
                               interpret=True, dhs_dtype=jnp.float16)
+    with pytest.raises(ValueError, match="dvn_intra's dtype=float16"):
+        mosaic_scan.grad_scan(x, x, x, x, jnp.zeros((1, 2, 64, 64), jnp.float16), jnp.zeros((1, 2, 64)),
+                              jnp.zeros((2, 64, 64)), interpret=True)
 
 
 @pytest.mark.parametrize("settings", [dict(cotangents="compute"), dict(cotangents="compute", residuals="states_vn"),
