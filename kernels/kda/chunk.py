@@ -235,7 +235,8 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
     if delta:
         # v' = u - w S_n; u = Ai bv; w = Ai kgam; Ai = (I + L)^{-1}.
         dw = -nm.mm("nbhcv,nbhkv->nbhck", dvn, states)
-        dAi = nm.mm("nbhrv,nbhcv->nbhrc", dvn, P["bv"]) + nm.mm("nbhrk,nbhck->nbhrc", dw, P["kgam"])
+        o = nm.cd if compact else None  # compact: dAi is only an operand of dL's compute-dtype products
+        dAi = nm.mm("nbhrv,nbhcv->nbhrc", dvn, P["bv"], out=o) + nm.mm("nbhrk,nbhck->nbhrc", dw, P["kgam"], out=o)
         ct["bv"] = nm.mm("nbhrc,nbhrv->nbhcv", Ai, dvn)
         ct["kgam"] = nm.mm("nbhrc,nbhrk->nbhck", Ai, dw)
         if compact:  # L's cotangent is rounded to the compute dtype below: its products take it too
@@ -262,8 +263,9 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
 # (benchmarks/results/kda-levers-t65536-h200-20261205T0534.json); the gradients' relative errors
 # against the token-serial reference rise by about 10% (bf16, T=1024, K=V=128, resets: dq 0.0032
 # -> 0.0036, dg 0.0027 -> 0.0030; tolerances 0.008 / 0.02). The default. Since then it also forms
-# dL = -Ai^T dAi Ai^T from compute-dtype operands and passes Aqk^T do to the Mosaic reverse pass in
-# the compute dtype (50.97 -> 49.31 GB; errors within 1% at T = 512; not yet timed).
+# dL = -Ai^T dAi Ai^T from compute-dtype operands (dAi's two products written in it too) and
+# passes Aqk^T do to the Mosaic reverse pass in the compute dtype (50.97 -> 48.77 GB; errors
+# within 1% at T = 512; not yet timed).
 COTANGENT_CHOICES = ("state", "compute")
 COTANGENTS = "compute"
 _COMPUTE_PIECES = ("qg", "kg", "kgam", "bv", "Aqk", "L")

@@ -60,7 +60,7 @@ ROW_MODE = "separate"
 # gradients in one GEMM); "separate": one product per row. The same values up to float32
 # summation order. XLA bytes of a forward+backward (`benchmarks/xla_bytes.py --deviceless`,
 # chunk_mosaic), both "separate" / DIAG_STACK alone / OFFDIAG_STACK alone / both "stacked":
-# 1,65536,16,128 52.85 / 51.21 / 50.69 / 49.31 GB, 8,4096,16,128 29.56 / 28.10 / 28.16 / 27.50
+# 1,65536,16,128 52.31 / 50.68 / 50.16 / 48.77 GB, 8,4096,16,128 29.29 / 27.83 / 27.89 / 27.23
 # (xla-bytes-deviceless-stack-{t65536,8x4096}-20261205.json). Both "stacked" are the defaults,
 # ranked by those bytes; not yet timed on a GPU (every earlier byte cut timed faster in its order).
 STACKS = ("stacked", "separate")
