@@ -10,7 +10,9 @@ first order. --deviceless compiles for an H200 ahead of time (the CUDA PJRT plug
 `benchmarks/mosaic_ptxas.py`): that HLO's fusions are the ones the GPU runs (at 1,65536,16,128 the
 five largest match the profile's bytes to the MB). Each op inside a loop body counts once; custom
 calls (the Mosaic kernels, cuBLAS) are listed but their bytes are only their operands and results.
-Same inputs as `benchmarks/kda.py` (bf16 q, k, v; lower_bound=-5).
+Same inputs and step as `benchmarks/kda.py`'s forward+backward (bf16 q, k, v; lower_bound=-5; o and
+the gradients of a cotangent do returned). Counts before 2026-12-05's last change took the gradient
+of sum(o), which let XLA drop o's products (the backward does not read o).
 """
 
 from __future__ import annotations
@@ -55,17 +57,21 @@ def launched_ops(hlo_text: str) -> list[dict]:
 
 
 def compile_text(shape, impl: str, sharding=None) -> str:
-    """Optimized HLO of jit(grad) of sum(o) for `impl` ("name[:chunk settings]") at `shape`."""
+    """Optimized HLO of the step `benchmarks/kda.py` times as forward+backward, for `impl`
+    ("name[:chunk settings]") at `shape`: o and the vjp of a cotangent do, both returned (o is
+    what a training step's loss reads; a step returning only the gradients would let XLA drop
+    o's products, which the backward does not read)."""
     name, _, opt = impl.partition(":")
     B, T, H, D = shape
 
-    def loss(q, k, v, g, beta):
-        return jnp.sum(kda(q, k, v, g, beta, lower_bound=LOWER_BOUND, impl=name)[0].astype(jnp.float32))
+    def step(q, k, v, g, beta, do):
+        o, vjp = jax.vjp(lambda *a: kda(*a, lower_bound=LOWER_BOUND, impl=name)[0], q, k, v, g, beta)
+        return o, vjp(do.astype(o.dtype))
 
     sd = lambda s, dt: jax.ShapeDtypeStruct(s, dt, sharding=sharding)  # noqa: E731
     args = [sd((B, T, H, D), jnp.bfloat16)] * 3 + [sd((B, T, H, D), jnp.float32), sd((B, T, H), jnp.float32)]
     with chunk.settings(**chunk_settings(opt)):
-        return jax.jit(jax.grad(loss, argnums=tuple(range(5)))).lower(*args).compile().as_text()
+        return jax.jit(step).lower(*args, sd((B, T, H, D), jnp.bfloat16)).compile().as_text()
 
 
 def main(argv=None) -> list[dict]:

@@ -32,6 +32,7 @@ import warnings
 PARTS = ("optimizer", "loss", "head", "embed", "attn_res", "mixer_", "ffn_", "kda_bwd")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _COMP = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?.*\{\s*$")
+_COMMENT = re.compile(r"/\*.*?\*/")
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-, %]+)\}?")
 _OPNAME = re.compile(r'op_name="([^"]*)"')
 
@@ -78,7 +79,8 @@ def hlo_instructions(hlo_text: str):
             yield comp, m.group(1), m.group(2)
             continue
         c = _COMP.match(line)
-        if c and "=" not in line.split("{")[0]:
+        # A header's "=" can only come from comments such as a long result tuple's /*index=5*/.
+        if c and "=" not in _COMMENT.sub("", line).split("{")[0]:
             comp = c.group(1)
 
 

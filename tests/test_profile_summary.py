@@ -37,6 +37,24 @@ def test_fusion_without_metadata_takes_its_ops_scope():
     assert scopes["fusion.7"] == "jit(f)/mixer_mla/sin" and scopes["sine.1"] == "jit(f)/mixer_mla/sin"
 
 
+def test_entry_with_a_long_result_tuple_is_its_own_computation():
+    """A computation header whose result tuple carries XLA's /*index=5*/ comments still starts a
+    computation: its instructions are not taken for the previous (fused) computation's."""
+    outs = ", ".join(["f32[4]"] * 5 + ["/*index=5*/f32[4]"])
+    hlo = "\n".join([
+        "%fused_computation (p: f32[4]) -> f32[4] {",
+        '  ROOT %p = f32[4]{0} parameter(0)',
+        "}",
+        f"ENTRY %main (a: f32[4]) -> ({outs}) {{",
+        '  %a = f32[4]{0} parameter(0)',
+        '  %fusion.7 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation',
+        f'  ROOT %t = ({outs}) tuple(%fusion.7, %fusion.7, %fusion.7, %fusion.7, %fusion.7, /*index=5*/%fusion.7)',
+        "}"])
+    comps = {name: comp for comp, name, _ in ps.hlo_instructions(hlo)}
+    assert comps["p"] == "fused_computation"
+    assert comps["a"] == comps["fusion.7"] == comps["t"] == "main"
+
+
 def test_trace_is_attributed_to_named_scopes(tmp_path):
     def f(a, b):
         with jax.named_scope("ffn_mlp"):  # 4 large matmuls
