@@ -212,10 +212,10 @@ def decayed_scores(rows, k, G, *, bounded: bool, mm, cd=None):
     out = []
     for group in groups:
         at = jnp.concatenate([a.reshape(*lead, nt, TILE, K) for a in group], axis=-2)
-        a_hat = at * jnp.concatenate([row_decay] * len(group), axis=-2)
         if stacked_off:
             s = s_all[..., len(out) * TILE:(len(out) + len(group)) * TILE, :]
         else:
+            a_hat = at * jnp.concatenate([row_decay] * len(group), axis=-2)
             s = mm("...ird,...icd->...irc", a_hat[..., 1:, :, :], k_hat)  # [..., nt - 1, R * TILE, Cm]
         s = jnp.pad(s, [(0, 0)] * len(lead) + [(1, 0), (0, 0), (0, TILE)])  # [..., nt, R * TILE, C]
         if split or (bounded and not stack):
