@@ -29,7 +29,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
-from kernels.kda import chunk_intra, chunk_segments
+from kernels.kda import chunk_intra, chunk_output, chunk_segments
 from kernels.kda.chunk_intra import (
     CHUNK,
     SAFE_LOWER_BOUND,
@@ -150,10 +150,14 @@ def _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass, sc
         _, w, u = _wy(nm, P)
     else:
         w, u = None, v.astype(nm.cd)
+    if chunk_output.output_pass(state_pass, delta, P["kg"].shape[0], h0):
+        return chunk_output.kernel_output(nm, P, w, u, h0, interpret=state_pass == "mosaic_interpret")
     scan = lambda *a, **kw: _state_scan(nm, *a, state_pass, **kw)  # noqa: E731
     states, vn, S = chunk_segments.state_scan(scan, h0, w, u, P["kg"], P["decay"], chunk_segments.SEGMENTS)
     o = nm.mm("nbhck,nbhkv->nbhcv", P["qg"], states) + nm.mm("nbhrc,nbhcv->nbhrv", P["Aqk"], vn)
     return o, S, states, vn
+
+
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
@@ -386,7 +390,8 @@ def _settings_table(keys=None):
              "grad_issue": lambda: (chunk_segments, "GRAD_ISSUE", chunk_segments.GRAD_ISSUES),
              "scan_form": lambda: (chunk_segments, "SCAN_FORM", chunk_segments.SCAN_FORMS),
              "cotangents": lambda: (sys.modules[__name__], "COTANGENTS", COTANGENT_CHOICES),
-             "residuals": lambda: (sys.modules[__name__], "RESIDUALS", RESIDUAL_CHOICES)}
+             "residuals": lambda: (sys.modules[__name__], "RESIDUALS", RESIDUAL_CHOICES),
+             "forward_state": lambda: (chunk_output, "FORWARD_STATE", chunk_output.FORWARD_STATE_CHOICES)}
     for key in keys or ():
         if key not in table:
             raise ValueError(f"unknown KDA setting {key!r}; expected one of {SETTINGS}")
@@ -401,7 +406,7 @@ def traced_key() -> tuple:
     ms = sys.modules.get("kernels.kda.mosaic_scan")  # "forward_only" exists once the kernels are imported
     return chunk_intra.traced_settings() + (DEFAULT_SCORES, chunk_segments.SEGMENTS, chunk_segments.BLOCK_V,
                                             chunk_segments.GRAD_ISSUE, chunk_segments.SCAN_FORM, COTANGENTS, RESIDUALS,
-                                            ms.FORWARD_ONLY if ms else None)
+                                            chunk_output.FORWARD_STATE, ms.FORWARD_ONLY if ms else None)
 
 
 def _forward_only_setting():
@@ -410,7 +415,8 @@ def _forward_only_setting():
 
 
 SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse", "diag_stack", "offdiag_stack",
-            "forward_only", "segments", "block_v", "grad_issue", "scan_form", "cotangents", "residuals")
+            "forward_only", "segments", "block_v", "grad_issue", "scan_form", "cotangents", "residuals",
+            "forward_state")
 
 
 def setting_values(key: str) -> tuple:
@@ -422,8 +428,8 @@ def setting_values(key: str) -> tuple:
 def settings(**values):
     """Within the block, trace with these module settings (diag=, rows=, scores=, cumsum=,
     scores_bwd=, inverse=, diag_stack=, offdiag_stack=, forward_only=, segments=, block_v=,
-    grad_issue=, scan_form=, cotangents=, residuals=; see SETTINGS), restored afterwards; an
-    unknown key or value raises."""
+    grad_issue=, scan_form=, cotangents=, residuals=, forward_state=; see SETTINGS), restored
+    afterwards; an unknown key or value raises."""
     table = _settings_table(values)
     for key, value in values.items():
         if value not in table[key][2]:

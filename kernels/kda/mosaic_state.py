@@ -109,8 +109,9 @@ def _mm(fn, shape):
 
 
 def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *rest, NT, K, BV, dt, with_states, heads,
-          chunk_major, a_transposed):
+          chunk_major, a_transposed, with_vn=False):
     st_ref, rest = (rest[0], rest[1:]) if with_states else (None, rest)
+    vn_ref, rest = (rest[0], rest[1:]) if with_vn else (None, rest)
     (qg_s, wn_s, kg_s, u_s, a_s, d_s, s_s, vn_s, o_s, h_s, bars, h_bar) = rest
     bh = lax.axis_index("bh")
     vs = pl.ds(pl.multiple_of(lax.axis_index("v") * BV, BV), BV)
@@ -147,6 +148,8 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *r
         vnew = u + _mm(vnew_mm, (C, BV))
         vn_s[...] = vnew.astype(dt)
         plgpu.commit_smem()
+        if with_vn:  # like the states: read by TMA before the wait below, so before the next step's write
+            plgpu.copy_smem_to_gmem(vn_s, vn_ref.at[n, bh, :, vs])
 
         def out_state_mm(acc_o, acc_s):
             # Both products are issued before either is read, so they overlap on the tensor cores.
@@ -177,14 +180,15 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *r
 
 
 def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_states=False, heads=None,
-                 chunk_major=False, a_transposed=False, block_v=None):
+                 chunk_major=False, a_transposed=False, block_v=None, with_vn=False):
     """Run the inter-chunk kernel.
 
     qg, wn, kg [BH, NT, C, K]; u [BH, NT, C, V]; a [BH, NT, C, C] (one operand
     dtype, bf16 on GPU); d [BH, NT, K] f32; h0 [BH, K, V] f32.
     Returns (o [BH, NT, C, V] out_dtype, final state [BH, K, V] f32), and with `with_states`
     also the incoming state of every chunk [NT, BH, K, V] in the operand dtype (the rounding
-    the products used), which the backward pass reuses instead of recomputing the forward.
+    the products used), which the backward pass reuses instead of recomputing the forward, and
+    with `with_vn` after those the corrected values v' [NT, BH, C, V] in that dtype.
     With `heads` = H (BH = B * H), o is [B, NT * C, H, V] instead (the layout of the inputs).
     `chunk_major`: the chunk operands (qg .. a, d) are [NT, BH, ...] instead (`chunk.py`'s layout).
     `a_transposed`: a holds A^T (as `mosaic_intra_bf16` writes it).
@@ -216,6 +220,8 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
     out_type = (jax.ShapeDtypeStruct(o_shape, out_dtype), jax.ShapeDtypeStruct((BH, K, V), jnp.float32))
     if with_states:
         out_type += (jax.ShapeDtypeStruct((NT, BH, K, V), dt),)
+    if with_vn:
+        out_type += (jax.ShapeDtypeStruct((NT, BH, C, V), dt),)
     body = functools.partial(_body, NT=NT, K=K, BV=BV, dt=dt, with_states=with_states, heads=heads,
-                             chunk_major=chunk_major, a_transposed=a_transposed)
+                             chunk_major=chunk_major, a_transposed=a_transposed, with_vn=with_vn)
     return launch_bh_v(body, out_type, scratch, (qg, wn, kg, u, a, d, h0), BH=BH, V=V, BV=BV, interpret=interpret)

@@ -1,0 +1,53 @@
+"""How a differentiated call's Mosaic forward forms the output o (`chunk.settings(forward_state=...)`).
+
+"scan": the state pass `mosaic_scan.state_scan` writes the chunk states S_n and v', then `chunk.py`
+forms o = qg S_n + Aqk v' as two XLA products whose float32 results XLA adds and transposes.
+"output": `mosaic_state.state_output` (pallas_gpu's state kernel, which also writes S_n and v' for
+the backward) forms o itself from qg and Aqk, one float32 accumulator per chunk rounded once to
+the compute dtype. "output" applies to the delta rule's WY pass without segments (elsewhere "scan"
+runs). XLA ops of a forward+backward (`benchmarks/xla_bytes.py --deviceless`): 53.47 -> 50.92 GB
+at 1,65536,16,128 and 29.58 -> 28.31 at 8,4096,16,128, the forward kernel's operands 1.62 -> 2.28
+and 0.83 -> 1.16 GB (it reads qg and Aqk and writes o;
+xla-bytes-deviceless-forward-state-{t65536,8x4096}-20261205.json). Its chunk step runs three
+products instead of two on the chain that bounds the pass; not yet timed on a GPU, so "scan" is
+the default.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from kernels.kda import chunk_segments
+
+FORWARD_STATE_CHOICES = ("scan", "output")
+FORWARD_STATE = "scan"
+
+
+def output_pass(state_pass: str, delta: bool, num_chunks: int, h0) -> bool:
+    """Whether this forward runs `kernel_output` (an unknown FORWARD_STATE raises)."""
+    if FORWARD_STATE not in FORWARD_STATE_CHOICES:
+        raise ValueError(f"chunk_output.FORWARD_STATE={FORWARD_STATE!r}; expected one of {FORWARD_STATE_CHOICES}")
+    if FORWARD_STATE != "output" or state_pass == "xla" or not delta or chunk_segments.scan_form() != "wy":
+        return False
+    B, H, K, V = h0.shape
+    programs = chunk_segments.pass_programs(B * H, V)
+    return chunk_segments.effective_segments(num_chunks, chunk_segments.SEGMENTS, programs) == 1
+
+
+def kernel_output(nm, P, w, u, h0, *, interpret: bool):
+    """The forward's (o [N, B, H, C, V] state dtype, final state [B, H, K, V], states
+    [N, B, H, K, V], v' [N, B, H, C, V] compute dtype) from `mosaic_state.state_output` on
+    `chunk.py`'s pieces P (qg, kg, Aqk, decay), w, u [N, B, H, C, *] and h0 [B, H, K, V]; `nm`
+    its numerics (`chunk._Numerics`)."""
+    from kernels.kda import mosaic_state  # Mosaic GPU is only imported when a kernel pass is asked for
+
+    N, B, H, C, K = P["qg"].shape
+    V = u.shape[-1]
+    flat = lambda x: x.reshape(N, B * H, *x.shape[3:]).astype(nm.cd)  # noqa: E731
+    o, S, states, vn = mosaic_state.state_output(
+        flat(P["qg"]), flat(-w), flat(P["kg"]), flat(u), flat(P["Aqk"]),
+        P["decay"].reshape(N, B * H, K).astype(jnp.float32), h0.reshape(B * H, K, V).astype(jnp.float32),
+        out_dtype=nm.cd, interpret=interpret, with_states=True, with_vn=True, chunk_major=True)
+    o = jnp.moveaxis(o.reshape(B, H, N, C, V), 2, 0).astype(nm.sdt)  # [BH, N, C, V] -> [N, B, H, C, V]
+    unflat = lambda x: x.reshape(N, B, H, *x.shape[2:])  # noqa: E731
+    return o, S.reshape(B, H, K, V).astype(h0.dtype), unflat(states), unflat(vn)

@@ -1,0 +1,88 @@
+"""`chunk.settings(forward_state="output")` (`kernels/kda/chunk_output.py`): the Mosaic forward pass
+of a differentiated call runs `mosaic_state.state_output`, which forms o itself and writes the
+chunk states and v' for the backward, in place of the state pass plus XLA's two o products. Same o, final state and gradients
+as "scan" (float32 summation order and o's one rounding aside); the interpreter on CPU, the
+compiled kernel on the GPU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.kda import chunk, chunk_output, kda, mosaic_state
+from tests.kernels.test_kda_chunk import BF16_TOL, make_inputs
+from tests.kernels.test_kda_mosaic_scan import _compare, cuda_train_module
+from tests.kernels.test_kda_residuals import _dots
+
+
+def _run(inputs, seg, **settings):
+    """(o, final state, gradients of a loss of both, jaxpr of those gradients): bf16 chunk_mosaic."""
+    q, k, v, g, beta, h0, ids = inputs
+    args = tuple(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)) + (g, beta)
+
+    def f(*a):
+        return kda(*a, initial_state=h0, segment_ids=jnp.asarray(ids) if seg else None, lower_bound=-5.0,
+                   output_final_state=True, impl="chunk_mosaic")
+
+    def loss(*a):
+        o, S = f(*a)
+        return jnp.sum(o.astype(jnp.float32) * jnp.cos(jnp.arange(o.shape[-1]))) + jnp.sum(S[..., 0, :])
+
+    with chunk.settings(**settings):
+        (o, S), _ = jax.vjp(f, *args)  # the custom VJP's forward: the pass under test
+        grads = jax.grad(loss, argnums=range(5))(*args)
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=range(5)))(*args)
+    return o, S, grads, jaxpr
+
+
+@pytest.mark.parametrize("seg", [False, True])
+def test_output_pass_matches_the_scan_pass(rng, seg):
+    inputs = make_inputs(rng, 1, 130, 2, 64, 64, "channel", lower=-5.0, seg="random")
+    o0, S0, g0, j0 = _run(inputs, seg, forward_state="scan")
+    o1, S1, g1, j1 = _run(inputs, seg, forward_state="output")
+    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    # o: one float32 accumulator rounded to bf16 against two float32 products summed, then rounded
+    assert np.max(np.abs(f64(o0) - f64(o1))) <= 2 ** -7 * np.max(np.abs(f64(o0)))
+    np.testing.assert_allclose(f64(S1), f64(S0), rtol=1e-5, atol=1e-5 * np.max(np.abs(f64(S0))))
+    for a, b in zip(g0, g1):
+        assert np.max(np.abs(f64(a) - f64(b))) <= 1e-2 * np.max(np.abs(f64(a)))
+    assert _dots(j1.jaxpr) == _dots(j0.jaxpr) - 2  # o's two products are the kernel's now
+
+
+def test_state_output_writes_the_corrected_values(rng):
+    """`state_output(with_vn=True)`: v' = u + wn S_n per chunk, as the XLA recurrence forms it."""
+    N, BH, K, V = 3, 2, 64, 64
+    f = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.bfloat16)  # noqa: E731
+    qg, wn, kg, u, a = f(N, BH, 64, K), f(N, BH, 64, K), f(N, BH, 64, K), f(N, BH, 64, V), f(N, BH, 64, 64)
+    d = jnp.asarray(rng.uniform(0.5, 1.0, (N, BH, K)), jnp.float32)
+    h0 = jnp.asarray(rng.standard_normal((BH, K, V)), jnp.float32)
+    o, S, states, vn = mosaic_state.state_output(qg, wn, kg, u, a, d, h0, out_dtype=jnp.float32, interpret=True,
+                                                 with_states=True, with_vn=True, chunk_major=True)
+    up = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    for n in range(N):
+        want = up(u[n]) + np.einsum("bck,bkv->bcv", up(wn[n]), up(states[n]))
+        np.testing.assert_allclose(up(vn[n]), want, rtol=2e-2, atol=2e-2)
+    assert vn.shape == (N, BH, 64, V) and vn.dtype == jnp.bfloat16
+
+
+def test_output_pass_lowers_for_cuda():
+    text = cuda_train_module(2, 256, 2, 128, forward_state="output")
+    assert text.count("mosaic_gpu") >= 2
+
+
+def test_unknown_forward_state_is_an_error():
+    with pytest.raises(ValueError, match="forward_state"):
+        with chunk.settings(forward_state="fused"):
+            pass
+    assert chunk_output.FORWARD_STATE in chunk_output.FORWARD_STATE_CHOICES and "forward_state" in chunk.SETTINGS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seg", [None, "random"])
+def test_gpu_output_pass_matches_naive(rng, seg):
+    """Compiled kernels at a training shape: every output and gradient within the bf16 tolerances."""
+    inputs = make_inputs(rng, 2, 4096, 16, 128, 128, "channel", lower=-5.0, seg=seg)
+    with chunk.settings(forward_state="output"):
+        _compare(rng, inputs, BF16_TOL, -5.0, jnp.bfloat16)
