@@ -158,8 +158,6 @@ def _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass, sc
     return o, S, states, vn
 
 
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
 def chunk_core(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass="xla", scores="dense"):
     """Chunked arrays in, (o [N, B, H, C, V] float32, final state [B, H, K, V]) out.
@@ -239,8 +237,9 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
     if delta:
         # v' = u - w S_n; u = Ai bv; w = Ai kgam; Ai = (I + L)^{-1}.
         dw = -nm.mm("nbhcv,nbhkv->nbhck", dvn, states)
-        o = nm.cd if compact else None  # compact: dAi is only an operand of dL's compute-dtype products
-        dAi = nm.mm("nbhrv,nbhcv->nbhrc", dvn, P["bv"], out=o) + nm.mm("nbhrk,nbhck->nbhrc", dw, P["kgam"], out=o)
+        dai_dt = nm.cd if compact else None  # compact: dAi is only an operand of dL's compute-dtype products
+        dAi = (nm.mm("nbhrv,nbhcv->nbhrc", dvn, P["bv"], out=dai_dt)
+               + nm.mm("nbhrk,nbhck->nbhrc", dw, P["kgam"], out=dai_dt))
         ct["bv"] = nm.mm("nbhrc,nbhrv->nbhcv", Ai, dvn)
         ct["kgam"] = nm.mm("nbhrc,nbhrk->nbhck", Ai, dw)
         if compact:  # L's cotangent is rounded to the compute dtype below: its products take it too

@@ -300,8 +300,9 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact):
 def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, final_only=False, segments=1,
               dhs_dtype=jnp.float32):
     """Reverse pass. w, kg, qg [N, BH, C, K] (w None: linear attention) and do [N, BH, C, V] in one
-    compute dtype; dvn_intra [N, BH, C, V] (Aqk^T do) f32 or the compute dtype; decay [N, BH, K] f32; dS_final
-    [segments * BH, K, V] f32 (segments > 1: each run of N / segments chunks ends with its own).
+    compute dtype; dvn_intra [N, BH, C, V] (Aqk^T do) in float32 or the compute dtype; decay
+    [N, BH, K] f32; dS_final [segments * BH, K, V] f32 (segments > 1: each run of N / segments
+    chunks ends with its own).
     Returns (gradients of the outgoing states [N, BH, K, V] f32, of v' [N, BH, C, V] compute dtype,
     of each run's initial state [segments * BH, K, V] f32); `final_only`: (None, None, that last),
     the per-chunk outputs never written. `dhs_dtype` float32 or the compute dtype: the latter

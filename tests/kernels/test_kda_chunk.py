@@ -370,7 +370,8 @@ def test_settings_context_sets_and_restores_the_traced_module_settings():
     with chunk.settings(diag="split", rows="stacked", scores="tiled", cumsum="matmul", diag_stack=d, offdiag_stack=o):
         assert now() == ("split", "stacked", "tiled", "matmul", d, o)
     assert now() == before
-    for bad in (dict(diag="bf16"), dict(tile=16), dict(diag_stack="paired"), dict(offdiag_stack=True)):
+    for bad in (dict(diag="bf16"), dict(tile=16), dict(diag_stack="paired"), dict(offdiag_stack=True),
+                dict(forward_state="fused")):
         with pytest.raises(ValueError):
             with chunk.settings(**bad):
                 pass
