@@ -199,11 +199,11 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
     else:
         w, vn = None, v.astype(nm.cd)
     do = do.astype(nm.cd)
-    # Output o = qg S + Aqk v'.
     # cotangents "compute": the state gradients in the compute dtype too (the kg product reads them
     # so; the decay's gradient sums them against the states in float32), Aqk^T do in it (the reverse
     # pass adds it to kg dS and rounds their sum to it), and the pieces' cotangents below.
     compact = cotangents() == "compute" and nm.cd.itemsize < jnp.dtype(nm.sdt).itemsize
+    # Output o = qg S + Aqk v'.
     dAqk = nm.mm("nbhrv,nbhcv->nbhrc", do, vn)
     dqg = nm.mm("nbhcv,nbhkv->nbhck", do, states)
     dvn_intra = nm.mm("nbhrc,nbhrv->nbhcv", P["Aqk"], do, out=nm.cd if compact else None)
