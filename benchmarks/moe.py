@@ -81,11 +81,21 @@ SWEEP_CHAIN = (Blocks(128, 128, 64, 4, wgs=2, chain=True),
                Blocks(128, 256, 64, 3, wgs=2, chain=True),
                Blocks(128, 256, 64, 2, wgs=2, chain=True),
                Blocks(128, 256, 64, 3, band=4, wgs=2, chain=True))
+# Narrow experts (k3_small: K = 256, N = 224, 65536 rows): at 128 x 128 tiles each gmm is 1024 short
+# tiles of 4 K-steps at 14% of peak; these try fewer, wider N tiles (x read once) and 64-row tiles
+# (more programs per SM), and tgmm tiles that give more programs over its [K, N] outputs; each
+# lowers for sm_90a without spills (128 x 256 in one warpgroup spills).
+SWEEP_NARROW_GMM = (Blocks(64, 256, 64, 3), Blocks(64, 256, 64, 4), Blocks(64, 128, 64, 4),
+                    Blocks(64, 128, 128, 3), Blocks(64, 256, 128, 2), Blocks(128, 256, 64, 3, wgs=2),
+                    Blocks(64, 256, 64, 4, wgs=2))
+SWEEP_NARROW_TGMM = (Blocks(128, 128, 64, 4), Blocks(128, 64, 128, 3), Blocks(64, 128, 128, 4),
+                     Blocks(128, 128, 128, 2), Blocks(64, 256, 128, 3, wgs=2))
 _ws = lambda tiles, ws: tuple(b for b in tiles if (b.wgs == 2) == ws)  # noqa: E731
 # "plain" and "ws" split "main" so that each can run in its own process (and time limit).
 SWEEPS = dict(main=(SWEEP_GMM, SWEEP_TGMM), chain=(SWEEP_CHAIN, ()),
               plain=(_ws(SWEEP_GMM, False), _ws(SWEEP_TGMM, False)),
-              ws=(_ws(SWEEP_GMM, True), _ws(SWEEP_TGMM, True)))
+              ws=(_ws(SWEEP_GMM, True), _ws(SWEEP_TGMM, True)),
+              narrow=(SWEEP_NARROW_GMM, SWEEP_NARROW_TGMM))
 KERNELS = ("gmm_fwd_gate", "gmm_fwd_down", "gmm_dlhs", "tgmm")
 
 
