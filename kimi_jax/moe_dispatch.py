@@ -22,7 +22,9 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kernels.gmm import ops as gmm_ops
 from kernels.mxfp4.format import MXFP4Weight
+from kimi_jax.ffn import GLU
 from kimi_jax.layers import read_setting, traced_setting
 
 
@@ -51,18 +53,38 @@ class ExpertWeights(NamedTuple):
 # down projection's input-gradient kernel (`kernels.gmm.glu_ffn`); needs the dispatch's fused GLU
 # (`glu_ffn=`, given by the gmm and expert-parallel dispatches) and dense expert weights. The
 # fastest form at k3_small (ffn 0.37 vs 0.43 ms, layer 0.46 vs 0.51;
-# moe-k3small-glu-h200-20261202T0220.json) but untimed at K3's per-device shapes, so not the default.
+# moe-k3small-glu-h200-20261202T0220.json) but untimed at K3's per-device shapes: "auto" runs it
+# only for experts as narrow as k3_small's.
 # "fused_ffn": the whole FFN of a block of rows in one kernel, its hidden activation in SMEM
 # (`glu_ffn(..., fusion="ffn")`): four launches per step and x the only residual, for experts
 # narrow enough (k3_small's; wider ones raise). Slower than "fused_glu" at k3_small (ffn 0.46 vs
 # 0.37 ms, layer 0.50 vs 0.40; moe-k3small-sort-ffn-h200-20261205T0318.json).
-GATE_UP_MODES = ("separate", "fused", "fused_bwd", "fused_glu", "fused_ffn")
-GATE_UP = "separate"
+# "auto" (the default): "fused_glu" where it was timed fastest, experts no wider than
+# AUTO_GLU_MAX_WIDTH (D and F; k3_small's 256 x 224) with dense weights, a named GLU activation and a
+# dispatch whose fused GLU runs the Pallas kernels (on Hopper; elsewhere it would be the reference);
+# otherwise "separate" (K3's per-device 3584 x 3072 experts: "fused_glu" untimed there).
+GATE_UP_MODES = ("auto", "separate", "fused", "fused_bwd", "fused_glu", "fused_ffn")
+GATE_UP = "auto"
+AUTO_GLU_MAX_WIDTH = 256
 
 
 def gate_up(mode: str | None):
     """Within the block, trace `grouped_ffn` with gate/up `mode` (None: unchanged)."""
     return traced_setting(sys.modules[__name__], "GATE_UP", GATE_UP_MODES, mode)
+
+
+def resolve_gate_up(w: ExpertWeights, activation, glu_ffn: Callable | None, dtype) -> str:
+    """GATE_UP for these experts, run in compute dtype `dtype` by a dispatch that passes `glu_ffn`
+    (or None), with "auto" resolved (see GATE_UP_MODES)."""
+    mode = read_setting(sys.modules[__name__], "GATE_UP", GATE_UP_MODES)
+    if mode != "auto":
+        return mode
+    dense = not any(isinstance(x, MXFP4Weight) for x in w)
+    if glu_ffn is None or not dense or not isinstance(activation, GLU):
+        return "separate"
+    narrow = max(w.gate.shape[1:]) <= AUTO_GLU_MAX_WIDTH
+    kernel = gmm_ops.resolve_impl("auto", dtype) == "pallas_gpu"
+    return "fused_glu" if narrow and kernel else "separate"
 
 
 def concat_n(a, b):
@@ -86,7 +108,7 @@ def grouped_ffn(x_sorted, group_sizes, w: ExpertWeights, activation,
     "fused_ffn" (fusion "ffn") run.
     """
     dtype = x_sorted.dtype
-    mode = read_setting(sys.modules[__name__], "GATE_UP", GATE_UP_MODES)
+    mode = resolve_gate_up(w, activation, glu_ffn, dtype)
     if mode in ("fused_glu", "fused_ffn"):
         if glu_ffn is None:
             raise ValueError(f"GATE_UP={mode!r} needs a fused GLU kernel; the 'gmm' and 'expert_parallel' "

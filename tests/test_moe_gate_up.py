@@ -141,3 +141,44 @@ def test_fused_glu_matches_separate_through_the_gmm_dispatch(activation, mode, m
             ragged_dispatch(x, idx, w, experts, act)
         with pytest.raises(ValueError, match="named GLU"):
             gmm_dispatch(x, idx, w, experts, lambda g, u: g * u)
+
+
+def test_auto_gate_up_resolves_by_width_weights_activation_and_platform(monkeypatch):
+    """GATE_UP="auto" (the default) runs "fused_glu" for narrow dense experts with a named GLU when
+    the dispatch's fused GLU is the Pallas kernel (Hopper), else "separate"; an explicit mode wins."""
+    from kimi_jax.moe_dispatch import resolve_gate_up
+
+    _, _, _, narrow = _inputs(D=256, F=224)
+    _, _, _, wide = _inputs(D=256, F=320)
+    act, glu, bf16 = glu_activation("swiglu"), moe_ep.fused_glu_ffn, jnp.bfloat16
+    assert moe_dispatch.GATE_UP == "auto"
+    assert resolve_gate_up(narrow, act, glu, bf16) == "separate"  # not on Hopper: the reference
+    monkeypatch.setattr(moe_dispatch.gmm_ops, "_is_hopper", lambda: True)
+    assert resolve_gate_up(narrow, act, glu, bf16) == "fused_glu"
+    assert resolve_gate_up(narrow, act, glu, jnp.float32) == "separate"  # the kernels take 16-bit operands
+    assert resolve_gate_up(wide, act, glu, bf16) == "separate"
+    assert resolve_gate_up(narrow, act, None, bf16) == "separate"  # a dispatch without a fused GLU
+    assert resolve_gate_up(narrow, lambda g, u: g * u, glu, bf16) == "separate"
+    packed = ExpertWeights(*(mxfp4.MXFP4Weight.from_dense(x) for x in narrow))
+    assert resolve_gate_up(packed, act, glu, bf16) == "separate"
+    with gate_up("fused"):
+        assert resolve_gate_up(narrow, act, glu, bf16) == "fused"
+
+
+def test_auto_gate_up_runs_the_fused_glu_on_hopper(monkeypatch):
+    """Under "auto" with the Pallas kernels chosen (Hopper, here faked), the dispatch hands the
+    narrow experts' FFN to its fused GLU ("glu" fusion), whose result it returns."""
+    x, idx, w, experts = _inputs()
+    x = x.astype(jnp.bfloat16)
+    act, calls = glu_activation("swiglu"), []
+
+    def glu_ffn(xs, wg, wu, wd, gs, activation, fusion):
+        calls.append(fusion)
+        return moe_dispatch.grouped_ffn(xs, gs, ExpertWeights(wg, wu, wd), activation)  # no fused GLU: separate
+
+    monkeypatch.setattr(moe_dispatch.gmm_ops, "_is_hopper", lambda: True)
+    y = ragged_dispatch(x, idx, w, experts, act, glu_ffn=glu_ffn)
+    with gate_up("separate"):
+        y_sep = ragged_dispatch(x, idx, w, experts, act)
+    assert calls == ["glu"]
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_sep))

@@ -297,7 +297,7 @@ def test_benchmark_gate_up_rows(tmp_path, monkeypatch):
     assert seen == [(m, o or "auto") for _, _, m, o in steps]
     resolved = {r["pair_sort_resolved"] for r in rows if r["impl"] == "ragged_dot" and r["name"] == "layer"}
     assert resolved == {"counting"}  # "auto" at these sizes
-    assert (moe_dispatch.GATE_UP, moe_dispatch.PAIR_SORT) == ("separate", "auto")
+    assert (moe_dispatch.GATE_UP, moe_dispatch.PAIR_SORT) == ("auto", "auto")
     assert "(gate/up fused_ffn, counting sort)" in (tmp_path / "moe_quick.md").read_text()
     glu_tiles = [r["blocks"].split(" glu ")[1] for r in rows if r.get("gate_up") == "fused_glu"]
     assert glu_tiles == ["64x128x64/3/band8", "64x64x64/4/band8"] + ["64x128x64/3/band8"] * 2 + ["64x64x64/4/band8"] * 2
