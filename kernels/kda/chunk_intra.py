@@ -193,47 +193,33 @@ def decayed_scores(rows, k, G, *, bounded: bool, mm, cd=None):
     if bounded:  # exp(G_a - G_c) <= exp(-(TILE - 1) * lower_bound) for c in the anchor's tile
         row_decay_d = jnp.exp(Gt - Ga_diag)  # the same values as row_decay
         kt_hat = kt * jnp.exp(Ga_diag - Gt)
-    # Row tiles [..., nt, R * TILE, K]: the R rows' tiles side by side ("stacked"), or one at a time.
-    groups = [rows] if ROW_MODE == "stacked" else [[a] for a in rows]
+    # Which rows' tiles share one product: all of them (ROW_MODE "stacked", or DIAG_STACK /
+    # OFFDIAG_STACK "stacked" for their tiles; the backward then forms the shared column side's
+    # gradient in one GEMM contracting over all rows, and the rows' in one), or one row at a time.
     stacked_diag, stacked_off = (mode == "stacked" for mode in traced_settings()[5:])  # (unknown ones raise)
+    tiles = [a.reshape(*lead, nt, TILE, K) for a in rows]
+    groups = lambda stacked: [tiles] if ROW_MODE == "stacked" or stacked else [[a] for a in tiles]  # noqa: E731
+    # Off-diagonal tiles: row tiles 1.. against the column side, [..., nt - 1, R * TILE, Cm] per group.
+    off = [mm("...ird,...icd->...irc",
+              jnp.concatenate([(a * row_decay)[..., 1:, :, :].astype(k_hat.dtype) for a in group], axis=-2), k_hat)
+           for group in groups(stacked_off)]
+    # Diagonal tiles [..., nt, R * TILE, TILE] per group: float32 products of the anchored rows
+    # (split by hand for `DIAG_MODE` "split"), or pair by pair on the exact path.
     split = bounded and cd is not None and diag_split(cd, G.dtype)
-    stack = bounded and not split and stacked_diag
-    if stack:
-        # Every row's diagonal tiles in one product of len(rows) * TILE rows: its backward is one
-        # GEMM for the rows' gradient and one (contracting over all rows) for the column side's,
-        # instead of one of each per row whose column-side outputs are then added.
-        a_all = jnp.concatenate([a.reshape(*lead, nt, TILE, K) * row_decay_d for a in rows], axis=-2)
-        d_all = jnp.einsum("...ird,...icd->...irc", a_all, kt_hat, precision=diag_precision(cd, a_all.dtype))
-    if stacked_off:
-        # Every row's off-diagonal operand, in the column side's dtype, in one product: as above,
-        # one GEMM writes the column side's gradient instead of one per row and their sum.
-        lows = jnp.concatenate([(a.reshape(*lead, nt, TILE, K) * row_decay)[..., 1:, :, :].astype(k_hat.dtype)
-                                for a in rows], axis=-2)
-        s_all = mm("...ird,...icd->...irc", lows, k_hat)  # [..., nt - 1, len(rows) * TILE, Cm]
+    diag = []
+    for group in groups(stacked_diag and bounded and not split):
+        if bounded:
+            a_hat = jnp.concatenate([a * row_decay_d for a in group], axis=-2)
+            diag.append(_diag_split(a_hat, kt_hat, jnp.dtype(cd)) if split else jnp.einsum(
+                "...ird,...icd->...irc", a_hat, kt_hat, precision=diag_precision(cd, a_hat.dtype)))
+        else:
+            diag.append(jnp.concatenate([_diag_tiles(a, kt, Gt) for a in group], axis=-2))
+    # Row x of the rows: its slice of its group's products, the diagonal tiles on the block diagonal.
+    row_of = lambda parts, x: parts[0][..., x * TILE:(x + 1) * TILE, :] if len(parts) == 1 else parts[x]  # noqa: E731
     out = []
-    for group in groups:
-        at = jnp.concatenate([a.reshape(*lead, nt, TILE, K) for a in group], axis=-2)
-        if stacked_off:
-            s = s_all[..., len(out) * TILE:(len(out) + len(group)) * TILE, :]
-        else:
-            a_hat = at * jnp.concatenate([row_decay] * len(group), axis=-2)
-            s = mm("...ird,...icd->...irc", a_hat[..., 1:, :, :], k_hat)  # [..., nt - 1, R * TILE, Cm]
-        s = jnp.pad(s, [(0, 0)] * len(lead) + [(1, 0), (0, 0), (0, TILE)])  # [..., nt, R * TILE, C]
-        if split or (bounded and not stack):
-            a_hat_d = at * jnp.concatenate([row_decay_d] * len(group), axis=-2)
-        if split:
-            d = _diag_split(a_hat_d, kt_hat, jnp.dtype(cd))
-        elif stack:
-            first = len(out) * TILE
-            d = d_all[..., first:first + len(group) * TILE, :]
-        elif bounded:
-            d = jnp.einsum("...ird,...icd->...irc", a_hat_d, kt_hat, precision=diag_precision(cd, a_hat_d.dtype))
-        else:
-            d = jnp.concatenate([_diag_tiles(at[..., x * TILE:(x + 1) * TILE, :], kt, Gt)
-                                 for x in range(len(group))], axis=-2)
-        for x in range(len(group)):
-            tile = slice(x * TILE, (x + 1) * TILE)
-            out.append(s[..., tile, :].reshape(*lead, C, C) + _block_diag(d[..., tile, :]))
+    for x in range(len(rows)):
+        s = jnp.pad(row_of(off, x), [(0, 0)] * len(lead) + [(1, 0), (0, 0), (0, TILE)])  # [..., nt, TILE, C]
+        out.append(s.reshape(*lead, C, C) + _block_diag(row_of(diag, x)))
     return out
 
 
