@@ -17,6 +17,7 @@ gathered per use), the KDA kernel module settings (`kernels.kda.chunk.SETTINGS`:
 `conv_dw=auto|stacked|per_tap|variadic|pallas_gpu|pallas_gpu_da`, the recurrent mixers' activation
 `layout=xla|row_major`, the GLUs' and the norms' backward `glu_vjp=autodiff|recompute`,
 `norm_vjp=autodiff|recompute`, the attention-residual reads' outputs `attn_res_out=xla|saved`,
+the MoE dispatch the row's model is built with `dispatch=auto|ragged|gmm|expert_parallel`,
 read while the row is traced; `benchmarks/train_settings.py`). Every
 phase is timed apart and printed as it ends: step lowering and compile (`.lower(...).compile()`
 on abstract inputs; each row compiles in a thread while the next is traced, and nothing runs
@@ -130,11 +131,17 @@ def flop_counts(config, seq_len: int) -> tuple[float, dict]:
 def prepare_row(config, n: int, batch_per_device: int, seq_len: int, settings: dict | None = None
                 ) -> tuple[dict, dict]:
     """Lower the train step on the first `n` devices (a data-parallel mesh, or the axis named by
-    settings["mesh"]) with abstract inputs, the KDA module settings among `settings` (see
+    settings["mesh"]) with abstract inputs, the model's MoE dispatch settings["dispatch"] if given
+    (`config` is the row's own copy), the KDA module settings among `settings` (see
     `parse_settings`) in place while tracing.
     Returns the row (what the JSON records) and the context `compile_row` / `run_row` need."""
     devices = jax.devices()[:n]
     settings = settings or {}
+    if "dispatch" in settings:
+        if not config.model.get("moe"):
+            raise ValueError(f"row setting dispatch={settings['dispatch']}: {config.model.get('name', 'the model')} "
+                             "has no MoE")
+        config.model.moe.dispatch = settings["dispatch"]
     mesh = sharding.make_mesh({settings.get("mesh", "data"): n}, devices=devices)
     graphdef, params, rest = train_lib.abstract_model(config)
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))

@@ -1,17 +1,18 @@
 """The row settings of `benchmarks/train.py` (`devices:remat:batch[:key=value/...]`): the traced
 settings of `kimi_jax.kernel_settings` (the same keys as `config.kernel_settings`) plus the mesh
-axis a row's devices form. Also read by `benchmarks/kda_profile.py --mixer --settings`."""
+axis a row's devices form and the MoE dispatch its model is built with. Also read by `benchmarks/kda_profile.py --mixer --settings`."""
 
 from __future__ import annotations
 
 from kimi_jax import kernel_settings
 
 MESH_AXES = ("data", "fsdp")  # the axis a row's devices form
+DISPATCHES = ("auto", "ragged", "gmm", "expert_parallel")  # a row's `config.model.moe.dispatch`
 
 
 def parse_settings(text: str) -> dict:
     """"mesh=fsdp/diag=split" -> {"mesh": "fsdp", "diag": "split"}; unknown keys or values raise."""
-    return kernel_settings.parse(text, extra={"mesh": MESH_AXES})
+    return kernel_settings.parse(text, extra={"mesh": MESH_AXES, "dispatch": DISPATCHES})
 
 
 def traced_with(settings: dict, f):

@@ -96,7 +96,7 @@ class MoE(nnx.Module):
         name, beta, linear_beta = self.activation
         act = glu_activation(name, beta=beta, linear_beta=linear_beta)
         ep = ({"capacity_factor": cfg.capacity_factor, "return_dropped": True}
-              if cfg.dispatch == "expert_parallel" else {})
+              if cfg.dispatch in ("expert_parallel", "auto") else {})
         y = dispatch_fn(cfg.dispatch)(h.astype(self.dtype), idx, weights,
                                       self.experts.weights(), act, **ep)
         y, dropped = y if ep else (y, jnp.zeros((), jnp.int32))

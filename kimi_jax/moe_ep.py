@@ -1,9 +1,10 @@
-"""Routed experts as grouped matmuls, on one device ("gmm") or expert-parallel ("expert_parallel").
+"""Routed experts as grouped matmuls, on one device ("gmm") or expert-parallel ("expert_parallel"),
+and "auto", which picks among them and "ragged" for the device and mesh (`resolve_auto`).
 
-Both follow the dispatch signature of `kimi_jax.moe_dispatch`:
+All follow the dispatch signature of `kimi_jax.moe_dispatch`:
     fn(x [N, D], expert_idx [N, k], weights [N, k], experts: ExpertWeights, activation)
         -> y [N, D] float32
-`expert_parallel_dispatch` also takes `capacity_factor` and `return_dropped`.
+`expert_parallel_dispatch` and `auto_dispatch` also take `capacity_factor` and `return_dropped`.
 
 Expert parallelism (mesh axis "expert", P shards of E/P experts each), inside `shard_map`:
 1. each device holds the tokens of its batch shard (`act_batch`: data, fsdp, expert axes) and
@@ -25,6 +26,7 @@ the gradient).
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import jax
@@ -37,6 +39,8 @@ from kimi_jax.ffn import GLU
 from kimi_jax.moe_dispatch import (DISPATCH, ExpertWeights, _check, combine_rows, grouped_ffn, inverse_permutation,
                                    permute_rows, ragged_dispatch)
 from kimi_jax.sharding import LOGICAL_AXIS_RULES
+
+log = logging.getLogger(__name__)
 
 EXPERT_AXIS = "expert"
 TENSOR_AXIS = "tensor"
@@ -184,5 +188,44 @@ def expert_parallel_dispatch(x, expert_idx, weights, experts: ExpertWeights, act
     return (y, dropped) if return_dropped else y
 
 
-# moe_dispatch imports this module at its end, so both names are registered with either import order.
-DISPATCH.update(gmm=gmm_dispatch, expert_parallel=expert_parallel_dispatch)
+def resolve_auto(dtype, packed: bool) -> tuple[str, str]:
+    """The dispatch "auto" runs for experts computed in `dtype` (MXFP4 when `packed`) under the
+    active mesh, and why: (name, reason). The Pallas grouped matmul is a per-device kernel that
+    XLA does not partition, so on several devices it runs inside `expert_parallel`'s shard_map
+    (per batch shard, and per expert shard where the mesh has an expert axis)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    devices = 1 if mesh is None or mesh.empty else mesh.size
+    expert = 1 if devices == 1 else mesh.shape.get(EXPERT_AXIS, 1)
+    if expert > 1:
+        return "expert_parallel", f"experts sharded over the mesh's {EXPERT_AXIS!r} axis ({expert})"
+    pallas = packed or gmm_ops.resolve_impl("auto", dtype) == "pallas_gpu"
+    if not pallas:
+        return "ragged", (f"the grouped matmul is not a Pallas kernel here ({jax.devices()[0].device_kind}, "
+                          f"{jnp.dtype(dtype).name}): jax.lax.ragged_dot, which XLA partitions")
+    what = "MXFP4 experts (read packed)" if packed else "Pallas grouped matmul (Hopper)"
+    if devices == 1:
+        return "gmm", f"{what} on one device"
+    return "expert_parallel", f"{what} per batch shard of {devices} devices"
+
+
+_auto_logged: set = set()
+
+
+def auto_dispatch(x, expert_idx, weights, experts: ExpertWeights, activation, *,
+                  capacity_factor=None, return_dropped=False):
+    """The dispatch `resolve_auto` picks for these experts under the active mesh (logged once per
+    choice); takes and returns what `expert_parallel_dispatch` does (the others drop nothing)."""
+    packed = isinstance(experts.gate, mxfp4.MXFP4Weight)
+    name, reason = resolve_auto(x.dtype, packed)
+    if (name, reason) not in _auto_logged:
+        _auto_logged.add((name, reason))
+        log.info("moe dispatch 'auto' -> %r: %s", name, reason)
+    if name == "expert_parallel":
+        return expert_parallel_dispatch(x, expert_idx, weights, experts, activation,
+                                        capacity_factor=capacity_factor, return_dropped=return_dropped)
+    y = DISPATCH[name](x, expert_idx, weights, experts, activation)
+    return (y, jnp.zeros((), jnp.int32)) if return_dropped else y
+
+
+# moe_dispatch imports this module at its end, so these names are registered with either import order.
+DISPATCH.update(gmm=gmm_dispatch, expert_parallel=expert_parallel_dispatch, auto=auto_dispatch)

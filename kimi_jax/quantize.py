@@ -27,7 +27,7 @@ from kernels import mxfp4
 from kimi_jax.moe_dispatch import ExpertWeights
 
 EXPERTS_DTYPES = (None, "mxfp4")
-PACKED_DISPATCH = ("gmm", "expert_parallel")
+PACKED_DISPATCH = ("gmm", "expert_parallel", "auto")  # "auto" picks one of the other two for MXFP4
 
 
 class PackedWeight(nnx.Variable):

@@ -190,3 +190,29 @@ def test_xla_options_reach_the_compiler(bench, tmp_path):
     (row,) = bench.main(["--quick", "--devices", "1", "--compile_only", "--remat", "none", "--xla_options",
                          "xla_no_such_option=true", "--out", str(tmp_path / "b.json")])["rows"]
     assert row["xla_options"] == {"xla_no_such_option": True} and "No such compile option" in row["error"]
+
+
+def test_row_dispatch_builds_the_model_with_it(bench, monkeypatch):
+    """A row's `dispatch=` is the MoE dispatch its model is traced with (the other rows keep the
+    config's); a model without MoE refuses it."""
+    import copy
+
+    from kimi_jax import moe_dispatch
+
+    assert bench.parse_row("1:none:2:dispatch=gmm")[3] == {"dispatch": "gmm"}
+    with pytest.raises(ValueError, match="expected one of"):
+        bench.parse_row("1:none:2:dispatch=fast")
+    traced = []
+    for name in ("ragged", "gmm"):
+        fn = moe_dispatch.DISPATCH[name]
+        monkeypatch.setitem(moe_dispatch.DISPATCH, name, lambda *a, _f=fn, _n=name, **k: traced.append(_n) or _f(*a, **k))
+    config = bench.load_config(os.path.join(ROOT, "configs", "tiny.py"))
+    assert config.model.moe.dispatch == "ragged"
+    row, _ = bench.prepare_row(copy.deepcopy(config), 1, 1, 16, {"dispatch": "gmm"})
+    assert row["settings"] == {"dispatch": "gmm"} and set(traced) == {"gmm"}
+    traced.clear()
+    bench.prepare_row(copy.deepcopy(config), 1, 1, 16, {})
+    assert set(traced) == {"ragged"}
+    dense = bench.load_config(os.path.join(ROOT, "configs", "k3_1b3_dense.py") + ":d_model=256,num_layers=1,vocab_size=256")
+    with pytest.raises(ValueError, match="has no MoE"):
+        bench.prepare_row(dense, 1, 1, 16, {"dispatch": "gmm"})

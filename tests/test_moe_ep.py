@@ -144,8 +144,9 @@ def test_bad_configuration_raises(rng):
 
 
 def test_moe_layer_dispatches_through_the_config(rng):
-    """kimi_jax.moe.MoE with dispatch "gmm" / "expert_parallel" (mesh data=2, expert=4) equals
-    "ragged", gradients included; a capacity_factor reports its drops in the layer stats."""
+    """kimi_jax.moe.MoE with dispatch "gmm" / "expert_parallel" / "auto" (mesh data=2, expert=4)
+    equals "ragged", gradients included; a capacity_factor reports its drops in the layer stats
+    (under "auto" too, which runs expert_parallel on that mesh)."""
     import dataclasses
 
     from flax import nnx
@@ -171,12 +172,19 @@ def test_moe_layer_dispatches_through_the_config(rng):
     y_r, _, g_r = run(build())
     gmm_moe, ep_moe = build(dispatch="gmm"), build(dispatch="expert_parallel")
     capped = build(dispatch="expert_parallel", capacity_factor=0.25)
+    auto_capped = build(dispatch="auto", capacity_factor=0.25)
+    y_a, _, g_a = run(build(dispatch="auto"))  # no mesh, CPU: ragged
     with jax.set_mesh(_mesh({"data": 2, "expert": 4})):
         y_g, _ = nnx.jit(lambda m, x: m(x))(gmm_moe, x)
         y_e, stats, g_e = run(ep_moe)
         _, stats_cap = nnx.jit(lambda m, x: m(x))(capped, x)
+        _, stats_auto_cap = nnx.jit(lambda m, x: m(x))(auto_capped, x)  # expert axis: expert_parallel
     assert_close("gmm y", y_r, y_g, 1e-5)
     assert_close("ep y", y_r, y_e, 1e-5)
+    assert_close("auto y", y_r, y_a, 1e-6)
+    assert int(stats_auto_cap["dropped"]) == int(stats_cap["dropped"])
+    for a, b in zip(jax.tree.leaves(g_r), jax.tree.leaves(g_a)):
+        assert_close("auto grad", a, b, 1e-6)
     for a, b in zip(jax.tree.leaves(g_r), jax.tree.leaves(g_e)):
         assert_close("ep grad", a, b, 1e-4)
     assert int(stats["dropped"]) == 0 and int(stats_cap["dropped"]) > 0
@@ -197,3 +205,61 @@ def test_mxfp4_experts_expert_parallel(rng):
     with jax.set_mesh(_mesh({"expert": 4, "tensor": 2})):
         y = jax.jit(lambda *a: moe_ep.expert_parallel_dispatch(*a, ACT))(x, idx, w, ex)
     assert_close("ep mxfp4", want, y, 1e-5)
+
+
+@pytest.mark.parametrize("shape,pallas,packed,want", [
+    ({}, False, False, "ragged"),
+    ({}, True, False, "gmm"),
+    ({}, False, True, "gmm"),
+    ({"data": 1}, True, False, "gmm"),
+    ({"data": 8}, False, False, "ragged"),
+    ({"data": 8}, True, False, "expert_parallel"),
+    ({"data": 8}, False, True, "expert_parallel"),
+    ({"data": 2, "expert": 4}, False, False, "expert_parallel"),
+    ({"data": 4, "expert": 1, "tensor": 2}, False, False, "ragged"),
+])
+def test_auto_dispatch_resolution(monkeypatch, shape, pallas, packed, want):
+    """"auto": gmm on one device where the grouped matmul is Pallas (or MXFP4 experts), the same
+    per batch shard inside expert_parallel on several, expert_parallel wherever experts are sharded,
+    else ragged (XLA partitions it)."""
+    monkeypatch.setattr(moe_ep.gmm_ops, "resolve_impl", lambda impl, *d: "pallas_gpu" if pallas else "ragged_dot")
+    if shape:
+        with jax.set_mesh(_mesh(shape)):
+            name, reason = moe_ep.resolve_auto(jnp.bfloat16, packed)
+    else:
+        name, reason = moe_ep.resolve_auto(jnp.bfloat16, packed)
+    assert name == want, reason
+
+
+def test_auto_dispatch_runs_its_choice(rng, monkeypatch, caplog):
+    """auto_dispatch calls the dispatch it resolves to (logged once) and returns its values; the
+    dropped count is zero for the dropless choices, expert_parallel's own count otherwise."""
+    x, idx, w, ex = _problem(rng)
+    want = dense_dispatch(x, idx, w, ex, ACT)
+    called = []
+    for name in ("ragged", "gmm", "expert_parallel"):
+        fn = moe_ep.DISPATCH[name]
+        monkeypatch.setitem(moe_ep.DISPATCH, name, lambda *a, _f=fn, _n=name, **k: called.append(_n) or _f(*a, **k))
+    monkeypatch.setattr(moe_ep, "expert_parallel_dispatch", moe_ep.DISPATCH["expert_parallel"])
+    monkeypatch.setattr(moe_ep, "_auto_logged", set())
+    with caplog.at_level("INFO", logger="kimi_jax.moe_ep"):
+        y, dropped = moe_ep.auto_dispatch(x, idx, w, ex, ACT, return_dropped=True)
+        moe_ep.auto_dispatch(x, idx, w, ex, ACT)
+    assert called == ["ragged", "ragged"] and int(dropped) == 0  # CPU: no Pallas grouped matmul
+    assert_close("auto (ragged)", want, y, 1e-5)
+    assert sum("moe dispatch 'auto' -> 'ragged'" in r.message for r in caplog.records) == 1
+    monkeypatch.setattr(moe_ep.gmm_ops, "resolve_impl", lambda impl, *d: "pallas_gpu")
+    assert_close("auto (gmm)", want, moe_ep.auto_dispatch(x, idx, w, ex, ACT), 1e-5)
+    with jax.set_mesh(_mesh({"data": 2, "expert": 4})):
+        y, dropped = jax.jit(lambda *a: moe_ep.auto_dispatch(*a, ACT, capacity_factor=0.25, return_dropped=True))(
+            x, idx, w, ex)
+    assert called[2:] == ["gmm", "expert_parallel"] and int(dropped) > 0
+
+
+def test_auto_dispatch_in_the_config():
+    """"auto" is a valid moe.dispatch, also for MXFP4 experts (it picks a dispatch that reads them)."""
+    from kimi_jax.config import MoEConfig
+
+    MoEConfig(num_experts=8, top_k=2, expert_hidden=16, dispatch="auto", experts_dtype="mxfp4")
+    with pytest.raises(ValueError, match="needs moe.dispatch in"):
+        MoEConfig(num_experts=8, top_k=2, expert_hidden=16, dispatch="ragged", experts_dtype="mxfp4")
