@@ -36,7 +36,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels.gmm.glu_math import glu_backward, glu_forward
 from kernels.gmm.pallas_gpu import (
-    Blocks, _block_groups, _check_dtypes, _offsets, _pad_to, _params, _row_iota, _swizzled, group_products)
+    Blocks, _block_groups, _check_dtypes, _offsets, _pad_to, _params, _row_iota, _swizzled, group_products,
+    lowered_once)
 
 # Hopper's SMEM per block (227 KiB); the kernels' scratch and pipeline buffers must fit in it.
 SMEM_BYTES = 227 * 1024
@@ -171,6 +172,7 @@ def _gate_up_dh(x_ref, dy_ref, wg_ref, wu_ref, wd_ref, g, mb, f, *, bm, bn, bk, 
     return pl.run_scoped(acc_scope, *[plgpu.ACC((bm, bn))] * 3)
 
 
+@lowered_once("act", "blocks", "interpret")
 def ffn_fwd(x, w_gate, w_up, w_down, group_sizes, *, act, blocks: Blocks, interpret=False):
     """y [M, D] in x's dtype (rows past sum(group_sizes) zero); `act` = (kind, beta, linear_beta).
     `blocks`: bm rows per program, bn the F and D tile, bk the contraction tile over D."""
@@ -222,6 +224,7 @@ def ffn_fwd(x, w_gate, w_up, w_down, group_sizes, *, act, blocks: Blocks, interp
     return y[:x.shape[0], :x.shape[1]]
 
 
+@lowered_once("act", "blocks", "interpret")
 def ffn_bwd_rows(x, dy, w_gate, w_up, w_down, group_sizes, *, act, blocks: Blocks, interpret=False):
     """(dx [M, D], h [Mp, Fp], dgu [Mp, 2 Fp] = [dgate | dup]) in x's dtype: the input gradient
     and the operands of the weight gradients (padded rows and columns zero)."""

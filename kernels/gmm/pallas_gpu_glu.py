@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels.gmm.glu_math import glu_backward, glu_forward
-from kernels.gmm.pallas_gpu import Blocks, _check_dtypes, _pad_to, group_products, grouped_rows_kernel
+from kernels.gmm.pallas_gpu import Blocks, _check_dtypes, _pad_to, group_products, grouped_rows_kernel, lowered_once
 
 # Two [bm, bn] float32 accumulators live in one warpgroup's registers: 2 * bm * bn / 128 per
 # thread, kept at 128 or fewer (255 is the limit, and the epilogue needs room).
@@ -46,6 +46,7 @@ def _padded_lhs(lhs, *others, blocks: Blocks):
     return _pad_to(_pad_to(lhs, 0, blocks.bm), 1, blocks.bk)
 
 
+@lowered_once("act", "blocks", "interpret")
 def glu_gmm(x, w_gate, w_up, group_sizes, *, act, blocks, interpret=False):
     """(h [Mp, Np], gu [Mp, 2 Np]) in x's dtype; `act` = (kind, beta, linear_beta); rows past
     sum(group_sizes) and columns past N are zero."""
@@ -82,6 +83,7 @@ def glu_gmm(x, w_gate, w_up, group_sizes, *, act, blocks, interpret=False):
     return h, gu
 
 
+@lowered_once("act", "blocks", "interpret")
 def glu_gmm_bwd(dy, w_down, gu, group_sizes, *, act, blocks, interpret=False):
     """[dgate | dup] [Mp, 2 Np] in dy's dtype from dy [M, D], w_down [G, N, D] and the forward's
     gu [Mp, 2 Np] (same `blocks`)."""

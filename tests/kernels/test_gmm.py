@@ -356,3 +356,30 @@ def test_benchmark_parses_fused_glu_tiles():
             bench.parse_tiles(bad)
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--glu_blocks", "big"])
+
+
+def test_equal_calls_share_one_trace_and_lowering(rng):
+    """Every MoE layer calls the launchers at the same shapes and settings: each is a jit with its
+    settings static, so the calls of a step share one kernel jaxpr (and one Mosaic GPU lowering);
+    other shapes or tiles trace their own."""
+    from kernels.gmm import pallas_gpu_glu
+
+    lhs, rhs, sizes = _inputs(rng, *CASES[0])
+    act = ("swiglu", 4.0, 25.0)
+    glu_blocks = pallas_gpu.Blocks(bm=64, bn=64, bk=64, stages=2)
+
+    def step(lhs, rhs, sizes):
+        outs = [pallas_gpu.gmm(lhs, rhs, sizes, blocks=BLOCKS, interpret=True) for _ in range(3)]
+        outs.append(pallas_gpu.gmm(lhs, rhs, sizes, blocks=pallas_gpu.Blocks(bm=64, bn=64, bk=64, stages=3),
+                                   interpret=True))
+        outs += [pallas_gpu.tgmm(lhs, o, sizes, blocks=BLOCKS, interpret=True) for o in outs[:2]]
+        outs += [pallas_gpu_glu.glu_gmm(lhs, rhs, rhs, sizes, act=act, blocks=glu_blocks, interpret=True)
+                 for _ in range(2)]
+        return outs
+
+    eqns = [e for e in jax.make_jaxpr(step)(lhs, rhs, sizes).eqns if e.primitive.name in ("pjit", "jit")]
+    names = [e.params["name"] for e in eqns]
+    assert names == ["gmm"] * 4 + ["tgmm"] * 2 + ["glu_gmm"] * 2
+    jaxprs = [id(e.params["jaxpr"]) for e in eqns]
+    assert jaxprs[0] == jaxprs[1] == jaxprs[2] != jaxprs[3]  # other tiles: another trace
+    assert jaxprs[4] == jaxprs[5] and jaxprs[6] == jaxprs[7]
