@@ -66,6 +66,12 @@ def phases():
     return phase
 
 
+def active() -> tuple[str, int] | None:
+    """The profiler's (folder, space) inside `profiled`, else None: a static argument of the
+    launchers that are jits (`kernels.lowering`), so a trace inside the block is a trace of its own."""
+    return _PROFILE
+
+
 def compiler_params(**kwargs) -> plgpu.CompilerParams:
     """plgpu.CompilerParams(**kwargs), with the profiler's fields inside `profiled`."""
     if _PROFILE is not None:

@@ -31,6 +31,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels.lowering import lowered_once
+
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
@@ -238,13 +240,6 @@ def group_products(lhs_ref, rhs_refs, g, mb, nb, *, tile, num_k, stages, transpo
         return tuple(acc_ref[...] for acc_ref in acc_refs)
 
     return pl.run_scoped(acc_scope, *[plgpu.ACC((bm, bn))] * n)
-
-
-def lowered_once(*static_argnames):
-    """`jax.jit` with these keyword arguments static, for a kernel's launcher: the calls of a
-    step at equal shapes and settings (one per MoE layer) then share one trace and one Mosaic GPU
-    lowering (about 0.4 s each on a CPU core) instead of lowering the kernel at every call site."""
-    return functools.partial(jax.jit, static_argnames=static_argnames)
 
 
 @lowered_once("transpose_rhs", "blocks", "interpret", "out_dtype")

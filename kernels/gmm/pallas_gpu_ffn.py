@@ -36,8 +36,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels.gmm.glu_math import glu_backward, glu_forward
 from kernels.gmm.pallas_gpu import (
-    Blocks, _block_groups, _check_dtypes, _offsets, _pad_to, _params, _row_iota, _swizzled, group_products,
-    lowered_once)
+    Blocks, _block_groups, _check_dtypes, _offsets, _pad_to, _params, _row_iota, _swizzled, group_products)
+from kernels.lowering import lowered_once
 
 # Hopper's SMEM per block (227 KiB); the kernels' scratch and pipeline buffers must fit in it.
 SMEM_BYTES = 227 * 1024

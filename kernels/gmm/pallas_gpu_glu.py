@@ -23,7 +23,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels.gmm.glu_math import glu_backward, glu_forward
-from kernels.gmm.pallas_gpu import Blocks, _check_dtypes, _pad_to, group_products, grouped_rows_kernel, lowered_once
+from kernels.gmm.pallas_gpu import Blocks, _check_dtypes, _pad_to, group_products, grouped_rows_kernel
+from kernels.lowering import lowered_once
 
 # Two [bm, bn] float32 accumulators live in one warpgroup's registers: 2 * bm * bn / 128 per
 # thread, kept at 128 or fewer (255 is the limit, and the epilogue needs room).

@@ -29,10 +29,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels import profiling
 from kernels.kda import chunk, chunk_segments
 from kernels.kda.hopper import SUPPORTED_DIMS, per_shard, unsupported_reason
 from kernels.kda.hopper import device_kind as _device_kind
 from kernels.kda.mosaic_state import _smem, launch_bh_v, load_carried
+from kernels.lowering import lowered_once
 
 log = logging.getLogger(__name__)
 
@@ -176,11 +178,18 @@ def state_scan(w, u, kg, decay, h0, *, interpret=False, final_only=False, segmen
     run of N / segments chunks starts from its own h0 (segment-major rows; `chunk_segments`).
     Returns (states [N, BH, K, V] compute dtype, v' [N, BH, C, V] compute dtype, final
     [segments * BH, K, V] f32); `final_only`: (None, None, final), the per-chunk outputs never written."""
+    BV = chunk_segments.block_v(programs64=segments * kg.shape[1] * max(u.shape[-1] // 64, 1))  # read while tracing
+    return _state_scan(w, u, kg, decay, h0, BV=BV, interpret=interpret, final_only=final_only, segments=segments,
+                       profile=profiling.active())
+
+
+@lowered_once("BV", "interpret", "final_only", "segments", "profile")
+def _state_scan(w, u, kg, decay, h0, *, BV, interpret, final_only, segments, profile):
+    del profile  # read by `launch_bh_v` while tracing; a static argument so that its changes re-trace
     N, BH, Cc, K = kg.shape
     _check_segments(N, segments, h0, BH)
     V = u.shape[-1]
     dt = kg.dtype
-    BV = chunk_segments.block_v(programs64=segments * BH * max(V // 64, 1))  # read while tracing
     _check_dims("state_scan", Cc, K, V, BV)
     _smem_ = functools.partial(_smem, BV=BV)
     delta = w is not None
@@ -307,6 +316,16 @@ def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, fin
     of each run's initial state [segments * BH, K, V] f32); `final_only`: (None, None, that last),
     the per-chunk outputs never written. `dhs_dtype` float32 or the compute dtype: the latter
     writes the rounded copy the kg dS product reads (half the bytes)."""
+    BV = chunk_segments.block_v(programs64=segments * kg.shape[1] * max(do.shape[-1] // 64, 1))  # read while tracing
+    return _grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, BV=BV, early=chunk_segments.grad_issue() == "early",
+                      interpret=interpret, final_only=final_only, segments=segments, dhs_dtype=jnp.dtype(dhs_dtype),
+                      profile=profiling.active())
+
+
+@lowered_once("BV", "early", "interpret", "final_only", "segments", "dhs_dtype", "profile")
+def _grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, BV, early, interpret, final_only, segments, dhs_dtype,
+               profile):
+    del profile  # as in _state_scan
     N, BH, Cc, K = kg.shape
     _check_segments(N, segments, dS_final, BH)
     V = do.shape[-1]
@@ -314,7 +333,6 @@ def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, fin
     for name, x in (("dhs_dtype", jnp.dtype(dhs_dtype)), ("dvn_intra's dtype", dvn_intra.dtype)):
         if jnp.dtype(x) not in (jnp.dtype(jnp.float32), jnp.dtype(dt)):
             raise ValueError(f"grad_scan: {name}={jnp.dtype(x)}; expected float32 or the compute dtype {dt}")
-    BV = chunk_segments.block_v(programs64=segments * BH * max(V // 64, 1))  # read while tracing
     _check_dims("grad_scan", Cc, K, V, BV)
     _smem_ = functools.partial(_smem, BV=BV)
     delta = w is not None
@@ -337,7 +355,7 @@ def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, fin
         jax.ShapeDtypeStruct((N, BH, K, V), dhs_dtype), jax.ShapeDtypeStruct((N, BH, C, V), dt), first)
     args = ((w,) if delta else ()) + (kg, qg, do, dvn_intra, decay, dS_final)
     body = functools.partial(_bwd_body, NT=N // segments, BH=BH, K=K, BV=BV, dt=dt, delta=delta,
-                             final_only=final_only, early=chunk_segments.grad_issue() == "early",
+                             final_only=final_only, early=early,
                              compact=jnp.dtype(dhs_dtype) != jnp.dtype(f32))
     out = launch_bh_v(body, out_type, scratch, args, BH=segments * BH, V=V, BV=BV, interpret=interpret)
     return (None, None, out[0]) if final_only else out

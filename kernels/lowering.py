@@ -1,0 +1,22 @@
+"""`lowered_once`: kernel launchers as jits whose settings are static arguments.
+
+A model calls the same kernel at the same shapes once per layer. Called plainly inside the
+step's jit, each call is traced and lowered again, and a Mosaic GPU kernel's lowering takes a
+few tenths of a second of one CPU core (0.2 to 0.4 s on 2 cores for the MoE and KDA kernels), so
+a deep model spends tens of seconds lowering copies of one kernel. As a jit with its settings
+static, the calls of one step share one trace and one lowering. Everything a launcher reads
+while tracing must then be among its arguments: module settings (tile widths, issue orders, the
+profiler's state) are read by a thin wrapper and passed in as static arguments, or a later call
+under other settings would reuse the first trace.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+
+def lowered_once(*static_argnames: str):
+    """Decorator: `jax.jit` with these keyword arguments static (each must be hashable)."""
+    return functools.partial(jax.jit, static_argnames=static_argnames)
