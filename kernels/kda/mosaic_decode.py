@@ -20,7 +20,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels import profiling
 from kernels.kda.mosaic_state import _smem, launch_bh_v
+from kernels.lowering import lowered_once
 
 BV = 64
 
@@ -66,6 +68,12 @@ def decode_step(state, vecs, v, *, o_dtype=jnp.float32, interpret=False):
 
     Returns (o [BH, V] in `o_dtype` (f32 or bf16), new state [BH, K, V] f32).
     """
+    return _decode_step(state, vecs, v, o_dtype=jnp.dtype(o_dtype), interpret=interpret, profile=profiling.active())
+
+
+@lowered_once("o_dtype", "interpret", "profile")
+def _decode_step(state, vecs, v, *, o_dtype, interpret, profile):
+    del profile  # read by `launch_bh_v` while tracing; static so that its changes re-trace
     BH, K, V = state.shape
     if K % 64 or V % BV:
         raise ValueError(f"decode_step needs K a multiple of 64 and V of {BV}; got K={K}, V={V}")
@@ -129,6 +137,7 @@ def _pipelined_body(s_ref, vec_ref, v_ref, o_ref, sn_ref, s_smem, vec_smem, v_sm
 SMEM_LIMIT = 224 * 1024
 
 
+@lowered_once("programs", "slots", "block_v", "o_dtype", "interpret")
 def decode_step_pipelined(state, vecs, v, *, programs=None, slots=4, block_v=BV, o_dtype=jnp.float32,
                           interpret=False):
     """Same contract as `decode_step`; `programs` (default: the GPU's SM count) persistent

@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import profiling
+from kernels.lowering import lowered_once
 from kernels.kda.mosaic_intra import MAX_EXP, _split_store, per_block as _per_block, split_parts
 from kernels.kda.mosaic_state import C, _smem, flat_grid, grid_indices
 
@@ -274,6 +275,12 @@ def intra_bf16(q, k, v, g, beta_t, *, scale, interpret=False):
     u [BH, NT, C, V], a^T [BH, NT, C, C]) for `mosaic_state.state_output(..., a_transposed=True)`,
     and the chunk decays d = exp(G_last) [BH, NT, K] f32.
     """
+    return _intra_bf16(q, k, v, g, beta_t, scale=float(scale), interpret=interpret, profile=profiling.active())
+
+
+@lowered_once("scale", "interpret", "profile")
+def _intra_bf16(q, k, v, g, beta_t, *, scale, interpret, profile):
+    del profile  # read by `profiling.compiler_params` while tracing; static so that its changes re-trace
     B, Tp, H, K = q.shape
     V = v.shape[-1]
     if K % HW or V % HW or K > 2 * HW or V > 2 * HW or Tp % C:

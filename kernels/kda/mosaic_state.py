@@ -24,6 +24,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import profiling
 from kernels.kda import chunk_segments
+from kernels.lowering import lowered_once
 
 C = 64  # chunk length (rows of every wgmma's M side except the state update)
 
@@ -195,11 +196,22 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
     `interpret`: run under the Mosaic GPU interpreter (CPU tests). `block_v`: V columns per
     program, 64, 32, 16 or "auto" (None: `chunk_segments.BLOCK_V`, read while tracing).
     """
+    BH = qg.shape[1] if chunk_major else qg.shape[0]
+    BV = chunk_segments.block_v(block_v, programs64=BH * max(u.shape[-1] // 64, 1))  # read while tracing
+    return _state_output(qg, wn, kg, u, a, d, h0, out_dtype=jnp.dtype(out_dtype), interpret=interpret,
+                         with_states=with_states, heads=heads, chunk_major=chunk_major, a_transposed=a_transposed,
+                         BV=BV, with_vn=with_vn, profile=profiling.active())
+
+
+@lowered_once("out_dtype", "interpret", "with_states", "heads", "chunk_major", "a_transposed", "BV", "with_vn",
+              "profile")
+def _state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret, with_states, heads, chunk_major, a_transposed,
+                  BV, with_vn, profile):
+    del profile  # read by `launch_bh_v` while tracing; a static argument so that its changes re-trace
     NT, BH, Cc, K = qg.shape if chunk_major else (qg.shape[1], qg.shape[0], *qg.shape[2:])
     V = u.shape[-1]
     if Cc != C or K % 64 or V % 64:
         raise ValueError(f"state_output needs C={C} and K, V multiples of 64; got C={Cc}, K={K}, V={V}")
-    BV = chunk_segments.block_v(block_v, programs64=BH * max(V // 64, 1))
     dt = qg.dtype
     _smem_ = functools.partial(_smem, BV=BV)
     scratch = [

@@ -29,6 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels.lowering import lowered_once
 from kernels.short_conv import reference
 
 BT = 128  # rows per TMA tile (two 64-row register tiles)
@@ -147,6 +148,7 @@ def _body(x_ref, dy_ref, w_ref, m_ref, out_ref, xs, dys, ms, ws, os_, bars, wbar
     plgpu.wait_smem_to_gmem(0)
 
 
+@lowered_once("splits", "slots", "block_c", "from_da", "per_batch", "interpret")
 def tap_grads(x, dy, w, masks, *, splits: int | None = None, slots: int = SLOTS, block_c: int = BC,
               from_da: bool = False, per_batch: bool = False, interpret: bool = False):
     """x, dy [B, T, C] (bf16, f16 or f32); w [W, C]; masks [B, W, T] float32, 1 where tap i of
