@@ -8,6 +8,10 @@ static, the calls of one step share one trace and one lowering. Everything a lau
 while tracing must then be among its arguments: module settings (tile widths, issue orders, the
 profiler's state) are read by a thin wrapper and passed in as static arguments, or a later call
 under other settings would reuse the first trace.
+
+Calls with `interpret=True` (the Mosaic GPU interpreter, CPU tests) run the launcher plainly:
+the interpreter's callbacks dispatch JAX operations of their own, and inside an eagerly
+dispatched jit they can wait on work the caller queued behind it (a deadlock seen on CPU).
 """
 
 from __future__ import annotations
@@ -18,5 +22,17 @@ import jax
 
 
 def lowered_once(*static_argnames: str):
-    """Decorator: `jax.jit` with these keyword arguments static (each must be hashable)."""
-    return functools.partial(jax.jit, static_argnames=static_argnames)
+    """Decorator: `jax.jit` with these keyword arguments static (each must be hashable), except
+    for calls with `interpret=True`. The jit is the launcher's `jitted` attribute."""
+
+    def wrap(fn):
+        jitted = jax.jit(fn, static_argnames=static_argnames)
+
+        @functools.wraps(fn)
+        def launch(*args, **kwargs):
+            return fn(*args, **kwargs) if kwargs.get("interpret") else jitted(*args, **kwargs)
+
+        launch.jitted = jitted
+        return launch
+
+    return wrap

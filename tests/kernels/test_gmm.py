@@ -361,7 +361,8 @@ def test_benchmark_parses_fused_glu_tiles():
 def test_equal_calls_share_one_trace_and_lowering(rng):
     """Every MoE layer calls the launchers at the same shapes and settings: each is a jit with its
     settings static, so the calls of a step share one kernel jaxpr (and one Mosaic GPU lowering);
-    other shapes or tiles trace their own."""
+    other shapes or tiles trace their own. Traced for the GPU (interpret=False: the interpreter's
+    calls are not jits)."""
     from kernels.gmm import pallas_gpu_glu
 
     lhs, rhs, sizes = _inputs(rng, *CASES[0])
@@ -369,12 +370,10 @@ def test_equal_calls_share_one_trace_and_lowering(rng):
     glu_blocks = pallas_gpu.Blocks(bm=64, bn=64, bk=64, stages=2)
 
     def step(lhs, rhs, sizes):
-        outs = [pallas_gpu.gmm(lhs, rhs, sizes, blocks=BLOCKS, interpret=True) for _ in range(3)]
-        outs.append(pallas_gpu.gmm(lhs, rhs, sizes, blocks=pallas_gpu.Blocks(bm=64, bn=64, bk=64, stages=3),
-                                   interpret=True))
-        outs += [pallas_gpu.tgmm(lhs, o, sizes, blocks=BLOCKS, interpret=True) for o in outs[:2]]
-        outs += [pallas_gpu_glu.glu_gmm(lhs, rhs, rhs, sizes, act=act, blocks=glu_blocks, interpret=True)
-                 for _ in range(2)]
+        outs = [pallas_gpu.gmm(lhs, rhs, sizes, blocks=BLOCKS) for _ in range(3)]
+        outs.append(pallas_gpu.gmm(lhs, rhs, sizes, blocks=pallas_gpu.Blocks(bm=64, bn=64, bk=64, stages=3)))
+        outs += [pallas_gpu.tgmm(lhs, o, sizes, blocks=BLOCKS) for o in outs[:2]]
+        outs += [pallas_gpu_glu.glu_gmm(lhs, rhs, rhs, sizes, act=act, blocks=glu_blocks) for _ in range(2)]
         return outs
 
     eqns = [e for e in jax.make_jaxpr(step)(lhs, rhs, sizes).eqns if e.primitive.name in ("pjit", "jit")]

@@ -50,8 +50,6 @@ def test_kernels_match_xla_passes(rng, delta, N, block_v, grad_issue, monkeypatc
         return launch(body, *a, **kw)
 
     monkeypatch.setattr(mosaic_scan, "launch_bh_v", spy)
-    for launcher in (mosaic_scan._state_scan, mosaic_scan._grad_scan):  # jits: an earlier trace would skip the spy
-        launcher.clear_cache()
     with chunk.settings(block_v=block_v, grad_issue=grad_issue):
         _kernels_match_xla_passes(rng, delta, N)
     bv = 16 if block_v == "auto" else block_v
@@ -370,23 +368,24 @@ def test_scores_setting_reaches_the_bounded_route(rng, monkeypatch):
 def test_launchers_trace_once_per_shape_and_setting(rng, monkeypatch, tmp_path):
     """The passes are jits with their settings static (`kernels.lowering`): a second call at the
     same shapes and settings reuses the first trace (a model's layers share one lowering), a
-    changed setting (block_v, the profiler) traces afresh."""
+    changed setting (block_v, the profiler) traces afresh. Traced for the GPU (interpret=False;
+    the interpreter's calls are not jits)."""
     from kernels import profiling
 
     traced, launch = [], mosaic_scan.launch_bh_v
     monkeypatch.setattr(mosaic_scan, "launch_bh_v", lambda body, *a, **kw: traced.append(kw["BV"]) or launch(body, *a, **kw))
     N, B, H, K, V = 2, 1, 2, 128, 64
-    f = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32)  # noqa: E731
-    args = (f(B, H, K, V), f(N, B, H, 64, K), f(N, B, H, 64, V), f(N, B, H, 64, K),
+    f = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.bfloat16)  # noqa: E731
+    args = (jnp.zeros((B, H, K, V), jnp.float32), f(N, B, H, 64, K), f(N, B, H, 64, V), f(N, B, H, 64, K),
             jnp.asarray(rng.uniform(0.3, 1.0, (N, B, H, K)), jnp.float32))
 
-    def step():  # one jit holding three layers' calls, as a train step does
+    def step():  # one trace holding three layers' calls, as a train step does
         def layers(*a):
-            return [mosaic_scan.state_scan_chunks(*a, cd=jnp.float32, interpret=True)[2] for _ in range(3)]
-        return jax.jit(layers).lower(*args)
+            return [mosaic_scan.state_scan_chunks(*a, cd=jnp.bfloat16, interpret=False)[2] for _ in range(3)]
+        return jax.make_jaxpr(layers)(*args)
 
     step()  # first use registers JAX state that changes the tracing context once
-    mosaic_scan._state_scan.clear_cache()
+    mosaic_scan._state_scan.jitted.clear_cache()
     traced.clear()
     step()
     assert traced == [64]
