@@ -2,6 +2,7 @@
 a GPU-free measure of the intra-chunk work's memory traffic, for trying formulations before timing them.
 
     python benchmarks/xla_bytes.py --deviceless --shape 1x65536x16x128 --impls chunk_mosaic,chunk_mosaic:diag=f32
+    python benchmarks/xla_bytes.py --deviceless --shape 8x4096x16x128 --step fwd --impls chunk_mosaic,chunk_mosaic:forward_only=chunk
     python benchmarks/xla_bytes.py --shape 1x256x2x64 --impls chunk      # compiled for this machine
 
 The XLA ops on the GPU are memory-bound (a profile at 1,65536,16,128 ran its largest fusions at
@@ -11,7 +12,7 @@ first order. --deviceless compiles for an H200 ahead of time (the CUDA PJRT plug
 five largest match the profile's bytes to the MB). Each op inside a loop body counts once; custom
 calls (the Mosaic kernels, cuBLAS) are listed but their bytes are only their operands and results.
 Same inputs and step as `benchmarks/kda.py`'s forward+backward (bf16 q, k, v; lower_bound=-5; o and
-the gradients of a cotangent do returned). Counts before 2026-12-05's last change took the gradient
+the gradients of a cotangent do returned), or with `--step fwd` its forward (o of an undifferentiated call). Counts before 2026-12-05's last change took the gradient
 of sum(o), which let XLA drop o's products (the backward does not read o).
 """
 
@@ -56,15 +57,23 @@ def launched_ops(hlo_text: str) -> list[dict]:
     return sorted(rows, key=lambda r: -r["bytes"])
 
 
-def compile_text(shape, impl: str, sharding=None) -> str:
-    """Optimized HLO of the step `benchmarks/kda.py` times as forward+backward, for `impl`
-    ("name[:chunk settings]") at `shape`: o and the vjp of a cotangent do, both returned (o is
-    what a training step's loss reads; a step returning only the gradients would let XLA drop
-    o's products, which the backward does not read)."""
+STEPS = ("fwd_bwd", "fwd")
+
+
+def compile_text(shape, impl: str, sharding=None, step_kind: str = "fwd_bwd") -> str:
+    """Optimized HLO of a step `benchmarks/kda.py` times, for `impl` ("name[:chunk settings]") at
+    `shape`. "fwd_bwd": o and the vjp of a cotangent do, both returned (o is what a training
+    step's loss reads; a step returning only the gradients would let XLA drop o's products, which
+    the backward does not read). "fwd": o alone, not differentiated (the forward-only call, which
+    `chunk_mosaic` routes to `pallas_gpu`'s kernels for bounded, reset-free inputs); do is unused."""
+    if step_kind not in STEPS:
+        raise ValueError(f"step_kind={step_kind!r}; expected one of {STEPS}")
     name, _, opt = impl.partition(":")
     B, T, H, D = shape
 
     def step(q, k, v, g, beta, do):
+        if step_kind == "fwd":
+            return kda(q, k, v, g, beta, lower_bound=LOWER_BOUND, impl=name)[0]
         o, vjp = jax.vjp(lambda *a: kda(*a, lower_bound=LOWER_BOUND, impl=name)[0], q, k, v, g, beta)
         return o, vjp(do.astype(o.dtype))
 
@@ -79,6 +88,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--shape", default="1x65536x16x128", help="BxTxHxD")
     p.add_argument("--impls", default="chunk_mosaic", help="comma-separated, as benchmarks/kda.py takes them")
     p.add_argument("--deviceless", action="store_true", help="compile for an H200 ahead of time (no GPU)")
+    p.add_argument("--step", default="fwd_bwd", choices=STEPS,
+                   help="the forward+backward step (o returned), or the forward-only call")
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--quick", action="store_true", help="a tiny shape with impl chunk (runs anywhere)")
     p.add_argument("--out", help="JSON path (default benchmarks/results/xla-bytes-<time>.json)")
@@ -104,13 +115,13 @@ def main(argv=None) -> list[dict]:
     for impl in impls:
         if a.deviceless:
             with assume_device_kind("hopper"):
-                ops = launched_ops(compile_text(shape, impl, sharding))
+                ops = launched_ops(compile_text(shape, impl, sharding, a.step))
         else:
-            ops = launched_ops(compile_text(shape, impl))
+            ops = launched_ops(compile_text(shape, impl, step_kind=a.step))
         fusions = [o for o in ops if o["kind"] == "fusion"]
-        results.append(dict(impl=impl, shape=list(shape), fusions=len(fusions),
+        results.append(dict(impl=impl, shape=list(shape), step=a.step, fusions=len(fusions),
                             fusion_gb=round(sum(o["bytes"] for o in fusions) / 1e9, 3), ops=ops))
-        print(f"{impl} at {list(shape)}: {len(fusions)} fusions move {results[-1]['fusion_gb']} GB "
+        print(f"{impl} {a.step} at {list(shape)}: {len(fusions)} fusions move {results[-1]['fusion_gb']} GB "
               f"(each loop body once)", flush=True)
         rows = [[f"{o['bytes'] / 1e9:.3f}", o["kind"], o["op"], "; ".join(o["source"])[:110]] for o in ops[:a.top]]
         print(markdown_table(["GB", "kind", "op", "source"], rows), flush=True)

@@ -48,3 +48,17 @@ def test_cli_on_cpu(tmp_path):
         assert r["fusions"] == len(fusions) > 0
         assert abs(r["fusion_gb"] - sum(o["bytes"] for o in fusions) / 1e9) < 1e-3
         assert [o["bytes"] for o in r["ops"]] == sorted((o["bytes"] for o in r["ops"]), reverse=True)
+
+
+def test_forward_step_counts_fewer_bytes_than_forward_backward(tmp_path):
+    """--step fwd compiles the undifferentiated call: fewer launched bytes than the training step
+    at the same shape, and the record says which step it counted."""
+    mod = _module()
+    fwd = mod.main(["--shape", "1x128x2x64", "--impls", "chunk", "--step", "fwd", "--out", str(tmp_path / "f.json")])
+    both = mod.main(["--shape", "1x128x2x64", "--impls", "chunk", "--out", str(tmp_path / "b.json")])
+    assert fwd[0]["step"] == "fwd" and both[0]["step"] == "fwd_bwd"
+    assert 0 < fwd[0]["fusion_gb"] < both[0]["fusion_gb"]
+    import pytest
+
+    with pytest.raises(ValueError, match="step_kind"):
+        mod.compile_text((1, 128, 2, 64), "chunk", step_kind="bwd")
