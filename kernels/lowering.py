@@ -5,9 +5,10 @@ step's jit, each call is traced and lowered again, and a Mosaic GPU kernel's low
 few tenths of a second of one CPU core (0.2 to 0.4 s on 2 cores for the MoE and KDA kernels), so
 a deep model spends tens of seconds lowering copies of one kernel. As a jit with its settings
 static, the calls of one step share one trace and one lowering. Everything a launcher reads
-while tracing must then be among its arguments: module settings (tile widths, issue orders, the
-profiler's state) are read by a thin wrapper and passed in as static arguments, or a later call
-under other settings would reuse the first trace.
+while tracing must then be among its arguments, or a later call under other settings would reuse
+the first trace: module settings (tile widths, issue orders) are read by a thin wrapper and passed
+in as static arguments; the profiler's state (`kernels.profiling`, which every Mosaic kernel's
+compiler parameters read) is part of every launcher's key here.
 
 Calls with `interpret=True` (the Mosaic GPU interpreter, CPU tests) run the launcher plainly:
 the interpreter's callbacks dispatch JAX operations of their own, and inside an eagerly
@@ -20,17 +21,27 @@ import functools
 
 import jax
 
+from kernels import profiling
+
 
 def lowered_once(*static_argnames: str):
-    """Decorator: `jax.jit` with these keyword arguments static (each must be hashable), except
-    for calls with `interpret=True`. The jit is the launcher's `jitted` attribute."""
+    """Decorator: `jax.jit` with these keyword arguments static (each must be hashable) and the
+    profiler's state, except for calls with `interpret=True`. The jit is the launcher's `jitted`
+    attribute."""
 
     def wrap(fn):
-        jitted = jax.jit(fn, static_argnames=static_argnames)
+        def keyed(*args, profiler_state, **kwargs):
+            del profiler_state  # read by the kernels' compiler parameters while tracing: a key only
+            return fn(*args, **kwargs)
+
+        keyed.__name__ = keyed.__qualname__ = fn.__name__  # the jit's name in HLO and profiles
+        jitted = jax.jit(keyed, static_argnames=static_argnames + ("profiler_state",))
 
         @functools.wraps(fn)
         def launch(*args, **kwargs):
-            return fn(*args, **kwargs) if kwargs.get("interpret") else jitted(*args, **kwargs)
+            if kwargs.get("interpret"):
+                return fn(*args, **kwargs)
+            return jitted(*args, profiler_state=profiling.active(), **kwargs)
 
         launch.jitted = jitted
         return launch

@@ -20,7 +20,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels import profiling
 from kernels.kda.mosaic_state import _smem, launch_bh_v
 from kernels.lowering import lowered_once
 
@@ -68,12 +67,11 @@ def decode_step(state, vecs, v, *, o_dtype=jnp.float32, interpret=False):
 
     Returns (o [BH, V] in `o_dtype` (f32 or bf16), new state [BH, K, V] f32).
     """
-    return _decode_step(state, vecs, v, o_dtype=jnp.dtype(o_dtype), interpret=interpret, profile=profiling.active())
+    return _decode_step(state, vecs, v, o_dtype=jnp.dtype(o_dtype), interpret=interpret)
 
 
-@lowered_once("o_dtype", "interpret", "profile")
-def _decode_step(state, vecs, v, *, o_dtype, interpret, profile):
-    del profile  # read by `launch_bh_v` while tracing; static so that its changes re-trace
+@lowered_once("o_dtype", "interpret")
+def _decode_step(state, vecs, v, *, o_dtype, interpret):
     BH, K, V = state.shape
     if K % 64 or V % BV:
         raise ValueError(f"decode_step needs K a multiple of 64 and V of {BV}; got K={K}, V={V}")

@@ -275,12 +275,11 @@ def intra_bf16(q, k, v, g, beta_t, *, scale, interpret=False):
     u [BH, NT, C, V], a^T [BH, NT, C, C]) for `mosaic_state.state_output(..., a_transposed=True)`,
     and the chunk decays d = exp(G_last) [BH, NT, K] f32.
     """
-    return _intra_bf16(q, k, v, g, beta_t, scale=float(scale), interpret=interpret, profile=profiling.active())
+    return _intra_bf16(q, k, v, g, beta_t, scale=float(scale), interpret=interpret)
 
 
-@lowered_once("scale", "interpret", "profile")
-def _intra_bf16(q, k, v, g, beta_t, *, scale, interpret, profile):
-    del profile  # read by `profiling.compiler_params` while tracing; static so that its changes re-trace
+@lowered_once("scale", "interpret")
+def _intra_bf16(q, k, v, g, beta_t, *, scale, interpret):
     B, Tp, H, K = q.shape
     V = v.shape[-1]
     if K % HW or V % HW or K > 2 * HW or V > 2 * HW or Tp % C:

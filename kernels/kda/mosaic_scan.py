@@ -29,7 +29,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels import profiling
 from kernels.kda import chunk, chunk_segments
 from kernels.kda.hopper import SUPPORTED_DIMS, per_shard, unsupported_reason
 from kernels.kda.hopper import device_kind as _device_kind
@@ -179,13 +178,11 @@ def state_scan(w, u, kg, decay, h0, *, interpret=False, final_only=False, segmen
     Returns (states [N, BH, K, V] compute dtype, v' [N, BH, C, V] compute dtype, final
     [segments * BH, K, V] f32); `final_only`: (None, None, final), the per-chunk outputs never written."""
     BV = chunk_segments.block_v(programs64=segments * kg.shape[1] * max(u.shape[-1] // 64, 1))  # read while tracing
-    return _state_scan(w, u, kg, decay, h0, BV=BV, interpret=interpret, final_only=final_only, segments=segments,
-                       profile=profiling.active())
+    return _state_scan(w, u, kg, decay, h0, BV=BV, interpret=interpret, final_only=final_only, segments=segments)
 
 
-@lowered_once("BV", "interpret", "final_only", "segments", "profile")
-def _state_scan(w, u, kg, decay, h0, *, BV, interpret, final_only, segments, profile):
-    del profile  # read by `launch_bh_v` while tracing; a static argument so that its changes re-trace
+@lowered_once("BV", "interpret", "final_only", "segments")
+def _state_scan(w, u, kg, decay, h0, *, BV, interpret, final_only, segments):
     N, BH, Cc, K = kg.shape
     _check_segments(N, segments, h0, BH)
     V = u.shape[-1]
@@ -318,14 +315,11 @@ def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, fin
     writes the rounded copy the kg dS product reads (half the bytes)."""
     BV = chunk_segments.block_v(programs64=segments * kg.shape[1] * max(do.shape[-1] // 64, 1))  # read while tracing
     return _grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, BV=BV, early=chunk_segments.grad_issue() == "early",
-                      interpret=interpret, final_only=final_only, segments=segments, dhs_dtype=jnp.dtype(dhs_dtype),
-                      profile=profiling.active())
+                      interpret=interpret, final_only=final_only, segments=segments, dhs_dtype=jnp.dtype(dhs_dtype))
 
 
-@lowered_once("BV", "early", "interpret", "final_only", "segments", "dhs_dtype", "profile")
-def _grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, BV, early, interpret, final_only, segments, dhs_dtype,
-               profile):
-    del profile  # as in _state_scan
+@lowered_once("BV", "early", "interpret", "final_only", "segments", "dhs_dtype")
+def _grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, BV, early, interpret, final_only, segments, dhs_dtype):
     N, BH, Cc, K = kg.shape
     _check_segments(N, segments, dS_final, BH)
     V = do.shape[-1]
