@@ -2,6 +2,7 @@
 kernels by time, each XLA fusion with its output shape, its source line and the fused computation.
 
     python benchmarks/kda_profile.py --shape 4x4096x16x128 --impls chunk_mosaic
+    python benchmarks/kda_profile.py --shape 8x4096x16x128 --step fwd    # the forward-only call
     python benchmarks/kda_profile.py --decode --impls pallas_gpu,naive   # one kda_step at 64x32x128x128
     python benchmarks/kda_profile.py --quick          # tiny shape (runs on CPU, checks the plumbing)
     python benchmarks/kda_profile.py --mixer configs/k3_1b3_dense.py --shape 4x4096   # the whole layer
@@ -50,9 +51,15 @@ def profile_call(label: str, fn, args, calls: int, top: int, body_lines: int, fo
     return dict(impl=label, calls=calls, summary=summary, hlo=hlo)
 
 
-def kda_call(impl: str, shape):
+STEPS = ("fwd_bwd", "fwd")
+
+
+def kda_call(impl: str, shape, step: str = "fwd_bwd"):
     """(fn, args): forward+backward of `kda(..., impl)` (impl may be "chunk[_mosaic]:<settings>") at
-    shape B, T, H, D on benchmarks/kda.py's inputs."""
+    shape B, T, H, D on benchmarks/kda.py's inputs, o returned with the gradients as
+    benchmarks/kda.py times it; `step="fwd"` the undifferentiated forward (o only)."""
+    if step not in STEPS:
+        raise ValueError(f"step={step!r}; expected one of {STEPS}")
     x = make_inputs(shape)
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)
     args = (bf(x["q"]), bf(x["k"]), bf(x["v"]), jnp.asarray(x["g"]), jnp.asarray(x["beta"]))
@@ -66,9 +73,9 @@ def kda_call(impl: str, shape):
 
     def fwd_bwd(*a):
         o, vjp = jax.vjp(f, *a)
-        return vjp(do.astype(o.dtype))
+        return o, vjp(do.astype(o.dtype))
 
-    return fwd_bwd, args
+    return (f if step == "fwd" else fwd_bwd), args
 
 
 # The KDA mixer's named scopes (kimi_jax/attention/linear.py) and the op's backward rule.
@@ -150,6 +157,8 @@ def main(argv=None):
     p.add_argument("--shape", default="", help="BxTxHxD (default 4x4096x16x128), with --decode BxHxKxV (default 64x32x128x128)")
     p.add_argument("--impls", default="", help="comma-separated, as benchmarks/kda.py takes them "
                                                 "(default chunk_mosaic; with --decode pallas_gpu,naive)")
+    p.add_argument("--step", default="fwd_bwd", choices=STEPS,
+                   help="the forward+backward (o returned) or the forward-only call (not with --decode / --mixer)")
     p.add_argument("--decode", action="store_true", help="profile one kda_step instead")
     p.add_argument("--mixer", default="", help="a config file: profile its KDA mixer layer instead (--shape BxT, "
                                                "default 4x4096; --impls default: the config's)")
@@ -164,6 +173,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.decode and a.mixer:
         raise ValueError("--decode and --mixer profile different calls; pick one")
+    if a.step != "fwd_bwd" and (a.decode or a.mixer):
+        raise ValueError("--step fwd profiles the KDA op's forward; --decode and --mixer have their own calls")
     if a.settings and not a.mixer:
         raise ValueError("--settings applies to --mixer profiles only")
     default_shape, default_impls = ("64x32x128x128", "pallas_gpu,naive") if a.decode else ("4x4096x16x128", "chunk_mosaic")
@@ -187,8 +198,9 @@ def main(argv=None):
             label = f"{os.path.basename(a.mixer)} KDA mixer, impl {impl}" + (f", {a.settings}" if a.settings else "")
             scopes = MIXER_SCOPES
         else:
-            fn, args = (decode_call if a.decode else kda_call)(impl, shape)
-            label, scopes = (f"kda_step {impl}" if a.decode else impl), ()
+            fn, args = decode_call(impl, shape) if a.decode else kda_call(impl, shape, a.step)
+            label = f"kda_step {impl}" if a.decode else impl + (" forward" if a.step == "fwd" else "")
+            scopes = ()
         with tempfile.TemporaryDirectory() as folder:
             results.append(dict(profile_call(label, fn, args, a.calls, a.top, a.body_lines, folder, scopes),
                                 shape=list(shape)))

@@ -95,3 +95,22 @@ def test_mixer_quick_command_writes_the_scopes(tmp_path):
     assert json.loads(out.read_text())["results"][0]["summary"]["by_scope"]
     with pytest.raises(ValueError, match="--mixer"):
         kp.main(["--settings", "layout=row_major", "--quick"])
+
+
+def test_forward_step_profiles_the_undifferentiated_call(tmp_path):
+    """--step fwd: the profiled program is kda's forward alone (no gradient operands, o out), the
+    default step returns o with the four gradients; the step is refused where it has no meaning."""
+    fwd, args = kp.kda_call("chunk", (1, 64, 1, 16), step="fwd")
+    both, _ = kp.kda_call("chunk", (1, 64, 1, 16))
+    o = jax.jit(fwd)(*args)
+    o2, grads = jax.jit(both)(*args)
+    assert o.shape == (1, 64, 1, 16) and len(grads) == 5
+    np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(o2, np.float32))
+    assert len(jax.jit(fwd).lower(*args).compile().as_text()) < len(jax.jit(both).lower(*args).compile().as_text())
+    out = tmp_path / "fwd.json"
+    (result,) = kp.main(["--quick", "--step", "fwd", "--calls", "1", "--top", "3", "--out", str(out)])
+    assert result["impl"] == "chunk forward" and result["summary"]["kernel_ms_per_step"] > 0
+    with pytest.raises(ValueError, match="step"):
+        kp.kda_call("chunk", (1, 64, 1, 16), step="bwd")
+    with pytest.raises(ValueError, match="--step fwd"):
+        kp.main(["--quick", "--step", "fwd", "--decode"])
