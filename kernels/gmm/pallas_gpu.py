@@ -125,7 +125,7 @@ def _check_dtypes(*xs):
 
 def grouped_rows_kernel(group_acc, group_sizes, inputs, *, shape, tile, out_dtype, scratch=(),
                         band=8, interpret=False, tiles=1, prologue=None, epilogue=None,
-                        out_shapes=None):
+                        out_shapes=None, name="gmm"):
     """Run the (M block, N block) program shared by the grouped matmuls that produce rows.
 
     `group_acc(g, mb, nb, in_refs, scratch_refs) -> [bm, bn] f32` computes M block mb of the
@@ -138,7 +138,7 @@ def grouped_rows_kernel(group_acc, group_sizes, inputs, *, shape, tile, out_dtyp
     row0, nb)` then replaces the default store (tile 0 to out[row0:row0+bm, nb*bn:nb*bn+bn]) and
     issues its own TMA stores into `out_shapes` (ShapeDtypeStructs; the kernel returns a tuple).
     `prologue(in_refs, scratch_refs, row0, nb)` runs before the matmuls (e.g. to start TMA loads
-    that the epilogue waits for).
+    that the epilogue waits for). `name` names the kernel in profiles and ptxas's report.
     """
     bm, bn = tile
     num_m, num_n = shape[0] // bm, shape[1] // bn
@@ -208,6 +208,7 @@ def grouped_rows_kernel(group_acc, group_sizes, inputs, *, shape, tile, out_dtyp
         scratch_types=[plgpu.SMEM((bm, bn), out_dtype)] * tiles + list(scratch),
         grid=(num_m * num_n,),  # 1-D: CUDA caps the y and z grid axes at 65535
         grid_names=("t",),
+        kernel_name=name,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_params(interpret),
     )
@@ -371,6 +372,7 @@ def tgmm(lhs, dout, group_sizes, *, blocks=Blocks(), interpret=False, out_dtype=
         scratch_types=[plgpu.SMEM((bk, bn), out_dtype)],
         grid=(g_count * splits * tiles,),
         grid_names=("t",),
+        kernel_name="tgmm",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_params(interpret),
     )

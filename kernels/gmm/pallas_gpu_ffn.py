@@ -112,13 +112,13 @@ def _launch(name, body, group_sizes, inputs, *, num_m, bm, out_shapes, scratch, 
         mb = jax.lax.axis_index("m")
         body(first_ref[mb], last_ref[mb], off_ref, mb * bm, mb, *refs)
 
-    kernel_body.__name__ = name
     return plgpu.kernel(
         kernel_body,
         out_type=out_shapes,
         scratch_types=scratch,
         grid=(num_m,),
         grid_names=("m",),
+        kernel_name=name,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_params(interpret),
     )(offsets, first, last, *inputs)

@@ -79,7 +79,7 @@ def glu_gmm(x, w_gate, w_up, group_sizes, *, act, blocks, interpret=False):
     h, gu = grouped_rows_kernel(
         group_acc, group_sizes, (x_p, wg_p, wu_p), shape=(mp, np_), tile=(bm, bn), out_dtype=dtype,
         scratch=[plgpu.SMEM((bm, bn), dtype)], band=blocks.band, interpret=interpret, tiles=2,
-        epilogue=epilogue,
+        epilogue=epilogue, name="gmm_glu_fwd",
         out_shapes=[jax.ShapeDtypeStruct((mp, np_), dtype), jax.ShapeDtypeStruct((mp, 2 * np_), dtype)])
     return h, gu
 
@@ -130,6 +130,6 @@ def glu_gmm_bwd(dy, w_down, gu, group_sizes, *, act, blocks, interpret=False):
     (dgu,) = grouped_rows_kernel(
         group_acc, group_sizes, (dy_p, wd_p, gu), shape=(mp, np_), tile=(bm, bn), out_dtype=dtype,
         scratch=[plgpu.SMEM((bm, bn), dtype), plgpu.SMEM((bm, bn), dtype), plgpu.Barrier(num_barriers=2)],
-        band=blocks.band, interpret=interpret, prologue=prologue, epilogue=epilogue,
+        band=blocks.band, interpret=interpret, prologue=prologue, epilogue=epilogue, name="gmm_glu_bwd",
         out_shapes=[jax.ShapeDtypeStruct((mp, 2 * np_), dtype)])
     return dgu

@@ -202,6 +202,7 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, blocks=Blocks(bn=256, sta
         grid_names=("sm",),
         num_threads=NUM_COMPUTE_WGS + 1,
         thread_name="wg",
+        kernel_name="gmm_ws",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_params(interpret),
     )
@@ -321,6 +322,7 @@ def tgmm(lhs, dout, group_sizes, *, blocks=Blocks(bm=64, bn=256, bk=128, stages=
         grid_names=("sm",),
         num_threads=NUM_COMPUTE_WGS + 1,
         thread_name="wg",
+        kernel_name="tgmm_ws",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_params(interpret),
     )

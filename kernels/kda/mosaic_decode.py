@@ -174,5 +174,6 @@ def decode_step_pipelined(state, vecs, v, *, programs=None, slots=4, block_v=BV,
         scratch_types=scratch,
         grid=(P,),
         grid_names=("p",),
+        kernel_name="kda_decode",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(state, vecs, v)

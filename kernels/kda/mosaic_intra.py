@@ -206,5 +206,6 @@ def intra_bounded(q, k, v, G, beta_t, *, scale, interpret=False):
         out_type=out_type,
         scratch_types=scratch,
         **flat_grid((NT, B * H)),
+        kernel_name="kda_intra",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q, k, v, G, beta_t)

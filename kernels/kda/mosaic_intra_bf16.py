@@ -316,6 +316,7 @@ def _intra_bf16(q, k, v, g, beta_t, *, scale, interpret):
         out_type=out_type,
         scratch_types=scratch,
         **flat_grid((NT, B * H)),
+        kernel_name="kda_intra_bf16",
         compiler_params=profiling.compiler_params(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q, k, v, g, an, beta_t)

@@ -187,6 +187,7 @@ def scores_bwd_kernel(q, k, G, anchors, dA, dAT, *, scale, interpret=False, oper
         out_type=out_type,
         scratch_types=scratch,
         **flat_grid(grid),
+        kernel_name="kda_scores_bwd",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q, k, G, anchors, dA, dAT)

@@ -56,6 +56,7 @@ def launch_bh_v(body, out_type, scratch, args, *, BH, V, BV, interpret):
         scratch_types=scratch,
         grid=(BH, V // BV),
         grid_names=("bh", "v"),
+        kernel_name="kda_" + name.replace(".", "_"),  # e.g. "kda_mosaic_scan_fwd_body" in profiles
         compiler_params=profiling.compiler_params(approx_math=False),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(*args)

@@ -97,5 +97,5 @@ def gmm(x, packed, scales, group_sizes, *, blocks=DEFAULT_BLOCKS, interpret=Fals
     out = grouped_rows_kernel(group_acc, group_sizes, (x_lo, x_hi, packed_p, scales_t),
                               shape=(mp, np_), tile=(bm, bn), out_dtype=dtype,
                               scratch=[plgpu.SMEM((bn, half), dtype)] * (2 * nblk),
-                              band=blocks.band, interpret=interpret)
+                              band=blocks.band, interpret=interpret, name="mxfp4_gmm")
     return out[:m, :n]

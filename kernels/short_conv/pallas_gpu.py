@@ -194,6 +194,7 @@ def tap_grads(x, dy, w, masks, *, splits: int | None = None, slots: int = SLOTS,
         scratch_types=scratch,
         grid=(B, C // block_c, S),
         grid_names=("b", "c", "s"),
+        kernel_name="short_conv_tap_grads",
         compiler_params=plgpu.CompilerParams(approx_math=False),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(x, dy, w.astype(jnp.float32), masks.at[:, :, :BT].set(0.0).reshape(B, W, T // SUB, SUB))
