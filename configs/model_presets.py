@@ -35,7 +35,7 @@ def k3_model() -> ml_collections.ConfigDict:
         dense_layers=1, dense_hidden=33792,
         moe=_cd(num_experts=896, top_k=16, expert_hidden=3072, num_shared_experts=2,
                 latent_dim=3584, latent_norm=True, routed_scaling_factor=1.0,
-                dispatch="ragged", balancing="quantile"),
+                dispatch="auto", balancing="quantile"),
         residual="attn_res", attn_res_block_size=12,
         norm_eps=1e-5, dtype="bfloat16", param_dtype="float32",
     )
@@ -56,7 +56,7 @@ def kimi_linear_model() -> ml_collections.ConfigDict:
         ),
         activation="swiglu", dense_layers=1, dense_hidden=9216,
         moe=_cd(num_experts=256, top_k=8, expert_hidden=1024, num_shared_experts=1,
-                latent_dim=0, routed_scaling_factor=2.446, dispatch="ragged",
+                latent_dim=0, routed_scaling_factor=2.446, dispatch="auto",
                 balancing="aux_free"),
         residual="plain", attn_res_block_size=1,
         norm_eps=1e-5, dtype="bfloat16", param_dtype="float32",
@@ -93,7 +93,7 @@ def tiny_hybrid_model(d_model: int = 64, vocab_size: int = 256) -> ml_collection
         dense_layers=1, dense_hidden=2 * d_model,
         moe=_cd(num_experts=8, top_k=2, expert_hidden=d_model // 2, num_shared_experts=1,
                 latent_dim=d_model // 2, latent_norm=True, routed_scaling_factor=1.0,
-                dispatch="ragged", balancing="quantile"),
+                dispatch="auto", balancing="quantile"),
         residual="attn_res", attn_res_block_size=2,
         norm_eps=1e-5, dtype="float32", param_dtype="float32",
     )

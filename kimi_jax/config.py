@@ -76,7 +76,7 @@ class MoEConfig:
     latent_norm: bool = True
     routed_scaling_factor: float = 1.0
     renormalize: bool = True
-    dispatch: str = "ragged"
+    dispatch: str = "auto"  # kimi_jax.moe_ep.resolve_auto: gmm, expert_parallel or ragged for the device and mesh
     balancing: str = "quantile"
     balance_rate: float = 1e-3  # gamma of the DeepSeek-V3 aux-loss-free update
     aux_loss_coef: float = 1e-4  # alpha of the sequence-wise balance loss

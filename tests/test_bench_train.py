@@ -207,7 +207,7 @@ def test_row_dispatch_builds_the_model_with_it(bench, monkeypatch):
         fn = moe_dispatch.DISPATCH[name]
         monkeypatch.setitem(moe_dispatch.DISPATCH, name, lambda *a, _f=fn, _n=name, **k: traced.append(_n) or _f(*a, **k))
     config = bench.load_config(os.path.join(ROOT, "configs", "tiny.py"))
-    assert config.model.moe.dispatch == "ragged"
+    assert config.model.moe.dispatch == "auto"  # ragged on the CPU (moe_ep.resolve_auto)
     row, _ = bench.prepare_row(copy.deepcopy(config), 1, 1, 16, {"dispatch": "gmm"})
     assert row["settings"] == {"dispatch": "gmm"} and set(traced) == {"gmm"}
     traced.clear()
