@@ -109,13 +109,15 @@ def storage_line(model) -> str | None:
 
 def quantized_config(config):
     """A copy of the full config whose MoE experts are MXFP4 (dispatch "gmm" unless it already
-    reads packed weights)."""
+    reads packed weights, as "auto" does)."""
     config = copy.deepcopy(config)
     moe = config.model.moe
     if moe is None:
         raise ValueError("quantized_config: config.model.moe is None (no routed experts)")
     moe.experts_dtype = "mxfp4"
-    if moe.get("dispatch", "ragged") not in PACKED_DISPATCH:
+    from kimi_jax.config import MoEConfig  # (config imports this module) the default of a config without the key
+
+    if moe.get("dispatch", MoEConfig.dispatch) not in PACKED_DISPATCH:
         moe.dispatch = "gmm"
     return config
 

@@ -113,6 +113,22 @@ def test_cli_converts_a_checkpoint(trained, tmp_path, config_path):
     assert total == summary.count_params(config)[0]
 
 
+def test_quantized_config_keeps_a_packed_dispatch():
+    """"ragged" cannot read packed weights and becomes "gmm"; "auto" (the default, also where the
+    config leaves the key out) and the other packed dispatches stay."""
+    from configs import tiny
+
+    config = tiny.get_config()
+    for given, want in (("ragged", "gmm"), ("auto", "auto"), ("expert_parallel", "expert_parallel"), (None, "auto")):
+        cfg = config.copy_and_resolve_references()
+        if given is None:
+            del cfg.model.moe["dispatch"]
+        else:
+            cfg.model.moe.dispatch = given
+        q = quantize.quantized_config(cfg)
+        assert q.model.moe.get("dispatch", "auto") == want and q.model.moe.experts_dtype == "mxfp4", given
+
+
 def test_config_checks():
     with pytest.raises(ValueError, match="experts_dtype"):
         quantize.check_experts_dtype("fp8", "gmm")
