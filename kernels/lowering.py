@@ -10,6 +10,8 @@ the first trace: module settings (tile widths, issue orders) are read by a thin 
 in as static arguments; the profiler's state (`kernels.profiling`, which every Mosaic kernel's
 compiler parameters read) is part of every launcher's key here.
 
+Inside `jax.shard_map` the outputs carry the mesh axes the inputs vary over (`kernels.vma`).
+
 Calls with `interpret=True` (the Mosaic GPU interpreter, CPU tests) run the launcher plainly:
 the interpreter's callbacks dispatch JAX operations of their own, and inside an eagerly
 dispatched jit they can wait on work the caller queued behind it (a deadlock seen on CPU).
@@ -21,7 +23,7 @@ import functools
 
 import jax
 
-from kernels import profiling
+from kernels import profiling, vma
 
 
 def lowered_once(*static_argnames: str):
@@ -40,8 +42,10 @@ def lowered_once(*static_argnames: str):
         @functools.wraps(fn)
         def launch(*args, **kwargs):
             if kwargs.get("interpret"):
-                return fn(*args, **kwargs)
-            return jitted(*args, profiler_state=profiling.active(), **kwargs)
+                out = fn(*args, **kwargs)
+            else:
+                out = jitted(*args, profiler_state=profiling.active(), **kwargs)
+            return vma.kernel_outputs(out, args, kwargs)  # inside shard_map: see kernels/vma.py
 
         launch.jitted = jitted
         return launch

@@ -11,6 +11,7 @@ from kimi_jax import moe_ep
 from kimi_jax.ffn import glu_activation
 from kimi_jax.moe_dispatch import ExpertWeights, dense_dispatch
 from kernels.testing import assert_close
+from tests.jaxprs import equations
 
 N, D, F, E, K = 32, 16, 16, 8, 2
 ACT = glu_activation("swiglu")
@@ -254,6 +255,53 @@ def test_auto_dispatch_runs_its_choice(rng, monkeypatch, caplog):
         y, dropped = jax.jit(lambda *a: moe_ep.auto_dispatch(*a, ACT, capacity_factor=0.25, return_dropped=True))(
             x, idx, w, ex)
     assert called[2:] == ["gmm", "expert_parallel"] and int(dropped) > 0
+
+
+def _bf16_problem(rng):
+    x, idx, w, ex = _problem(rng)
+    return x.astype(jnp.bfloat16), idx, w, jax.tree.map(lambda a: a.astype(jnp.bfloat16), ex)
+
+
+@pytest.mark.parametrize("shape", [{"data": 2, "fsdp": 2}, {"data": 2, "expert": 2}, {"data": 2, "expert": 2, "tensor": 2}])
+def test_auto_traces_the_pallas_kernels_per_shard(rng, monkeypatch, shape):
+    """On several Hopper GPUs "auto" runs the Pallas grouped matmuls inside expert_parallel's
+    shard_map (traced here as for the GPU): forward and backward trace with the mesh's
+    varying-axes check on (kernel outputs typed by `kernels.vma`; the grouped loop's counter
+    no longer starts at a ref-read value), and the kernels are inside the shard_map."""
+    from kernels.gmm import ops as gmm_impl
+    from kernels.kda import hopper
+
+    x, idx, w, ex = _bf16_problem(rng)
+    monkeypatch.setattr(gmm_impl, "_is_hopper", lambda: True)
+    step = jax.value_and_grad(lambda *a: _loss(moe_ep.auto_dispatch, *a, idx), argnums=(0, 1, 2), has_aux=True)
+    with hopper.assume_device_kind("hopper"), jax.set_mesh(_mesh(shape)):
+        assert moe_ep.resolve_auto(jnp.bfloat16, False)[0] == "expert_parallel"
+        traced = jax.make_jaxpr(step)(x, w, ex)
+    (sm, *_), = [[e for e in equations(traced.jaxpr) if e.primitive.name == "shard_map"]]
+    kernels = [e.params["name"] for e in equations(traced.jaxpr) if e.primitive.name == "mpmd_map"]
+    assert kernels and all(e.params["interpret"] is None for e in equations(traced.jaxpr) if e.primitive.name == "mpmd_map")
+    assert any(e.primitive.name == "mpmd_map" for e in equations(sm.params["jaxpr"]))
+    grads = traced.out_avals[-len(jax.tree.leaves((x, w, ex))):]
+    assert [g.shape for g in grads] == [a.shape for a in jax.tree.leaves((x, w, ex))]
+
+
+def test_expert_parallel_runs_the_pallas_kernels_in_shard_map(rng, monkeypatch):
+    """The Pallas grouped matmuls (their interpreter) inside expert_parallel's shard_map with the
+    varying-axes check on give the dense reference's outputs and gradients (one device: the
+    interpreter does not run several devices' kernels at once)."""
+    from kernels.gmm import ops as gmm_impl
+
+    x, idx, w, ex = _bf16_problem(rng)
+    (_, want_y), want_g = _grads(dense_dispatch, x, w, ex, idx)
+    monkeypatch.setattr(gmm_impl, "_is_hopper", lambda: True)
+    with jax.set_mesh(_mesh({"data": 1, "expert": 1})):
+        jaxpr = jax.make_jaxpr(lambda *a: _loss(moe_ep.expert_parallel_dispatch, *a, idx))(x, w, ex).jaxpr
+        (_, y), g = _grads(moe_ep.expert_parallel_dispatch, x, w, ex, idx)
+    (sm,) = [e for e in equations(jaxpr) if e.primitive.name == "shard_map"]
+    assert any(e.primitive.name == "mpmd_map" for e in equations(sm.params["jaxpr"])), "no Pallas kernel in shard_map"
+    assert_close("y", want_y.astype(jnp.float32), y.astype(jnp.float32), 2e-2)
+    for name, a, b in zip(("dx", "dw", "dgate", "dup", "ddown"), jax.tree.leaves(want_g), jax.tree.leaves(g)):
+        assert_close(name, a.astype(jnp.float32), b.astype(jnp.float32), 2e-2)
 
 
 def test_auto_dispatch_in_the_config():

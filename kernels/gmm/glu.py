@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels.gmm import ops, pallas_gpu, pallas_gpu_ffn, pallas_gpu_glu, reference
+from kernels import vma
 from kernels.gmm.glu_math import check_kind, glu_forward
 
 # Tiles of the two fused kernels (they share them: the backward reads the forward's gate and up
@@ -69,6 +70,8 @@ def glu_ffn(x, w_gate, w_up, w_down, group_sizes, *, kind="swiglu", beta=4.0, li
         raise ValueError(f"pallas_gpu glu_ffn needs one operand dtype, got x {x.dtype}, weights "
                          f"{w_gate.dtype}, {w_up.dtype}, {w_down.dtype}")
     act = (kind, float(beta), float(linear_beta))
+    # One varying-axes type for the custom VJPs' operands inside shard_map (kernels/vma.py).
+    x, w_gate, w_up, w_down, group_sizes = vma.same_varying(x, w_gate, w_up, w_down, group_sizes)
     if fusion == "ffn":
         glu_blocks = glu_blocks or DEFAULT_FFN_BLOCKS
         pallas_gpu_ffn.check_ffn_fits(D, F, glu_blocks)

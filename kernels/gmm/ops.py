@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels import vma
 from kernels.gmm import pallas_gpu, reference
 from kernels.kda.hopper import device_kind
 
@@ -74,6 +75,7 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, impl="auto", blocks=None)
         raise ValueError(f"pallas_gpu gmm needs one operand dtype, got {lhs.dtype} and {rhs.dtype}")
     if transpose_rhs:
         rhs = jnp.swapaxes(rhs, 1, 2)
+    lhs, rhs, group_sizes = vma.same_varying(lhs, rhs, group_sizes)  # inside shard_map: kernels/vma.py
     return pallas_gpu.gmm_vjp(lhs, rhs, group_sizes, blocks or DEFAULT_BLOCKS, _interpret())
 
 

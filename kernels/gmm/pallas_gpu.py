@@ -71,6 +71,14 @@ def _pad_to(x, axis, multiple):
     return jnp.pad(x, widths)
 
 
+def _group_loop(g0, g1, one_group):
+    """one_group(g, None) for g in [g0, g1), g0 and g1 read from refs. The loop counts from 0, not
+    from g0: inside shard_map (expert_parallel) values read from refs carry the mesh's varying
+    axes while the kernel's own arithmetic does not, so a counter started at g0 would change type
+    between iterations (a trace-time error)."""
+    jax.lax.fori_loop(0, g1 - g0, lambda j, carry: one_group(g0 + j, carry), None)
+
+
 def _offsets(group_sizes):
     """[G + 1] int32 start row of every group, then the total."""
     gs = group_sizes.astype(jnp.int32)
@@ -194,7 +202,7 @@ def grouped_rows_kernel(group_acc, group_sizes, inputs, *, shape, tile, out_dtyp
 
             return carry
 
-        jax.lax.fori_loop(g0, g1, one_group, 0)
+        _group_loop(g0, g1, one_group)
         plgpu.commit_smem()
         if epilogue is None:
             plgpu.copy_smem_to_gmem(smems[0], out_refs[0].at[pl.ds(row0, bm), pl.ds(nb * bn, bn)])

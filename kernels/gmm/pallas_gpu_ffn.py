@@ -36,7 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels.gmm.glu_math import glu_backward, glu_forward
 from kernels.gmm.pallas_gpu import (
-    Blocks, _block_groups, _check_dtypes, _offsets, _pad_to, _params, _row_iota, _swizzled, group_products)
+    Blocks, _block_groups, _check_dtypes, _group_loop, _offsets, _pad_to, _params, _row_iota, _swizzled, group_products)
 from kernels.lowering import lowered_once
 
 # Hopper's SMEM per block (227 KiB); the kernels' scratch and pipeline buffers must fit in it.
@@ -211,7 +211,7 @@ def ffn_fwd(x, w_gate, w_up, w_down, group_sizes, *, act, blocks: Blocks, interp
 
             return carry
 
-        jax.lax.fori_loop(g0, g1, one_group, 0)
+        _group_loop(g0, g1, one_group)
         plgpu.commit_smem()
         for d in range(nD):
             plgpu.copy_smem_to_gmem(y_s.at[d], y_ref.at[pl.ds(row0, bm), pl.ds(d * bn, bn)])
@@ -271,7 +271,7 @@ def ffn_bwd_rows(x, dy, w_gate, w_up, w_down, group_sizes, *, act, blocks: Block
 
             return carry
 
-        jax.lax.fori_loop(g0, g1, one_group, 0)
+        _group_loop(g0, g1, one_group)
         plgpu.commit_smem()
         rows = pl.ds(row0, bm)
         for d in range(nD):

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels import vma
 from kernels.gmm.pallas_gpu import Blocks, _pad_to, grouped_rows_kernel
 from kernels.mxfp4.format import BLOCK, SCALE_BIAS, SCALE_NAN
 
@@ -98,4 +99,4 @@ def gmm(x, packed, scales, group_sizes, *, blocks=DEFAULT_BLOCKS, interpret=Fals
                               shape=(mp, np_), tile=(bm, bn), out_dtype=dtype,
                               scratch=[plgpu.SMEM((bn, half), dtype)] * (2 * nblk),
                               band=blocks.band, interpret=interpret, name="mxfp4_gmm")
-    return out[:m, :n]
+    return vma.kernel_outputs(out[:m, :n], x, packed, scales, group_sizes)  # inside shard_map: kernels/vma.py
