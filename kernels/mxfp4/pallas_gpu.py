@@ -19,7 +19,6 @@ CPU machine (layout inference and the shared-memory budget are checked by the te
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
