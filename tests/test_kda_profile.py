@@ -64,7 +64,9 @@ def test_mixer_profile_sums_kernels_by_the_mixers_scopes(tmp_path):
     scopes = {k.split(" / ")[1] for k in s["by_scope"]}
     assert {"recurrence", "kda_bwd", "proj", "conv"} <= scopes, s["by_scope"]
     in_mixer = sum(v for k, v in s["by_scope"].items() if k.startswith("mixer_kda /"))
-    assert in_mixer > 0.8 * s["kernel_ms_per_step"], s["by_scope"]  # all but the test's loss sum
+    # All but the test's loss sum, whose few small ops took up to a quarter of the time on a CPU
+    # loaded by the parallel test run (measured once: 2.3 of 8.4 ms); misattributed scopes give ~0.
+    assert in_mixer > 0.5 * s["kernel_ms_per_step"], s["by_scope"]
     assert all("scope" in o for o in s["top_ops"])
 
 

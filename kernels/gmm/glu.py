@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.gmm import ops, pallas_gpu, pallas_gpu_ffn, pallas_gpu_glu, reference
 from kernels import vma
+from kernels.gmm import ops, pallas_gpu, pallas_gpu_ffn, pallas_gpu_glu, reference
 from kernels.gmm.glu_math import check_kind, glu_forward
 
 # Tiles of the two fused kernels (they share them: the backward reads the forward's gate and up
