@@ -7,6 +7,7 @@ parameters (configs/k3_1b3_dense.py).
     python benchmarks/train.py --rows 1:dots:8,2:dots:8,1:dots16:4,2:dots16:4 --scale_best
     python benchmarks/train.py --rows 1:dots16:4,1:dots16:4:diag=split,2:dots16:4,2:dots16:4:mesh=fsdp
     python benchmarks/train.py --compile_only          # abstract lower + compile, memory analysis
+    python benchmarks/train.py --deviceless 2 --rows 2:dots16:8:dispatch=auto   # compile for 2 H200s, no GPU
     python benchmarks/train.py --quick                 # tiny config on CPU, a smoke test
 
 Rows: device count x remat policy (kimi_jax/remat.py) x sequences per device, or --rows
@@ -47,8 +48,10 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import copy
 import datetime
+import functools
 import gc
 import importlib.util
 import json
@@ -58,13 +61,16 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if "--deviceless" in sys.argv:  # the CUDA plugin beside the CPU backend, no driver needed
+    os.environ.setdefault("JAX_PLATFORMS", "cpu,cuda")
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.train_settings import MESH_AXES, parse_row, parse_settings, traced_with  # noqa: E402,F401
-from kernels.kda import chunk_intra  # noqa: E402
+from kernels.kda import chunk_intra, hopper  # noqa: E402
 from kimi_jax import flops, logging_utils, optim, sharding, train_lib  # noqa: E402
 from kimi_jax.remat import POLICIES  # noqa: E402
 
@@ -128,14 +134,15 @@ def flop_counts(config, seq_len: int) -> tuple[float, dict]:
     return flops.train_flops_per_token(cfg, seq_len), flops.forward_flops_breakdown(cfg, seq_len)
 
 
-def prepare_row(config, n: int, batch_per_device: int, seq_len: int, settings: dict | None = None
-                ) -> tuple[dict, dict]:
+def prepare_row(config, n: int, batch_per_device: int, seq_len: int, settings: dict | None = None,
+                devices=None) -> tuple[dict, dict]:
     """Lower the train step on the first `n` devices (a data-parallel mesh, or the axis named by
     settings["mesh"]) with abstract inputs, the model's MoE dispatch settings["dispatch"] if given
     (`config` is the row's own copy), the KDA module settings among `settings` (see
     `parse_settings`) in place while tracing.
-    Returns the row (what the JSON records) and the context `compile_row` / `run_row` need."""
-    devices = jax.devices()[:n]
+    Returns the row (what the JSON records) and the context `compile_row` / `run_row` need.
+    `devices`: where to take the n from (default `jax.devices()`; `deviceless_devices` for --deviceless)."""
+    devices = list(jax.devices() if devices is None else devices)[:n]
     settings = settings or {}
     if "dispatch" in settings:
         if not config.model.get("moe"):
@@ -165,6 +172,21 @@ def prepare_row(config, n: int, batch_per_device: int, seq_len: int, settings: d
     row["step_lower_s"] = time.perf_counter() - t0
     log(f"{label(row)}: step lowered in {row['step_lower_s']:.1f} s")
     return row, {"config": config, "mesh": mesh, "tx": tx, "shardings": shardings, "lowered": lowered}
+
+
+def deviceless_devices(n: int) -> list:
+    """n H200s of one host described for an ahead-of-time compile (no GPU needed): the CUDA PJRT
+    plugin's topology with `benchmarks/mosaic_ptxas.py`'s H200 target."""
+    from jax.experimental import topologies
+
+    from benchmarks.mosaic_ptxas import H200_TARGET
+
+    try:
+        return list(topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET,
+                                                 topology=f"1x1x{n}").devices)
+    except (NotImplementedError, RuntimeError, ValueError) as e:
+        raise SystemExit(f"--deviceless needs the CUDA PJRT plugin (pip install jax-cuda12-pjrt==0.11.2 "
+                         f"jax-cuda12-plugin==0.11.2): {type(e).__name__}: {e}") from None
 
 
 def setting(row: dict, skip=()) -> str:
@@ -354,6 +376,9 @@ def main(argv=None) -> dict:
                         help="kernels.kda.chunk_intra.DIAG_MODE for the run (read while tracing)")
     parser.add_argument("--compile_cache", default="", help="persistent compilation cache folder")
     parser.add_argument("--compile_only", action="store_true", help="lower + compile with abstract inputs only")
+    parser.add_argument("--deviceless", type=int, default=0,
+                        help="compile only, for this many H200s described ahead of time (no GPU; the kernels "
+                             "traced as on Hopper): each row's compile time and memory per device")
     parser.add_argument("--peak_flops", type=float, default=0.0, help="per device; 0 = device table")
     parser.add_argument("--profile_steps", type=int, default=0,
                         help="after timing, trace this many steps per row and sum device time by model part")
@@ -383,18 +408,24 @@ def main(argv=None) -> dict:
     remats = args.remat.split(",") if args.remat else [train_lib.remat_policy(config)]
     batches = [int(v) for v in args.batch_size.split(",") if v]
     counts = [int(n) for n in args.devices.split(",") if n]
-    available = [n for n in counts if n <= jax.device_count()]
+    if args.deviceless < 0:
+        raise ValueError(f"--deviceless {args.deviceless}: a number of GPUs")
+    device_pool = deviceless_devices(args.deviceless) if args.deviceless else jax.devices()
+    args.compile_only = args.compile_only or bool(args.deviceless)
+    assumed = functools.partial(hopper.assume_device_kind, "hopper") if args.deviceless else contextlib.nullcontext
+    available = [n for n in counts if n <= len(device_pool)]
     if len(available) < len(counts):
-        log(f"skipping device counts {sorted(set(counts) - set(available))}: {jax.device_count()} present")
+        log(f"skipping device counts {sorted(set(counts) - set(available))}: {len(device_pool)} present")
     start = time.perf_counter()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = args.out or os.path.join(RESULTS, f"train_{'quick_' if args.quick else ''}{stamp}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    log(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}; writing {out}")
+    log(f"jax {jax.__version__}, {len(device_pool)} x {device_pool[0].device_kind}{' (deviceless)' if args.deviceless else ''}; "
+        f"writing {out}")
     specs = [(n, r, b, {}) for n in available for r in remats for b in batches]
     if args.rows:  # explicit rows instead of the grid
         specs = [parse_row(item) for item in args.rows.split(",")]
-        specs = [spec for spec in specs if spec[0] <= jax.device_count()]
+        specs = [spec for spec in specs if spec[0] <= len(device_pool)]
     rows, contexts = [], []
 
     def fail(row, e, what):
@@ -420,7 +451,8 @@ def main(argv=None) -> dict:
         cfg = copy.deepcopy(config)
         cfg.remat = r
         try:
-            row, ctx = prepare_row(cfg, n, b, args.seq_len, settings)
+            with assumed():  # --deviceless: the kernels and impls chosen as on a Hopper GPU
+                row, ctx = prepare_row(cfg, n, b, args.seq_len, settings, devices=device_pool)
             futures.append(pool.submit(compile_row, row, ctx))
         except Exception as e:  # noqa: BLE001 - record the failure, go on with the next row
             row, ctx = {"devices": n, "batch": b * n, "seq_len": args.seq_len, "remat": r, "settings": settings}, None

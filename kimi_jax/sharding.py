@@ -99,7 +99,7 @@ def make_mesh(mesh_config, devices=None) -> jax.sharding.Mesh:
     sizes = mesh_shape(mesh_config, len(devices))
     shape = tuple(sizes[a] for a in MESH_AXES)
     auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
-    if len(devices) == len(jax.devices()):
+    if list(devices) == list(jax.devices()):  # all of them: jax.make_mesh's topology-aware order
         return jax.make_mesh(shape, MESH_AXES, axis_types=auto)
     return jax.sharding.Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
 

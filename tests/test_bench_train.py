@@ -83,7 +83,7 @@ def test_scale_best_and_deadline_skip_rows_in_the_json(bench, tmp_path, monkeypa
     if jax.device_count() < 2:
         pytest.skip("needs 2 devices")
 
-    def prepare_row(cfg, n, b, seq_len, settings):
+    def prepare_row(cfg, n, b, seq_len, settings, devices=None):
         return dict(devices=n, batch=b * n, seq_len=seq_len, remat=cfg.remat, settings=settings,
                     device_kind="cpu", params=1e6), None
 
@@ -216,3 +216,20 @@ def test_row_dispatch_builds_the_model_with_it(bench, monkeypatch):
     dense = bench.load_config(os.path.join(ROOT, "configs", "k3_1b3_dense.py") + ":d_model=256,num_layers=1,vocab_size=256")
     with pytest.raises(ValueError, match="has no MoE"):
         bench.prepare_row(dense, 1, 1, 16, {"dispatch": "gmm"})
+
+
+def test_deviceless_compiles_for_h200s_or_names_the_plugin(bench, tmp_path):
+    """--deviceless N: compile only, for N H200s described ahead of time (the CUDA PJRT plugin's
+    topology); without the plugin it stops and says what to install."""
+    with pytest.raises(ValueError, match="--deviceless"):
+        bench.main(["--quick", "--deviceless", "-1"])
+    try:
+        bench.deviceless_devices(2)
+    except SystemExit as e:
+        assert "CUDA PJRT plugin" in str(e)
+        return
+    rows = bench.main(["--quick", "--deviceless", "2", "--rows", "2:none:1,1:none:1", "--out", str(tmp_path / "d.json")])["rows"]
+    assert [r["devices"] for r in rows] == [2, 1]
+    for row in rows:
+        assert row["device_kind"] == "NVIDIA H200" and row["memory"]["temp_gib"] > 0, row
+        assert "step_ms" not in row  # compiled, never run
