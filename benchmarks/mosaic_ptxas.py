@@ -209,17 +209,24 @@ device_description_str: "NVIDIA H200"
 """
 
 
-def deviceless_sharding():
-    """A one-device sharding on an H200 compiled for ahead of time (no GPU needed)."""
+def deviceless_devices(n: int = 1) -> list:
+    """n H200s of one host described for an ahead-of-time compile (no GPU needed): the CUDA PJRT
+    plugin's topology with `H200_TARGET`."""
     from jax.experimental import topologies
-    from jax.sharding import NamedSharding, PartitionSpec
 
     try:
-        topo = topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET, topology="1x1x1")
-    except (NotImplementedError, RuntimeError) as e:
+        return list(topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET,
+                                                 topology=f"1x1x{n}").devices)
+    except (NotImplementedError, RuntimeError, ValueError) as e:
         raise SystemExit(f"--deviceless needs the CUDA PJRT plugin (pip install jax-cuda12-pjrt==0.11.2 "
                          f"jax-cuda12-plugin==0.11.2): {type(e).__name__}: {e}") from None
-    return NamedSharding(topologies.make_mesh(topo, (1,), ("d",)), PartitionSpec())
+
+
+def deviceless_sharding():
+    """A one-device sharding on an H200 compiled for ahead of time (no GPU needed)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    return NamedSharding(Mesh(deviceless_devices(1), ("d",)), PartitionSpec())
 
 
 def run_case(name: str, sharding=None) -> dict:

@@ -141,7 +141,8 @@ def prepare_row(config, n: int, batch_per_device: int, seq_len: int, settings: d
     (`config` is the row's own copy), the KDA module settings among `settings` (see
     `parse_settings`) in place while tracing.
     Returns the row (what the JSON records) and the context `compile_row` / `run_row` need.
-    `devices`: where to take the n from (default `jax.devices()`; `deviceless_devices` for --deviceless)."""
+    `devices`: where to take the n from (default `jax.devices()`; for --deviceless
+    `mosaic_ptxas.deviceless_devices`)."""
     devices = list(jax.devices() if devices is None else devices)[:n]
     settings = settings or {}
     if "dispatch" in settings:
@@ -172,21 +173,6 @@ def prepare_row(config, n: int, batch_per_device: int, seq_len: int, settings: d
     row["step_lower_s"] = time.perf_counter() - t0
     log(f"{label(row)}: step lowered in {row['step_lower_s']:.1f} s")
     return row, {"config": config, "mesh": mesh, "tx": tx, "shardings": shardings, "lowered": lowered}
-
-
-def deviceless_devices(n: int) -> list:
-    """n H200s of one host described for an ahead-of-time compile (no GPU needed): the CUDA PJRT
-    plugin's topology with `benchmarks/mosaic_ptxas.py`'s H200 target."""
-    from jax.experimental import topologies
-
-    from benchmarks.mosaic_ptxas import H200_TARGET
-
-    try:
-        return list(topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET,
-                                                 topology=f"1x1x{n}").devices)
-    except (NotImplementedError, RuntimeError, ValueError) as e:
-        raise SystemExit(f"--deviceless needs the CUDA PJRT plugin (pip install jax-cuda12-pjrt==0.11.2 "
-                         f"jax-cuda12-plugin==0.11.2): {type(e).__name__}: {e}") from None
 
 
 def setting(row: dict, skip=()) -> str:
@@ -410,6 +396,8 @@ def main(argv=None) -> dict:
     counts = [int(n) for n in args.devices.split(",") if n]
     if args.deviceless < 0:
         raise ValueError(f"--deviceless {args.deviceless}: a number of GPUs")
+    if args.deviceless:
+        from benchmarks.mosaic_ptxas import deviceless_devices
     device_pool = deviceless_devices(args.deviceless) if args.deviceless else jax.devices()
     args.compile_only = args.compile_only or bool(args.deviceless)
     assumed = functools.partial(hopper.assume_device_kind, "hopper") if args.deviceless else contextlib.nullcontext
