@@ -174,7 +174,11 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, blocks=Blocks(bn=256, sta
 
                     return jnp.where(end > start, 1, started)
 
-                carry = jax.lax.fori_loop(g0, g1, one_group, carry)
+                # Counts from 0, not g0, as `pallas_gpu._group_loop` does (which has no carry):
+                # inside shard_map g0, read from a ref, carries the mesh's varying axes and the
+                # loop's own arithmetic does not, so a counter started at g0 would change type.
+                # The carry is computed, never a raw ref read: it keeps one type throughout.
+                carry = jax.lax.fori_loop(0, g1 - g0, lambda j, c: one_group(g0 + j, c), carry)
 
                 @pl.when(is_compute)
                 def _():

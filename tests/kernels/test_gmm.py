@@ -167,6 +167,74 @@ def test_per_kernel_blocks_in_vjp(rng):
     assert_close("drhs", want[1], got[1], 1e-2)
 
 
+WS_CHAIN_BLOCKS = pallas_gpu.Blocks(bm=64, bn=128, bk=64, stages=2, band=2, wgs=2, chain=True)
+# Per shard: empty groups, a group across M blocks, rows past the total; K = N = 2 stages of bk.
+SHARD_M, SHARD_K, SHARD_N = 130, 128, 128
+SHARD_SIZES = [[0, 40, 70, 1, 0], [64, 0, 0, 7, 50], [130, 0, 0, 0, 0], [0, 0, 0, 0, 0]]
+
+
+def _ws_loss_in_shard_map(mesh, chain):
+    """sum(gmm(lhs, rhs, sizes) * w) with every shard's rows (and group sizes) its own and rhs
+    replicated, through `kernels.gmm.gmm` (pallas_gpu, custom VJP) with the warp-specialized
+    kernels for the forward, dlhs and drhs, inside shard_map (varying-axes check on)."""
+    from jax.sharding import PartitionSpec as P
+
+    fwd = WS_CHAIN_BLOCKS if chain else WS_BLOCKS
+    axes = tuple(mesh.axis_names)
+
+    def shard(lhs, rhs, sizes, w):
+        out = gmm(lhs, rhs, sizes[0], impl="pallas_gpu", blocks=(fwd, fwd, WS_BLOCKS))
+        return jax.lax.psum(jnp.sum(out.astype(jnp.float32) * w), axes)
+
+    return jax.shard_map(shard, mesh=mesh, in_specs=(P(axes), P(), P(axes), P(axes)),
+                         out_specs=P())
+
+
+def _shard_inputs(rng, shards):
+    sizes = jnp.asarray([SHARD_SIZES[s % len(SHARD_SIZES)] for s in range(shards)], jnp.int32)
+    lhs = jnp.asarray(rng.normal(size=(shards * SHARD_M, SHARD_K)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.normal(size=(sizes.shape[1], SHARD_K, SHARD_N)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(shards * SHARD_M, SHARD_N)), jnp.float32)
+    return lhs, rhs, sizes, w
+
+
+@pytest.mark.parametrize("chain", [False, True], ids=["ws", "chain"])
+def test_warp_specialized_kernels_trace_in_shard_map(rng, chain):
+    """Blocks(wgs=2) (and chain=True) inside shard_map over the 8 fake devices, traced for the
+    GPU, forward and backward: the persistent kernels' group loop counts from 0, not from the
+    ref-read first group (whose varying mesh axes the loop's own arithmetic does not carry)."""
+    from jax.sharding import Mesh
+
+    from kernels.kda import hopper
+    from tests.jaxprs import equations
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "expert"))
+    args = _shard_inputs(rng, 8)
+    with hopper.assume_device_kind("hopper"):
+        traced = jax.make_jaxpr(jax.value_and_grad(_ws_loss_in_shard_map(mesh, chain),
+                                                   argnums=(0, 1)))(*args)
+    maps = [e for e in equations(traced.jaxpr) if e.primitive.name == "shard_map"]  # fwd, bwd
+    kernels = [e for sm in maps for e in equations(sm.params["jaxpr"]) if e.primitive.name == "mpmd_map"]
+    assert sorted(e.params["name"] for e in kernels) == ["gmm_ws", "gmm_ws", "tgmm_ws"]
+    assert all(e.params["interpret"] is None for e in kernels)  # the GPU kernels, not the interpreter
+    assert [a.shape for a in traced.out_avals] == [(), args[0].shape, args[1].shape]
+
+
+@pytest.mark.parametrize("chain", [False, True], ids=["ws", "chain"])
+def test_warp_specialized_kernels_in_shard_map_values(rng, chain):
+    """The same in the interpreter on a one-device mesh (it does not run several devices' kernels
+    at once): loss and gradients equal the f32 reference's."""
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "expert"))
+    lhs, rhs, sizes, w = _shard_inputs(rng, 1)
+    got = jax.value_and_grad(_ws_loss_in_shard_map(mesh, chain), argnums=(0, 1))(lhs, rhs, sizes, w)
+    want = jax.value_and_grad(lambda a, b: jnp.sum(reference.gmm(a, b, sizes[0]) * w), argnums=(0, 1))(
+        lhs.astype(jnp.float32), rhs.astype(jnp.float32))
+    for name, a, b in zip(("loss", "dlhs", "drhs"), jax.tree.leaves(want), jax.tree.leaves(got)):
+        assert_close(name, a, np.asarray(b, np.float32), 1e-2)
+
+
 @pytest.mark.parametrize("num_m,num_n,band", [(5, 7, 3), (4, 8, 8), (3, 2, 8), (6, 5, 1)])
 def test_banded_launch_order_covers_every_tile_once(num_m, num_n, band):
     t = jnp.arange(num_m * num_n)
