@@ -11,6 +11,11 @@ process's standard output; the report is captured at the file-descriptor level a
 one row per compiled kernel (registers per thread, spill stores and loads, stack frame). The
 JSON (default benchmarks/results/mosaic-ptxas-<time>.json) keeps the raw report too.
 
+Each row also gives the kernel's machine code size (`sass_bytes`, 16 bytes an instruction), from
+the PTX Mosaic GPU writes (MOSAIC_GPU_DUMP_PTX) assembled again with ptxas: a kernel of unrolled
+straight-line code larger than the SM's instruction cache stalls on instruction fetch (the bf16
+intra kernel at 146 KiB spent half its cycles so; Nsight Compute's "no instruction" stall).
+
 Needs a Hopper GPU: on any other device the kernels run interpreted or not at all, and the script
 stops with that reason instead of writing an empty table. Or, on a machine without one:
 
@@ -26,9 +31,12 @@ JAX_SKIP_CUDA_CONSTRAINTS_CHECK is set, which the flag does before jax is import
 from __future__ import annotations
 
 import argparse
-import contextlib
+import glob
 import os
 import re
+import shutil
+import struct
+import subprocess
 import sys
 import tempfile
 
@@ -62,23 +70,39 @@ def parse_ptxas(text: str) -> list[dict]:
     return rows
 
 
-@contextlib.contextmanager
-def captured_fd_stdout():
-    """Within the block, file descriptor 1 (where C++ code such as Mosaic GPU's compiler prints)
-    goes to a temporary file; the yielded list receives its text at exit."""
-    out: list[str] = []
-    sys.stdout.flush()
-    saved = os.dup(1)
-    with tempfile.TemporaryFile() as f:
-        os.dup2(f.fileno(), 1)
-        try:
-            yield out
-        finally:
-            sys.stdout.flush()
-            os.dup2(saved, 1)
-            os.close(saved)
-            f.seek(0)
-            out.append(f.read().decode(errors="replace"))
+def text_bytes(cubin: bytes) -> int:
+    """Bytes of machine code in an ELF cubin: the sizes of its .text.* sections."""
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        raise ValueError("not a 64-bit ELF file")
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    entsize, count, names = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * entsize) for i in range(count)]
+    strtab = sections[names][4]
+
+    def name(off):
+        return cubin[strtab + off:cubin.index(b"\0", strtab + off)].decode()
+
+    return sum(sec[5] for sec in sections if name(sec[0]).startswith(".text."))
+
+
+def _ptxas() -> str | None:
+    cuda = os.environ.get("MOSAIC_GPU_CUDA_ROOT", "/usr/local/cuda")
+    return shutil.which("ptxas") or next((p for p in (os.path.join(cuda, "bin", "ptxas"),) if os.path.exists(p)), None)
+
+
+def sass_bytes(ptx_path: str, arch: str = "sm_90a") -> int | None:
+    """Machine code bytes of one dumped PTX file, assembled again by ptxas (None without one)."""
+    ptxas = _ptxas()
+    if ptxas is None:
+        return None
+    cubin = ptx_path[:-4] + ".cubin"
+    subprocess.run([ptxas, f"-arch={arch}", ptx_path, "-o", cubin], check=True, capture_output=True)
+    with open(cubin, "rb") as f:
+        return text_bytes(f.read())
+
+
+def _dump_index(path: str) -> int:
+    return int(re.search(r"_(\d+)\.[a-z]+$", path).group(1))
 
 
 def _kda_inputs(B, T, H, D):
@@ -230,21 +254,30 @@ def deviceless_sharding():
 
 
 def run_case(name: str, sharding=None) -> dict:
-    """Compile and run case `name` once with ptxas's report captured; its kernels' rows. With a
-    `sharding` (`deviceless_sharding`) compile it for that sharding's device without running it."""
+    """Compile and run case `name` once with ptxas's report and the PTX dumped; its kernels' rows.
+    With a `sharding` (`deviceless_sharding`) compile it for that sharding's device without
+    running it."""
     fn, args = CASES[name]()
-    os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
-    try:
-        with captured_fd_stdout() as text:
+    flags = dict(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_PTX="1")
+    with tempfile.TemporaryDirectory() as dump:
+        os.environ.update(flags, MOSAIC_GPU_DUMP_TO=dump)
+        try:
             if sharding is None:
                 jax.block_until_ready(jax.jit(fn)(*args))
             else:
                 spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
                 jax.jit(fn).lower(*spec).compile()
-    finally:
-        os.environ.pop("MOSAIC_GPU_DUMP_PTXAS", None)
-    kernels = parse_ptxas(text[0])
-    return dict(case=name, doc=CASES[name].__doc__, kernels=kernels, report=text[0])
+        finally:
+            for key in (*flags, "MOSAIC_GPU_DUMP_TO"):
+                os.environ.pop(key, None)
+        reports = sorted(glob.glob(os.path.join(dump, "*.ptxas")), key=_dump_index)
+        text = "".join(open(r).read() for r in reports)
+        kernels = parse_ptxas(text)
+        ptx = sorted(glob.glob(os.path.join(dump, "*.ptx")), key=_dump_index)
+        if len(ptx) == len(kernels):  # one PTX file per compiled kernel, in the same order
+            for k, path in zip(kernels, ptx):
+                k["sass_bytes"] = sass_bytes(path, k["arch"])
+    return dict(case=name, doc=CASES[name].__doc__, kernels=kernels, report=text)
 
 
 def markdown(results: list[dict]) -> str:
@@ -252,11 +285,12 @@ def markdown(results: list[dict]) -> str:
     for r in results:
         for i, k in enumerate(r["kernels"]):
             rows.append([r["case"], f"{i}: {k['function']}", str(k["registers"]), str(k["spill_stores"]),
-                         str(k["spill_loads"]), str(k["stack_frame"])])
+                         str(k["spill_loads"]), str(k["stack_frame"]), str(k.get("sass_bytes"))])
         if not r["kernels"]:
             why = r.get("error") or f"none among {len(r.get('report', ''))} captured characters: kernels cached or not compiled here"
-            rows.append([r["case"], f"no ptxas report ({why})", "", "", "", ""])
-    return markdown_table(["case", "kernel", "registers", "spill stores B", "spill loads B", "stack frame B"], rows)
+            rows.append([r["case"], f"no ptxas report ({why})", "", "", "", "", ""])
+    return markdown_table(["case", "kernel", "registers", "spill stores B", "spill loads B", "stack frame B", "SASS B"],
+                          rows)
 
 
 def run_cases(parser, cases: str, run, markdown_of, tool: str, why: str) -> list[dict]:

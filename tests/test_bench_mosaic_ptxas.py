@@ -1,8 +1,9 @@
-"""benchmarks/mosaic_ptxas.py: the ptxas report parser, the stdout capture at the descriptor
-level, and the refusal to run where no kernel is compiled."""
+"""benchmarks/mosaic_ptxas.py: the ptxas report parser, the machine code size of a cubin, and
+the refusal to run where no kernel is compiled."""
 
 import importlib.util
 import os
+import struct
 
 import pytest
 
@@ -32,14 +33,50 @@ def test_parse_ptxas_rows_in_compile_order():
     ]
     assert bench.parse_ptxas("no report here\n") == []
     md = bench.markdown([dict(case="kda_fwd", kernels=rows), dict(case="gmm", kernels=[], error="boom")])
-    assert "| kda_fwd | 0: intra_kernel | 168 | 120 | 88 | 96 |" in md and "boom" in md
+    assert "| kda_fwd | 0: intra_kernel | 168 | 120 | 88 | 96 | None |" in md and "boom" in md
 
 
-def test_capture_reads_what_is_written_to_descriptor_one(capsys):
-    with capsys.disabled():
-        with bench.captured_fd_stdout() as text:
-            os.write(1, b"ptxas info    : Used 7 registers\n")
-    assert text == ["ptxas info    : Used 7 registers\n"]
+def _elf(sections):
+    """A minimal 64-bit ELF file: (name, size) sections after a null one, names in .shstrtab."""
+    names = b"\0.shstrtab\0" + b"".join(n.encode() + b"\0" for n, _ in sections)
+    offsets, at = [], 11
+    for n, _ in sections:
+        offsets.append(at)
+        at += len(n) + 1
+    shoff = 64 + len(names)
+    header = b"\x7fELF" + bytes([2, 1, 1]) + bytes(9) + struct.pack("<HHIQQQIHHHHHH", 1, 190, 1, 0, 0, shoff, 0,
+                                                                       64, 0, 0, 64, len(sections) + 2, 1)
+    sh = lambda name, typ, off, size: struct.pack("<IIQQQQIIQQ", name, typ, 0, 0, off, size, 0, 0, 1, 0)  # noqa: E731
+    table = sh(0, 0, 0, 0) + sh(1, 3, 64, len(names)) + b"".join(sh(o, 1, 0, size) for o, (_, size) in zip(offsets, sections))
+    return header + names + table
+
+
+def test_text_bytes_sums_the_code_sections():
+    elf = _elf([(".text.intra_kernel", 149248), (".nv.shared.intra_kernel", 4096), (".text.state_kernel", 16512)])
+    assert bench.text_bytes(elf) == 149248 + 16512
+    assert bench.text_bytes(_elf([(".nv.info", 64)])) == 0
+    with pytest.raises(ValueError, match="ELF"):
+        bench.text_bytes(b"not an elf file at all, long enough for the header fields")
+
+
+def test_sass_bytes_of_a_small_kernel(tmp_path):
+    """ptxas assembles a PTX kernel of known length; its code is a whole number of 16-byte
+    instructions and grows with the PTX (skipped where no ptxas is installed)."""
+    if bench._ptxas() is None:
+        pytest.skip("no ptxas here")
+
+    def kernel(n):
+        body = "".join(f"  add.f32 %f1, %f1, 0f3F800000;\n  st.global.f32 [%rd1+{4 * i}], %f1;\n" for i in range(n))
+        return (".version 8.0\n.target sm_90a\n.address_size 64\n.visible .entry k(.param .u64 p)\n{\n"
+                "  .reg .f32 %f<2>;\n  .reg .b64 %rd<2>;\n  ld.param.u64 %rd1, [p];\n  mov.f32 %f1, 0f00000000;\n"
+                + body + "  ret;\n}\n")
+
+    sizes = []
+    for n in (4, 64):
+        path = tmp_path / f"k{n}.ptx"
+        path.write_text(kernel(n))
+        sizes.append(bench.sass_bytes(str(path)))
+    assert all(s % 16 == 0 for s in sizes) and sizes[1] - sizes[0] >= 16 * 60
 
 
 def test_refuses_without_a_hopper_gpu_and_unknown_cases():
