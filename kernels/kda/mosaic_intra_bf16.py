@@ -6,10 +6,16 @@ warpgroup) per (chunk, head), about 107 KiB of SMEM so two programs share an SM.
 tile is handled as K / 64 column halves of [C, 64]: a float32 half is 32 registers per thread,
 so no phase holds more than a few (the whole-width version spilled at 255 registers).
 
+The halves are loops, not unrolled copies, as are the inverse's repeated squarings: the kernel
+is straight-line code run once per program, and at about 9300 instructions (146 KiB of SASS)
+unrolled its warps spent half their cycles waiting for instruction fetch (Nsight Compute on an
+H100: 6.7 of 12.8 cycles per issued instruction stalled on "no instruction").
+
   * Anchors a_I = G at the first row of each 16-row block I, and G_last, come from XLA
     (`gate_anchors`, one small reduction over g). In the kernel, D = G - a_I is the block-local
     cumsum BlockTri (g_hi + g_lo) on the tensor cores (split bf16, about 2^-17 relative).
-  * Row side: Rq = q exp(D), Rk = k exp(D) (factors <= 1), Kl = k exp(-D) (<= exp(15 * 5)).
+  * Row side, one half per loop step (D through SMEM): Rq = q exp(D), Rk = k exp(D) (factors
+    <= 1), Kl = k exp(-D) (<= exp(15 * 5)).
   * Scores, transposed, per row block I: column operand Kc = Kl times the per-column-block
     factor exp(a_I - a_J) (<= 1; zero for J > I); Aqk^T[:, I] = scale Kc Rq_I^T,
     L^T[:, I] = Kc Rk_I^T diag(beta_I): 64x16 wgmmas into column slices of two accumulators,
@@ -18,7 +24,7 @@ so no phase holds more than a few (the whole-width version spilled at 255 regist
     Dg = (I - Ud)(I + Ud^2)(I + Ud^4)(I + Ud^8) for the 16x16 diagonal blocks Ud, then with
     N = Dg Uo (N^4 = 0): Ai^T = (I - N)(I + N^2) Dg.
   * qg = scale Rq exp(a_I) and kg = Kl exp(G_last - a_I) from the row side's registers, staged
-    in the scores' free memory; after the scores k exp(G) = Rk exp(a_I) in place, then
+    one half at a time beside D; after the scores k exp(G) = Rk exp(a_I) in place, then
     w = (Ai diag beta)(k exp G), u = (Ai diag beta) v with Ai diag(beta) as hi + lo bf16.
 """
 
@@ -100,7 +106,7 @@ def _mm_pair(pairs, m_s, dt, a_s=None):
 def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_ref, *rest, H, KH, VH, scale, dt,
           grid):
     q_s, k_s, kl_s, an_s, b_s, a_o, union, bars, *a_s = rest
-    g_s, (parts, bt_s), kc_s, (v_s, m_s) = union
+    g_s, (parts, bt_s), (d_s, st_s), kc_s, (v_s, m_s) = union
     phase = profiling.phases()  # named profiler ranges (kernels.profiling), free when not profiling
     phase("load")
     n, bh = grid_indices(grid)
@@ -127,7 +133,9 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
     same_block = lambda: (lax.broadcast_in_dim(block_of(r1), (C, HW), [0])  # noqa: E731
                           == lax.broadcast_in_dim(block_of(c1), (C, HW), [1]))
     blocks = lambda fn: _per_block((C, HW), fn, NB)  # noqa: E731 - rows of block I hold fn(I) [HW]
-    anchor = lambda i, j: plgpu.load(an_s.at[i, half(j)], layout=_W.reduce(0))  # noqa: E731 - [HW]
+    # [HW] anchor i of column half j (j may be a loop index: an_s is [NB + 1, KH, HW])
+    anchor = lambda i, j: plgpu.load(an_s.at[i, j], layout=_W.reduce(0))  # noqa: E731
+    halves = lambda fn: lax.fori_loop(0, KH, lambda j, c: fn(j) or c, None)  # noqa: E731 - one copy of fn's code
 
     phase("cumsum")
     # D = G - a_I, the block-local cumsum: BlockTri (g_hi + g_lo), BlockTri[r, s] = 1 for s in
@@ -147,29 +155,36 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
         return tuple(acc[...] for acc in accs)
 
     Ds = pl.run_scoped(block_cumsum, *[plgpu.ACC((C, HW), f32) for _ in range(KH)])
+    plgpu.commit_smem()  # every warp's products have read the parts (d_s's memory)
+    for j in range(KH):
+        d_s.at[j][...] = Ds[j]
 
     phase("row_side")
     # Row side, half by half: Rq, Rk in place of q, k; Kl; and from the same registers the outputs
-    # qg = scale Rq exp(a_I), kg = Kl exp(G_last - a_I), staged in the scores' column-operand
-    # memory (free until the scores start).
-    qg_o, kg_o = kc_s.at[0], kc_s.at[1]
+    # qg = scale Rq exp(a_I), kg = Kl exp(G_last - a_I), staged in st_s.
     sub = jax.named_scope  # sub-phases, nested in the phase's range
-    for j, D in enumerate(Ds):
+
+    def row_half(j):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous half's staged outputs are read
+        plgpu.commit_smem()  # (the wait is the issuing thread's)
+        D = plgpu.load(d_s.at[j], layout=_W)
         e = jnp.exp(D)
         rq = plgpu.load(q_s.at[j], layout=_W).astype(f32) * e
         q_s.at[j][...] = rq.astype(dt)
-        qg_o.at[j][...] = (rq * blocks(lambda I: jnp.exp(anchor(I, j)) * scale)).astype(dt)
+        st_s.at[0][...] = (rq * blocks(lambda I: jnp.exp(anchor(I, j)) * scale)).astype(dt)
         kf = plgpu.load(k_s.at[j], layout=_W).astype(f32)
         k_s.at[j][...] = (kf * e).astype(dt)
         kl = kf * jnp.exp(jnp.minimum(-D, MAX_EXP))
         kl_s.at[j][...] = kl.astype(dt)
-        kg_o.at[j][...] = (kl * blocks(lambda I: jnp.exp(anchor(NB, j) - anchor(I, j)))).astype(dt)
-    plgpu.commit_smem()
-    with sub("row_side_out"):
-        for j in range(KH):
-            plgpu.copy_smem_to_gmem(qg_o.at[j], qg_ref.at[bh, n, :, half(j)])
-            plgpu.copy_smem_to_gmem(kg_o.at[j], kg_ref.at[bh, n, :, half(j)])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staged outputs read before the scores reuse it
+        st_s.at[1][...] = (kl * blocks(lambda I: jnp.exp(anchor(NB, j) - anchor(I, j)))).astype(dt)
+        plgpu.commit_smem()
+        with sub("row_side_out"):
+            plgpu.copy_smem_to_gmem(st_s.at[0], qg_ref.at[bh, n, :, half(j)])
+            plgpu.copy_smem_to_gmem(st_s.at[1], kg_ref.at[bh, n, :, half(j)])
+
+    halves(row_half)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    plgpu.commit_smem()  # D (under the scores' column operand) is read, by every warp
 
     def col_factor(I, J, j):
         """Column block J's factor for row block I: exp(a_I - a_J) <= 1, 1 on the diagonal, 0 above."""
@@ -185,21 +200,24 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
             if I >= 2:
                 with sub("scores_wait"):
                     plgpu.wgmma_wait(2 * KH)  # block I - 2's products (the last readers of this slot) are done
-            with sub("scores_operand"):
-                for j in range(KH):
+            blk = pl.ds(I * SUB, SUB)
+
+            def operand(j, I=I, slot=slot, blk=blk):
+                with sub("scores_operand"):
                     kl = plgpu.load(kl_s.at[j], layout=_W).astype(f32)
                     kc_s.at[slot, j][...] = (kl * blocks(lambda J: col_factor(I, J, j))).astype(dt)
-                plgpu.commit_smem()
-            blk = pl.ds(I * SUB, SUB)
-            with sub("scores_issue"):
-                for j in range(KH):
+                    plgpu.commit_smem()
+                with sub("scores_issue"):
                     plgpu.wgmma(acc_q.at[:, blk], kc_s.at[slot, j], q_s.at[j, blk].transpose((1, 0)))
                     plgpu.wgmma(acc_k.at[:, blk], kc_s.at[slot, j], k_s.at[j, blk].transpose((1, 0)))
+
+            halves(operand)
         with sub("scores_drain"):
             return acc_q[...], acc_k[...]
 
     AT, LT = pl.run_scoped(scores, plgpu.ACC((C, C), f32), plgpu.ACC((C, C), f32))
     phase("scores_out")
+    plgpu.commit_smem()  # every warp's products have read kc_s (v's memory) and k_s (rewritten below)
     for j in range(VH):  # v lands while the inverse runs (its memory held the column operand)
         plgpu.copy_gmem_to_smem(v_ref.at[b, rows_t, h, half(j)], v_s.at[j], bars.at[len(loads) + j])
     # rows: column c of the scores; cols: row r.
@@ -207,10 +225,11 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
     a_o[...] = (jnp.where(cols() >= rows(), AT, 0.0) * scale).astype(dt)  # Aqk^T
     U = jnp.where(cols() > rows(), LT * beta_r, 0.0)  # L^T
 
-    # k exp(G) = Rk exp(a_I) in place for w (Rk's last reads were the scores).
-    for j in range(KH):
+    def k_exp_g(j):  # k exp(G) = Rk exp(a_I) in place for w (Rk's last reads were the scores)
         rk = plgpu.load(k_s.at[j], layout=_W).astype(f32)
         k_s.at[j][...] = (rk * blocks(lambda I: jnp.exp(anchor(I, j)))).astype(dt)
+
+    halves(k_exp_g)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(a_o, a_ref.at[bh, n])
 
@@ -222,14 +241,15 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
     Uo = U - Ud
     mm = functools.partial(_mm_pair, m_s=m_s, dt=dt, a_s=a_s[0] if a_s else None)
     (P,) = mm([(Ud, Ud)])
-    X = eye - Ud
-    for last in (False, False, True):  # X (I + P), P <- P^2: Ud^2, Ud^4, Ud^8
-        if last:
-            (XP,) = mm([(X, P)])
-        else:
-            XP, P = mm([(X, P), (P, P)])
-        X = X + XP
-    Dg = X
+
+    def square(_, XP):  # X (I + P), P <- P^2: with P = Ud^2, Ud^4
+        X, P = XP
+        XP, P = mm([(X, P), (P, P)])
+        return X + XP, P
+
+    X, P = lax.fori_loop(0, 2, square, (eye - Ud, P))
+    (XP,) = mm([(X, P)])  # and Ud^8
+    Dg = X + XP
     (N,) = mm([(Dg, Uo)])
     NDg, N2 = mm([(N, Dg), (N, N)])
     Y = Dg - NDg
@@ -293,6 +313,7 @@ def _intra_bf16(q, k, v, g, beta_t, *, scale, interpret):
     union = plgpu.RefUnion(
         half(KH, f32),  # g
         (_smem((KH, 2, C, HW), dt), _smem((C, C), dt)),  # g as hi + lo, BlockTri
+        (half(KH, f32), half(2, dt)),  # D; one half's qg, kg staged
         _smem((2, KH, C, HW), dt),  # column operand of the scores, two slots
         (half(VH, dt), _smem((4, C, C), dt)),  # v -> u; split operands of the inverse, then Ai diag(beta), -w
     )
@@ -300,7 +321,7 @@ def _intra_bf16(q, k, v, g, beta_t, *, scale, interpret):
         half(KH, dt),  # q -> Rq -> qg
         half(KH, dt),  # k -> Rk -> k exp(G)
         half(KH, dt),  # Kl -> kg
-        plgpu.SMEM((NB + 1, K), f32),  # anchors a_0..a_3, G_last
+        plgpu.SMEM((NB + 1, KH, HW), f32),  # anchors a_0..a_3, G_last, by column half
         plgpu.SMEM((C,), f32),  # beta
         _smem((C, C), dt),  # a^T
         union,
@@ -319,6 +340,6 @@ def _intra_bf16(q, k, v, g, beta_t, *, scale, interpret):
         kernel_name="kda_intra_bf16",
         compiler_params=profiling.compiler_params(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q, k, v, g, an, beta_t)
+    )(q, k, v, g, an.reshape(*an.shape[:-1], KH, HW), beta_t)
     d = jnp.exp(an[:, :, :, NB]).reshape(B * H, NT, K)
     return (*outs, d)
