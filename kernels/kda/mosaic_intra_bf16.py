@@ -155,8 +155,7 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
         return tuple(acc[...] for acc in accs)
 
     Ds = pl.run_scoped(block_cumsum, *[plgpu.ACC((C, HW), f32) for _ in range(KH)])
-    plgpu.commit_smem()  # every warp's products have read the parts (d_s's memory)
-    for j in range(KH):
+    for j in range(KH):  # (Pallas's barrier before each store: every warp's products have read the parts)
         d_s.at[j][...] = Ds[j]
 
     phase("row_side")
@@ -166,7 +165,6 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
 
     def row_half(j):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous half's staged outputs are read
-        plgpu.commit_smem()  # (the wait is the issuing thread's)
         D = plgpu.load(d_s.at[j], layout=_W)
         e = jnp.exp(D)
         rq = plgpu.load(q_s.at[j], layout=_W).astype(f32) * e
@@ -184,7 +182,6 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
 
     halves(row_half)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    plgpu.commit_smem()  # D (under the scores' column operand) is read, by every warp
 
     def col_factor(I, J, j):
         """Column block J's factor for row block I: exp(a_I - a_J) <= 1, 1 on the diagonal, 0 above."""
@@ -217,7 +214,6 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
 
     AT, LT = pl.run_scoped(scores, plgpu.ACC((C, C), f32), plgpu.ACC((C, C), f32))
     phase("scores_out")
-    plgpu.commit_smem()  # every warp's products have read kc_s (v's memory) and k_s (rewritten below)
     for j in range(VH):  # v lands while the inverse runs (its memory held the column operand)
         plgpu.copy_gmem_to_smem(v_ref.at[b, rows_t, h, half(j)], v_s.at[j], bars.at[len(loads) + j])
     # rows: column c of the scores; cols: row r.
