@@ -1,0 +1,159 @@
+"""Why our Mosaic GPU kernels wait: Nsight Compute's warp stall reasons, per kernel.
+
+    JAX_PLATFORMS=cuda python benchmarks/ncu_stalls.py [--cases kda_intra_bf16,kda_fwd] [--out J]
+
+Each case of `benchmarks/mosaic_ptxas.py` (same ops, same shapes) runs in a child process under
+`ncu` (Nsight Compute, from the CUDA toolkit): the call once to compile, then once measured; only
+the measured call's Mosaic GPU launches (`*_mosaic_gpu_kernel`) are kept. Per kernel: its duration,
+instructions issued, and for each stall reason the cycles a warp spends in it per issued
+instruction (`smsp__average_warps_issue_stalled_<reason>_per_issue_active.ratio`; they sum to the
+cycles between a warp's instructions). "no_instruction" is instruction fetch: a kernel whose
+straight-line code outgrows the instruction cache stalls there (`mosaic_ptxas.py` gives each
+kernel's code size); "long_scoreboard" is local / global memory (spills among it), "barrier" the
+warpgroup barriers, "wait" fixed latencies, "gmma" the tensor cores.
+
+Needs a Hopper GPU and `ncu` on PATH or under MOSAIC_GPU_CUDA_ROOT / /usr/local/cuda, with access to
+the GPU's performance counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import shutil
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+STALL = "smsp__average_warps_issue_stalled_"
+STALL_SUFFIX = "_per_issue_active.ratio"
+METRICS = ("gpu__time_duration.sum", "smsp__inst_executed.sum", f"regex:{STALL}.*{STALL_SUFFIX}")
+KERNELS = "regex:mosaic_gpu_kernel"
+
+
+def ncu_path() -> str | None:
+    cuda = os.environ.get("MOSAIC_GPU_CUDA_ROOT", "/usr/local/cuda")
+    path = os.path.join(cuda, "bin", "ncu")
+    return shutil.which("ncu") or (path if os.path.exists(path) else None)
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def parse_csv(text: str) -> list[dict]:
+    """`ncu --csv` output -> one dict per profiled launch, in launch order: kernel, duration_ms,
+    instructions, stalls {reason: cycles per issued instruction} (reasons with a value)."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if '"Kernel Name"' in line and '"Metric Name"' in line), None)
+    if start is None:
+        return []
+    launches: dict[str, dict] = {}
+    for row in csv.DictReader(io.StringIO("\n".join(lines[start:]))):
+        if not row.get("ID") or row.get("Metric Name") is None:
+            continue
+        launch = launches.setdefault(row["ID"], dict(kernel=row["Kernel Name"].split("(")[0].strip(), duration_ms=None,
+                                                     instructions=None, stalls={}))
+        name, unit, value = row["Metric Name"], (row.get("Metric Unit") or "").strip(), _number(row["Metric Value"])
+        if name == "gpu__time_duration.sum" and value is not None:
+            launch["duration_ms"] = value * {"ns": 1e-6, "us": 1e-3, "usecond": 1e-3, "nsecond": 1e-6, "ms": 1.0,
+                                              "msecond": 1.0, "s": 1e3, "second": 1e3}.get(unit, float("nan"))
+        elif name == "smsp__inst_executed.sum":
+            launch["instructions"] = value
+        elif name.startswith(STALL) and name.endswith(STALL_SUFFIX) and value is not None:
+            launch["stalls"][name[len(STALL):-len(STALL_SUFFIX)]] = value
+    return list(launches.values())
+
+
+def summary(launch: dict) -> dict:
+    """The launch with its stalls sorted (largest first), their total, and each one's share."""
+    stalls = dict(sorted(launch["stalls"].items(), key=lambda kv: -kv[1]))
+    total = sum(v for k, v in stalls.items() if k != "selected")  # "selected" is the issue cycle itself
+    return dict(launch, stalls=stalls, stall_cycles=total,
+                shares={k: v / total for k, v in stalls.items() if total and k != "selected"})
+
+
+def markdown(results: list[dict]) -> str:
+    from benchmarks.common import markdown_table
+
+    rows = []
+    for r in results:
+        for k in r.get("kernels", []):
+            top = ", ".join(f"{name} {v:.2f} ({k['shares'].get(name, 0):.0%})" for name, v in list(k["stalls"].items())[:4])
+            rows.append([r["case"], k["kernel"], f"{k['duration_ms']:.3f}" if k["duration_ms"] is not None else "–",
+                         f"{k['instructions']:.3g}" if k["instructions"] else "–", f"{k['stall_cycles']:.1f}", top])
+        if not r.get("kernels"):
+            rows.append([r["case"], r.get("error", "no Mosaic GPU launch profiled"), "", "", "", ""])
+    return markdown_table(["case", "kernel", "ms", "instructions", "stall cycles / instruction", "top stalls"], rows)
+
+
+def _child(case: str) -> None:
+    """Run in the ncu child: the case compiled and run once, then once more (the measured call)."""
+    import jax
+
+    from benchmarks.mosaic_ptxas import CASES
+
+    fn, args = CASES[case]()
+    f = jax.jit(fn)
+    for _ in range(2):
+        jax.block_until_ready(f(*args))
+
+
+def run_case(case: str, ncu: str, timeout: int) -> dict:
+    cmd = [ncu, "--csv", "--print-units", "base", "--target-processes", "all", "-k", KERNELS, "--metrics", ",".join(METRICS),
+           sys.executable, os.path.abspath(__file__), "--child", case]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    launches = [summary(x) for x in parse_csv(proc.stdout)]
+    if proc.returncode or not launches:
+        tail = (proc.stderr or proc.stdout)[-800:]
+        return dict(case=case, kernels=[], error=f"ncu exited {proc.returncode}, {len(launches)} launches: {tail}")
+    # Both calls launch the same kernels in the same order: keep the second half (the measured call).
+    if len(launches) % 2:
+        return dict(case=case, kernels=[], error=f"{len(launches)} launches: not two equal calls")
+    return dict(case=case, kernels=launches[len(launches) // 2:])
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default="kda_intra_bf16", help="comma-separated cases of benchmarks/mosaic_ptxas.py")
+    p.add_argument("--timeout", type=int, default=300, help="seconds per case")
+    p.add_argument("--out", help="JSON path (default benchmarks/results/ncu-stalls-<time>.json)")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        _child(a.child)
+        return []
+    from benchmarks.common import environment, write_json
+    from benchmarks.mosaic_ptxas import CASES
+
+    names = [n for n in a.cases.split(",") if n]
+    for n in names:
+        if n not in CASES:
+            p.error(f"--cases: {n!r} is not one of {list(CASES)}")
+    from kernels.kda.hopper import device_kind
+
+    if device_kind() != "hopper":
+        raise SystemExit(f"ncu_stalls needs a Hopper GPU: the kernels run nowhere else (device kind {device_kind()!r})")
+    ncu = ncu_path()
+    if ncu is None:
+        raise SystemExit("ncu_stalls needs Nsight Compute's ncu (on PATH, or under MOSAIC_GPU_CUDA_ROOT/bin)")
+    results = []
+    for n in names:
+        try:
+            results.append(run_case(n, ncu, a.timeout))
+        except subprocess.TimeoutExpired:
+            results.append(dict(case=n, kernels=[], error=f"ncu took more than {a.timeout} s"))
+        print(markdown(results[-1:]), flush=True)
+    path = write_json(dict(env=environment(), metrics=list(METRICS), results=results), a.out, "ncu-stalls")
+    print(f"wrote {path}", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()
