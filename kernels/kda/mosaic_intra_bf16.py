@@ -14,17 +14,17 @@ H100: 6.7 of 12.8 cycles per issued instruction stalled on "no instruction").
   * Anchors a_I = G at the first row of each 16-row block I, and G_last, come from XLA
     (`gate_anchors`, one small reduction over g). In the kernel, D = G - a_I is the block-local
     cumsum BlockTri (g_hi + g_lo) on the tensor cores (split bf16, about 2^-17 relative).
-  * Row side, one half per loop step (D through SMEM): Rq = q exp(D), Rk = k exp(D) (factors
-    <= 1), Kl = k exp(-D) (<= exp(15 * 5)).
+  * Row side, one half per loop step after its D: Rq = q exp(D), Rk = k exp(D) (factors <= 1),
+    Kl = k exp(-D) (<= exp(15 * 5)).
   * Scores, transposed, per row block I: column operand Kc = Kl times the per-column-block
     factor exp(a_I - a_J) (<= 1; zero for J > I); Aqk^T[:, I] = scale Kc Rq_I^T,
-    L^T[:, I] = Kc Rk_I^T diag(beta_I): 64x16 wgmmas into column slices of two accumulators,
-    Kc double-buffered.
+    L^T[:, I] = Kc Rk_I^T diag(beta_I): 64x16 wgmmas into [C, 16] accumulators, one row block per
+    loop step, staged in SMEM and joined after the loop.
   * (I + L^T)^{-1} = Ai^T in split-bf16 products, two independent products per round trip:
     Dg = (I - Ud)(I + Ud^2)(I + Ud^4)(I + Ud^8) for the 16x16 diagonal blocks Ud, then with
     N = Dg Uo (N^4 = 0): Ai^T = (I - N)(I + N^2) Dg.
   * qg = scale Rq exp(a_I) and kg = Kl exp(G_last - a_I) from the row side's registers, staged
-    one half at a time beside D; after the scores k exp(G) = Rk exp(a_I) in place, then
+    one half at a time beside g; after the scores k exp(G) = Rk exp(a_I) in place, then
     w = (Ai diag beta)(k exp G), u = (Ai diag beta) v with Ai diag(beta) as hi + lo bf16.
 """
 
@@ -106,7 +106,7 @@ def _mm_pair(pairs, m_s, dt, a_s=None):
 def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_ref, *rest, H, KH, VH, scale, dt,
           grid):
     q_s, k_s, kl_s, an_s, b_s, a_o, union, bars, *a_s = rest
-    g_s, (parts, bt_s), (d_s, st_s), kc_s, (v_s, m_s) = union
+    (g_s, st_s), parts, (kc_s, sc_s), (v_s, m_s) = union
     phase = profiling.phases()  # named profiler ranges (kernels.profiling), free when not profiling
     phase("load")
     n, bh = grid_indices(grid)
@@ -139,33 +139,32 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
 
     phase("cumsum")
     # D = G - a_I, the block-local cumsum: BlockTri (g_hi + g_lo), BlockTri[r, s] = 1 for s in
-    # r's block, after its first row, up to r.
-    gs = [plgpu.load(g_s.at[j], layout=_W) for j in range(KH)]
-    plgpu.commit_smem()  # every thread has read g before its memory holds the split parts
-    for j in range(KH):
-        _split_store(gs[j], parts.at[j, 0], parts.at[j, 1], dt)
+    # r's block, after its first row, up to r. BlockTri is the products' register operand.
     later_col = lax.broadcast_in_dim(block_of(c1) * SUB != c1, (C, HW), [1])  # not a block's first column
-    bt_s[...] = jnp.where(same_block() & (cols() <= rows()) & later_col, 1.0, 0.0).astype(dt)
-    plgpu.commit_smem()
-
-    def block_cumsum(*accs):
-        for j, acc in enumerate(accs):
-            plgpu.wgmma(acc, bt_s, parts.at[j, 0])
-            plgpu.wgmma(acc, bt_s, parts.at[j, 1])
-        return tuple(acc[...] for acc in accs)
-
-    Ds = pl.run_scoped(block_cumsum, *[plgpu.ACC((C, HW), f32) for _ in range(KH)])
-    for j in range(KH):  # (Pallas's barrier before each store: every warp's products have read the parts)
-        d_s.at[j][...] = Ds[j]
+    bt = jnp.where(same_block() & (cols() <= rows()) & later_col, 1.0, 0.0).astype(dt)
+    if a_s:  # the interpreter takes wgmma operands from SMEM only (see _mm_pair)
+        a_s[0].at[0][...] = bt
+        bt = a_s[0].at[0]
 
     phase("row_side")
-    # Row side, half by half: Rq, Rk in place of q, k; Kl; and from the same registers the outputs
+    # Half by half: D, then Rq, Rk in place of q, k; Kl; and from the same registers the outputs
     # qg = scale Rq exp(a_I), kg = Kl exp(G_last - a_I), staged in st_s.
     sub = jax.named_scope  # sub-phases, nested in the phase's range
 
     def row_half(j):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous half's staged outputs are read
-        D = plgpu.load(d_s.at[j], layout=_W)
+        with sub("block_cumsum"):
+            # g's split parts take g's own memory (Pallas's barrier before the store: every warp
+            # has read it); the other half's g is untouched.
+            _split_store(plgpu.load(g_s.at[j], layout=_W), parts.at[j, 0], parts.at[j, 1], dt)
+            plgpu.commit_smem()
+
+            def cumsum(acc):
+                plgpu.wgmma(acc, bt, parts.at[j, 0])
+                plgpu.wgmma(acc, bt, parts.at[j, 1])
+                return acc[...]
+
+            D = pl.run_scoped(cumsum, plgpu.ACC((C, HW), f32))
         e = jnp.exp(D)
         rq = plgpu.load(q_s.at[j], layout=_W).astype(f32) * e
         q_s.at[j][...] = rq.astype(dt)
@@ -183,38 +182,37 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
     halves(row_half)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    def col_factor(I, J, j):
-        """Column block J's factor for row block I: exp(a_I - a_J) <= 1, 1 on the diagonal, 0 above."""
-        if J > I:
-            return None
-        return jnp.ones((HW,), f32) if J == I else jnp.exp(anchor(I, j) - anchor(J, j))
-
     phase("scores")
-    # Transposed scores, one row block I at a time: A^T[:, block I] = sum_j Kc_I,j Rq[block I, j]^T.
-    def scores(acc_q, acc_k):
-        for I in range(NB):
-            slot = I % 2
-            if I >= 2:
-                with sub("scores_wait"):
-                    plgpu.wgmma_wait(2 * KH)  # block I - 2's products (the last readers of this slot) are done
-            blk = pl.ds(I * SUB, SUB)
-
-            def operand(j, I=I, slot=slot, blk=blk):
+    # Transposed scores, one row block I per loop step: A^T[:, block I] = sum_j Kc_I,j Rq[block I, j]^T
+    # into [C, SUB] accumulators staged in sc_s (an accumulator's columns cannot follow a loop index).
+    def score_block(I, carry):
+        def products(acc_q, acc_k):
+            def operand(j):
                 with sub("scores_operand"):
+                    a_I = anchor(I, j)
+                    # column block J's factor exp(a_I - a_J) <= 1 (1 on the diagonal), 0 for J > I
+                    factor = lambda J: jnp.exp(jnp.minimum(a_I - anchor(J, j), 0.0)) * (J <= I).astype(f32)  # noqa: E731
                     kl = plgpu.load(kl_s.at[j], layout=_W).astype(f32)
-                    kc_s.at[slot, j][...] = (kl * blocks(lambda J: col_factor(I, J, j))).astype(dt)
+                    kc_s.at[j][...] = (kl * blocks(factor)).astype(dt)
                     plgpu.commit_smem()
                 with sub("scores_issue"):
-                    plgpu.wgmma(acc_q.at[:, blk], kc_s.at[slot, j], q_s.at[j, blk].transpose((1, 0)))
-                    plgpu.wgmma(acc_k.at[:, blk], kc_s.at[slot, j], k_s.at[j, blk].transpose((1, 0)))
+                    blk = pl.ds(I * SUB, SUB)
+                    plgpu.wgmma(acc_q, kc_s.at[j], q_s.at[j, blk].transpose((1, 0)))
+                    plgpu.wgmma(acc_k, kc_s.at[j], k_s.at[j, blk].transpose((1, 0)))
 
             halves(operand)
-        with sub("scores_drain"):
-            return acc_q[...], acc_k[...]
+            with sub("scores_drain"):
+                return acc_q[...], acc_k[...]
 
-    AT, LT = pl.run_scoped(scores, plgpu.ACC((C, C), f32), plgpu.ACC((C, C), f32))
+        aq, ak = pl.run_scoped(products, plgpu.ACC((C, SUB), f32), plgpu.ACC((C, SUB), f32))
+        sc_s.at[0, I][...] = aq
+        sc_s.at[1, I][...] = ak
+        return carry
+
+    lax.fori_loop(0, NB, score_block, None)
+    AT, LT = (jnp.concatenate([plgpu.load(sc_s.at[x, I], layout=_W) for I in range(NB)], axis=1) for x in range(2))
     phase("scores_out")
-    for j in range(VH):  # v lands while the inverse runs (its memory held the column operand)
+    for j in range(VH):  # v lands while the inverse runs (its memory held the scores)
         plgpu.copy_gmem_to_smem(v_ref.at[b, rows_t, h, half(j)], v_s.at[j], bars.at[len(loads) + j])
     # rows: column c of the scores; cols: row r.
     beta_r = lax.broadcast_in_dim(plgpu.load(b_s, layout=_W.reduce(0)), (C, C), [1])
@@ -307,10 +305,9 @@ def _intra_bf16(q, k, v, g, beta_t, *, scale, interpret):
     an = gate_anchors(g)  # [B, H, NT, NB + 1, K]
     half = lambda n, dtype: _smem((n, C, HW), dtype)  # noqa: E731
     union = plgpu.RefUnion(
-        half(KH, f32),  # g
-        (_smem((KH, 2, C, HW), dt), _smem((C, C), dt)),  # g as hi + lo, BlockTri
-        (half(KH, f32), half(2, dt)),  # D; one half's qg, kg staged
-        _smem((2, KH, C, HW), dt),  # column operand of the scores, two slots
+        (half(KH, f32), half(2, dt)),  # g; one half's qg, kg staged
+        _smem((KH, 2, C, HW), dt),  # g as hi + lo (half j's over g's half j)
+        (half(KH, dt), _smem((2, NB, C, SUB), f32)),  # column operand of the scores; Aqk^T, L^T by row block
         (half(VH, dt), _smem((4, C, C), dt)),  # v -> u; split operands of the inverse, then Ai diag(beta), -w
     )
     scratch = [
