@@ -16,15 +16,17 @@ the outer factors is <= 0, and the inner ones are <= 15 * 5 = 75 (the bounded-ga
 The XLA pull-back of the dense scores materialises the per-tile anchored copies of k and a_x and
 their gradients in float32 (about 4.5 copies of k each way); this kernel builds them in SMEM.
 
-One program per (chunk, batch*head, 64 key channels, row operand x), 66 KiB of SMEM so three
-can share an SM. Per tile i, the anchored column operand Ka_i = k exp(a_i - G) (zero past tile
-i) goes through wgmmas with N = 16: P_x^T[:, tile i] += Ka_i^T dA_x[tile i, :]^T; and the
-anchored row operand Ab_x,i = a_x exp(G - b_i) (zero before tile i):
-Q_x^T[:, tile i] += Ab_x,i^T dA_x^T[tile i, :]^T. Both operands are split into bf16 hi + lo
+One program per (chunk, batch*head, 64 key channels, row operand x), 74 KiB of SMEM so three
+can share an SM. Per tile i, one loop step, the anchored column operand Ka_i = k exp(a_i - G)
+(zero past tile i) goes through wgmmas with N = 16: P_x^T[:, tile i] = Ka_i^T dA_x[tile i, :]^T;
+and the anchored row operand Ab_x,i = a_x exp(G - b_i) (zero before tile i):
+Q_x^T[:, tile i] = Ab_x,i^T dA_x^T[tile i, :]^T; each step's [K, 16] results go out by TMA. Both operands are split into bf16 hi + lo
 parts and multiplied hi*hi + hi*lo + lo*hi against the cotangents' hi + lo parts (split by XLA),
 about float32 accuracy, which the gate gradient needs. The tile anchors come from XLA too (no
-cross-warp reductions in the kernel). The kernel writes P_x^T and Q_x^T ([K, C] per chunk,
-float32); `dense_scores`' VJP sums Q over x, applies the outer factors and forms dG in XLA,
+cross-warp reductions in the kernel). The tiles are a loop, not unrolled copies: straight-line
+code run once per program stalls on instruction fetch once it outgrows the instruction cache
+(`mosaic_intra_bf16` says how that was measured). The kernel writes P_x^T and Q_x^T ([K, C] per
+chunk, float32); `dense_scores`' VJP sums Q over x, applies the outer factors and forms dG in XLA,
 where they fuse with the transposes back to the token layout.
 """
 
@@ -47,11 +49,10 @@ NB = C // TILE  # 16-row tiles per chunk
 _W = plgpu.Layout.WGMMA
 
 
-def _body(q_ref, k_ref, G_ref, an_ref, dA_ref, dAT_ref, p_ref, qc_ref, *scratch, X, scale, dt, operands, slots, grid):
-    an_s, inputs, stage, bars, *more = scratch
-    (a_s, k_s, G_s), ops0 = inputs
-    ring = [ops0, *more]  # operand slots: (row operand, column operand), each hi + lo
-    (dAs_s, dATs_s), out_s = stage
+def _body(q_ref, k_ref, G_ref, an_ref, dA_ref, dAT_ref, p_ref, qc_ref, an_s, inputs, cots, out_s, bars, *, X, scale,
+          dt, operands, grid):
+    (a_s, k_s, G_s), (op_s, op2_s) = inputs  # the operands (each hi + lo) reuse the inputs' memory
+    dAs_s, dATs_s = cots
     n, bh, kx = grid_indices(grid)
     kh, x = lax.div(kx, X), lax.rem(kx, X)
     ks = pl.ds(kh * KB, KB)
@@ -75,75 +76,70 @@ def _body(q_ref, k_ref, G_ref, an_ref, dA_ref, dAT_ref, p_ref, qc_ref, *scratch,
         plgpu.barrier_wait(bars.at[len(srcs)])
 
     rows = plgpu.broadcasted_iota(jnp.int32, (C, KB), 0, layout=_W)
-    vec = lambda i: plgpu.load(an_s.at[i], layout=_W.reduce(0))  # [KB]: G at tile i's first (i < NB) or last row
-    first = [vec(i) for i in range(NB)]
-    last = [vec(NB + i) for i in range(NB)]
-
+    # [KB]: G at tile i's first (i < NB) or tile i - NB's last row (i may be the loop index)
+    vec = lambda i: plgpu.load(an_s.at[i], layout=_W.reduce(0))  # noqa: E731
     per_block = lambda fn: _per_block(rows.shape, fn, NB)  # noqa: E731 - [C, KB] rows of tile I: fn(I)
 
     G = plgpu.load(G_s, layout=_W)  # [C, KB]
     kf = plgpu.load(k_s, layout=_W).astype(f32)
     # The row operand a_x (a_s holds no data for x = 1: the select drops it).
     a = jnp.where(lax.broadcast_in_dim(is_q, (C, KB), ()), plgpu.load(a_s, layout=_W).astype(f32) * scale, kf)
-    plgpu.commit_smem()  # every thread has read q, k and G before the operands reuse their SMEM
+    if operands == "factored":  # one [C, KB] exponential of each kind for all tiles, factors in [1, e^75]
+        Ea = kf * jnp.exp(per_block(vec) - G)  # k_c exp(G_{a(c)} - G_c)
+        Eb = a * jnp.exp(G - per_block(lambda I: vec(NB + I)))  # a_r exp(G_r - G_{b(r)})
+
+    def tile_operands(i):
+        """Tile i's (column operand, row operand) [C, KB]: "factored" from Ea, Eb times per-tile-block
+        vector factors exp(a_i - a_J) <= 1 and exp(b_I - b_i) <= 1; "direct" each from one [C, KB]
+        exponential, whose masked entries' exponents may overflow and the select drops."""
+        if operands == "factored":
+            fi, li = vec(i), vec(NB + i)
+            return (Ea * per_block(lambda J: jnp.exp(jnp.minimum(fi - vec(J), 0.0)) * (J <= i).astype(f32)),
+                    Eb * per_block(lambda I: jnp.exp(jnp.minimum(vec(NB + I) - li, 0.0)) * (I >= i).astype(f32)))
+        row = lax.broadcast_in_dim(vec(i), (C, KB), [1])
+        col = lax.broadcast_in_dim(vec(NB + i), (C, KB), [1])
+        return (jnp.where(rows < (i + 1) * TILE, kf * jnp.exp(row - G), 0.0),
+                jnp.where(rows >= i * TILE, a * jnp.exp(G - col), 0.0))
 
     def split_products(acc, op, cot, blk):
-        """acc[:, blk] += op^T cot[blk]^T with both operands as hi + lo parts (three wgmmas)."""
+        """acc += op^T cot[blk]^T with both operands as hi + lo parts (three wgmmas)."""
         opT = (op.at[0].transpose((1, 0)), op.at[1].transpose((1, 0)))
         cotT = (cot.at[0].at[blk].transpose((1, 0)), cot.at[1].at[blk].transpose((1, 0)))
-        plgpu.wgmma(acc.at[:, blk], opT[0], cotT[0])
-        plgpu.wgmma(acc.at[:, blk], opT[0], cotT[1])
-        plgpu.wgmma(acc.at[:, blk], opT[1], cotT[0])
+        plgpu.wgmma(acc, opT[0], cotT[0])
+        plgpu.wgmma(acc, opT[0], cotT[1])
+        plgpu.wgmma(acc, opT[1], cotT[0])
 
-    def factored():
-        """Per tile i, (row operand, column operand): one [C, KB] exponential of each kind for all
-        tiles, times per-tile-block vector factors exp(a_i - a_J) <= 1 and exp(b_I - b_i) <= 1."""
-        Ea = kf * jnp.exp(per_block(lambda I: first[I]) - G)  # k_c exp(G_{a(c)} - G_c), factor in [1, e^75]
-        Eb = a * jnp.exp(G - per_block(lambda I: last[I]))  # a_r exp(G_r - G_{b(r)}), factor in [1, e^75]
-        for i in range(NB):
-            yield (Ea * per_block(lambda J: None if J > i else jnp.exp(first[i] - first[J])),
-                   Eb * per_block(lambda I: None if I < i else jnp.exp(last[I] - last[i])))
+    def tile(i, carry):
+        Ka, Ab = tile_operands(i)
+        # (Pallas's barrier before each store: every warp's products of tile i - 1 are done.)
+        _split_store(Ka, op_s.at[0], op_s.at[1], dt)  # row tile i: k_c exp(G_{a_i} - G_c), c up to its end
+        _split_store(Ab, op2_s.at[0], op2_s.at[1], dt)  # column tile i: a_r exp(G_r - G_{b_i}), r from its start
+        plgpu.commit_smem()
+        blk = pl.ds(i * TILE, TILE)
 
-    def direct():
-        """Per tile i, (row operand, column operand), each from one [C, KB] exponential; the masked
-        entries' exponents may overflow, and the select drops them."""
-        for i in range(NB):
-            row = lax.broadcast_in_dim(first[i], (C, KB), [1])
-            col = lax.broadcast_in_dim(last[i], (C, KB), [1])
-            yield (jnp.where(rows < (i + 1) * TILE, kf * jnp.exp(row - G), 0.0),
-                   jnp.where(rows >= i * TILE, a * jnp.exp(G - col), 0.0))
-
-    def products(acc_p, acc_q):
-        for i, (Ka, Ab) in enumerate(factored() if operands == "factored" else direct()):
-            if i >= slots - 1 and i:
-                # The products that last read this slot (tile i - slots) are done; with two slots
-                # tile i - 1's six may still run while this tile's operands are built.
-                plgpu.wgmma_wait(6 * (slots - 1))
-            op_s, op2_s = ring[i % slots]
-            blk = pl.ds(i * TILE, TILE)
-            # Row tile i: k_c exp(G_{a_i} - G_c) for c up to tile i's end.
-            _split_store(Ka, op_s.at[0], op_s.at[1], dt)
-            # Column tile i: a_r exp(G_r - G_{b_i}) for r from tile i's start.
-            _split_store(Ab, op2_s.at[0], op2_s.at[1], dt)
-            plgpu.commit_smem()
+        def products(acc_p, acc_q):
             split_products(acc_p, op_s, dAs_s, blk)
             split_products(acc_q, op2_s, dATs_s, blk)
-        plgpu.wgmma_wait(0)
-        return acc_p[...], acc_q[...]
+            return acc_p[...], acc_q[...]
 
-    P, Q = pl.run_scoped(products, plgpu.ACC((KB, C), f32), plgpu.ACC((KB, C), f32))
-    out_s.at[0][...] = P  # the cotangent tiles are dead: their SMEM takes the results
-    out_s.at[1][...] = Q
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_s.at[0], p_ref.at[n, bh, x, ks])
-    plgpu.copy_smem_to_gmem(out_s.at[1], qc_ref.at[n, bh, x, ks])
+        P, Q = pl.run_scoped(products, plgpu.ACC((KB, TILE), f32), plgpu.ACC((KB, TILE), f32))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # tile i - 1's results are read
+        out_s.at[0][...] = P
+        out_s.at[1][...] = Q
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_s.at[0], p_ref.at[n, bh, x, ks, blk])
+        plgpu.copy_smem_to_gmem(out_s.at[1], qc_ref.at[n, bh, x, ks, blk])
+        return carry
+
+    plgpu.commit_smem()  # every thread has read q, k and G before the operands reuse their SMEM
+    lax.fori_loop(0, NB, tile, None)
     plgpu.wait_smem_to_gmem(0)
 
 
 OPERANDS = ("factored", "direct")
 
 
-def scores_bwd_kernel(q, k, G, anchors, dA, dAT, *, scale, interpret=False, operands="direct", slots=1):
+def scores_bwd_kernel(q, k, G, anchors, dA, dAT, *, scale, interpret=False, operands="direct"):
     """The kernel's inner sums. q, k [N, BH, C, K] (bf16); G [N, BH, C, K] float32; anchors
     [N, BH, 2 NB, K] float32 (G at each tile's first row, then at each tile's last row); dA, dAT
     [N, BH, X, 2, C, C] bf16: dA_x (zero above the diagonal) and its transpose as hi + lo parts.
@@ -151,14 +147,12 @@ def scores_bwd_kernel(q, k, G, anchors, dA, dAT, *, scale, interpret=False, oper
     exp(G_{a(r)} - G_c), Q_x[c] = sum_r dA_x[r, c] a_x,r exp(G_r - G_{b(c)}). One program per
     (chunk, batch*head, 64 channels, x). `operands` (OPERANDS): how the anchored operands are
     formed, "direct" (two [C, K] exponentials per tile, fewer instructions in all) or "factored"
-    (two [C, K] exponentials, then per-tile vector factors). `slots`: 1 (a tile's operands are
-    built once the previous tile's products are done) or 2 (built while they run, 32 KiB more
-    SMEM). On an H200 at 8,4096,16,128: direct 1.37 ms (1 slot) / 1.57 (2), factored 1.97 / 2.15
-    (benchmarks/results/kda-stages-h200-20261130T1528.json)."""
+    (two [C, K] exponentials, then per-tile vector factors). A tile's operands are built once the
+    previous tile's products are done. On an H200 at 8,4096,16,128, with the tiles unrolled:
+    direct 1.37 ms, factored 1.97 (benchmarks/results/kda-stages-h200-20261130T1528.json; building
+    them while the products ran, in a second slot, was slower: 1.57 and 2.15)."""
     if operands not in OPERANDS:
         raise ValueError(f"operands={operands!r}; expected one of {OPERANDS}")
-    if slots not in (1, 2):
-        raise ValueError(f"slots={slots}; expected 1 or 2")
     N, BH, Cc, K = q.shape
     X = dA.shape[2]
     if Cc != C or K % KB or q.dtype != jnp.bfloat16 or X not in (1, 2) or dA.dtype != jnp.bfloat16:
@@ -166,22 +160,17 @@ def scores_bwd_kernel(q, k, G, anchors, dA, dAT, *, scale, interpret=False, oper
                          f"got C={Cc}, K={K}, {q.dtype}, {dA.dtype}, X={X}")
     dt = q.dtype
     f32 = jnp.float32
-    # SMEM phases that never overlap share memory: the inputs (read into registers first) and
-    # the anchored operands; the cotangents (dead after the last product) and the results.
+    # The inputs (read into registers first) and the anchored operands share memory.
     inputs = plgpu.RefUnion(
         (_smem((C, KB), dt), _smem((C, KB), dt), _smem((C, KB), f32)),  # q, k, G
-        (_smem((2, C, KB), dt), _smem((2, C, KB), dt)),  # the anchored operands' first slot, hi + lo
+        (_smem((2, C, KB), dt), _smem((2, C, KB), dt)),  # the anchored operands, hi + lo
     )
-    stage = plgpu.RefUnion(
-        (_smem((2, C, C), dt), _smem((2, C, C), dt)),  # dA_x, dA_x^T as hi + lo
-        _smem((2, KB, C), f32),  # P^T, Q^T on their way out
-    )
-    operand_slot = lambda: (_smem((2, C, KB), dt), _smem((2, C, KB), dt))
-    scratch = [plgpu.SMEM((2 * NB, KB), f32), inputs, stage, plgpu.Barrier(num_barriers=8)]
-    scratch += [operand_slot() for _ in range(slots - 1)]
+    cots = (_smem((2, C, C), dt), _smem((2, C, C), dt))  # dA_x, dA_x^T as hi + lo
+    scratch = [plgpu.SMEM((2 * NB, KB), f32), inputs, cots, _smem((2, KB, TILE), f32),  # one tile's P^T, Q^T
+               plgpu.Barrier(num_barriers=8)]
     out_type = (jax.ShapeDtypeStruct((N, BH, X, K, C), f32),) * 2
     grid = (N, BH, (K // KB) * X)
-    body = functools.partial(_body, X=X, scale=float(scale), dt=dt, operands=operands, slots=slots, grid=grid)
+    body = functools.partial(_body, X=X, scale=float(scale), dt=dt, operands=operands, grid=grid)
     return plgpu.kernel(
         body,
         out_type=out_type,

@@ -222,11 +222,10 @@ def _chunk_stages(rec, q, k, v, g, beta, scale):
     G = flat(chunk_intra.chunk_cumsum(cg))
     anchors = mosaic_scores_bwd.tile_anchors(G)
     for operands in mosaic_scores_bwd.OPERANDS:
-        for slots in (1, 2):
-            rec(f"mosaic_scores_bwd kernel alone, {operands} operands, {slots} slot(s)",
-                lambda *a, o=operands, s=slots: mosaic_scores_bwd.scores_bwd_kernel(
-                    *a, scale=scale, operands=o, slots=s, interpret=kernel_mode == "interpret"),
-                flat(cq), flat(ck), G, anchors, dA, dA)
+        rec(f"mosaic_scores_bwd kernel alone, {operands} operands",
+            lambda *a, o=operands: mosaic_scores_bwd.scores_bwd_kernel(
+                *a, scale=scale, operands=o, interpret=kernel_mode == "interpret"),
+            flat(cq), flat(ck), G, anchors, dA, dA)
     rec("chunk.prep (new) recompute + vjp (tiled scores)", lambda *a: prep_vjp(*a, scores="tiled"), *args)
     dvi = jnp.ones(vn.shape, nm.sdt)
     rec("chunk.bwd piece: reverse state scan",

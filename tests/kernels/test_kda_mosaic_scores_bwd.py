@@ -18,11 +18,11 @@ def _rel(want, got):
     return float(np.sqrt(np.mean((want - got) ** 2)) / np.sqrt(np.mean(want**2)))
 
 
-def _check_vjp(rng, monkeypatch, delta, operands, slots, interpret, N=2, H=2):
+def _check_vjp(rng, monkeypatch, delta, operands, interpret, N=2, H=2):
     """dq, dk, dG of the kernel's VJP (split-bf16 products) within 5e-5 of float32 autodiff, with
     the full bounded gate range (G falling by up to 5 per token) and two programs per chunk
     (K = 128)."""
-    kernel = functools.partial(mosaic_scores_bwd.scores_bwd_kernel, operands=operands, slots=slots)
+    kernel = functools.partial(mosaic_scores_bwd.scores_bwd_kernel, operands=operands)
     monkeypatch.setattr(mosaic_scores_bwd, "scores_bwd_kernel", kernel)
     B, C, K = 1, 64, 128
     bf_values = lambda x: jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)
@@ -50,19 +50,19 @@ def _check_vjp(rng, monkeypatch, delta, operands, slots, interpret, N=2, H=2):
         np.testing.assert_allclose(np.where(lower, got, 0), np.where(lower, want, 0), atol=5e-4, rtol=5e-3)
 
 
-@pytest.mark.parametrize("delta, operands, slots", [(True, "factored", 1), (False, "factored", 1), (True, "direct", 2)])
-def test_kernel_vjp_matches_float32_autodiff(rng, monkeypatch, delta, operands, slots):
-    """In the interpreter, for both ways of forming the anchored operands and one or two slots."""
-    _check_vjp(rng, monkeypatch, delta, operands, slots, interpret=True)
+@pytest.mark.parametrize("delta, operands", [(True, "factored"), (False, "factored"), (True, "direct")])
+def test_kernel_vjp_matches_float32_autodiff(rng, monkeypatch, delta, operands):
+    """In the interpreter, for both ways of forming the anchored operands."""
+    _check_vjp(rng, monkeypatch, delta, operands, interpret=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("operands", ["factored", "direct"])
-@pytest.mark.parametrize("slots", [1, 2])
-def test_gpu_kernel_variants_match_float32_autodiff(rng, monkeypatch, operands, slots):
-    """Compiled, every variant the stage benchmark times (a race between a slot's rewrite and the
-    products still reading it would show here), over 16 chunks x 8 heads."""
-    _check_vjp(rng, monkeypatch, True, operands, slots, interpret=False, N=16, H=8)
+def test_gpu_kernel_variants_match_float32_autodiff(rng, monkeypatch, operands):
+    """Compiled, every variant the stage benchmark times (a race between a tile's operand rewrite
+    or result staging and the products or copies still reading them would show here), over 16
+    chunks x 8 heads."""
+    _check_vjp(rng, monkeypatch, True, operands, interpret=False, N=16, H=8)
 
 
 def test_kda_with_kernel_backward_matches_naive(rng, monkeypatch):
@@ -84,8 +84,8 @@ def test_kernel_lowers_for_cuda():
     bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
     N, BH, C, K = 2, 3, 64, 128
-    for X, operands, slots in ((1, "factored", 1), (2, "factored", 1), (2, "direct", 2)):
-        kernel = functools.partial(mosaic_scores_bwd.scores_bwd_kernel, scale=0.1, operands=operands, slots=slots)
+    for X, operands in ((1, "factored"), (2, "factored"), (2, "direct")):
+        kernel = functools.partial(mosaic_scores_bwd.scores_bwd_kernel, scale=0.1, operands=operands)
         lowered = jax.jit(kernel).trace(
             bf(N, BH, C, K), bf(N, BH, C, K), f32(N, BH, C, K), f32(N, BH, 8, K), bf(N, BH, X, 2, C, C),
             bf(N, BH, X, 2, C, C)).lower(lowering_platforms=("cuda",))
@@ -115,9 +115,6 @@ def test_kernel_rejects_unsupported_inputs():
     with pytest.raises(ValueError, match="operands"):
         mosaic_scores_bwd.scores_bwd_kernel(x, x, x.astype(jnp.float32), anchors[..., :64], dA, dA, scale=1.0,
                                             interpret=True, operands="fused")
-    with pytest.raises(ValueError, match="slots"):
-        mosaic_scores_bwd.scores_bwd_kernel(x, x, x.astype(jnp.float32), anchors[..., :64], dA, dA, scale=1.0,
-                                            interpret=True, slots=3)
     with pytest.raises(ValueError, match="bf16"):
         mosaic_scores_bwd.scores_bwd_kernel(x, x, x.astype(jnp.float32), anchors[..., :64], dA.astype(jnp.float32),
                                             dA, scale=1.0, interpret=True)
