@@ -193,9 +193,9 @@ def _case_gmm():
     return jax.grad(loss, argnums=(0, 1)), (x, w)
 
 
-def _case_gmm_ffn():
-    """The fused expert FFN (`glu_ffn`, fusion="ffn": forward kernel, backward rows kernel, two tgmm) at
-    the k3_small expert shapes (65536 rows, D = 256, F = 224, 8 experts, SiTU-GLU)."""
+def _expert_ffn(fusion):
+    """`glu_ffn` forward+backward with `fusion` at the k3_small expert shapes (65536 rows, D = 256,
+    F = 224, 8 experts, SiTU-GLU)."""
     from kernels.gmm import glu
 
     keys = jax.random.split(jax.random.key(0), 4)
@@ -206,14 +206,26 @@ def _case_gmm_ffn():
     sizes = jnp.full((G,), M // G, jnp.int32)
 
     def loss(*a):
-        return jnp.sum(glu.glu_ffn(*a, sizes, kind="situ", impl="pallas_gpu", fusion="ffn").astype(jnp.float32))
+        return jnp.sum(glu.glu_ffn(*a, sizes, kind="situ", impl="pallas_gpu", fusion=fusion).astype(jnp.float32))
 
     return jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), (x, wg, wu, wd)
 
 
+def _case_gmm_ffn():
+    """The whole-FFN kernels (`glu_ffn`, fusion="ffn": forward kernel, backward rows kernel, two
+    tgmm) at the k3_small expert shapes."""
+    return _expert_ffn("ffn")
+
+
+def _case_gmm_glu():
+    """The fused gate/up kernels with the down projection's grouped matmuls (`glu_ffn`,
+    fusion="glu", what k3_small runs) at the k3_small expert shapes."""
+    return _expert_ffn("glu")
+
+
 CASES = dict(kda_fwd=_case_kda_fwd, kda_intra_bf16=_case_kda_intra_bf16, kda_train=_case_kda_train,
              kda_scores_bwd=_case_kda_scores_bwd, kda_decode=_case_kda_decode, short_conv=_case_short_conv,
-             gmm=_case_gmm, gmm_ffn=_case_gmm_ffn)
+             gmm=_case_gmm, gmm_glu=_case_gmm_glu, gmm_ffn=_case_gmm_ffn)
 
 
 # An H200 as XLA's GPU compiler describes a device (GpuTargetConfig), for --deviceless.
