@@ -1,4 +1,4 @@
-"""Registers and spills of every Mosaic GPU kernel, from ptxas, at the shapes the benchmarks time.
+"""Registers, spills and code size of every Mosaic GPU kernel, from ptxas, at the benchmarks' shapes.
 
     JAX_PLATFORMS=cuda python benchmarks/mosaic_ptxas.py [--cases kda_fwd,kda_train,...] [--out J]
 
@@ -6,9 +6,9 @@ A kernel that spills registers to local memory (the warpgroup's f32 [64, 64] til
 registers per thread each) runs far below what its SMEM traffic allows; ptxas says so, but only
 when asked. Each case compiles and runs the ops that launch our kernels (at the shapes of
 `benchmarks/kda.py`, `benchmarks/short_conv.py` and `benchmarks/moe.py`) with
-`MOSAIC_GPU_DUMP_PTXAS=1`, which makes Mosaic GPU's compiler print ptxas's verbose report on the
-process's standard output; the report is captured at the file-descriptor level and parsed into
-one row per compiled kernel (registers per thread, spill stores and loads, stack frame). The
+`MOSAIC_GPU_DUMP_PTXAS=1` and `MOSAIC_GPU_DUMP_TO` a temporary folder, where Mosaic GPU's compiler
+writes ptxas's verbose report for each kernel; the reports are parsed into one row per compiled
+kernel (registers per thread, spill stores and loads, stack frame). The
 JSON (default benchmarks/results/mosaic-ptxas-<time>.json) keeps the raw report too.
 
 Each row also gives the kernel's machine code size (`sass_bytes`, 16 bytes an instruction), from
@@ -85,14 +85,16 @@ def text_bytes(cubin: bytes) -> int:
     return sum(sec[5] for sec in sections if name(sec[0]).startswith(".text."))
 
 
-def _ptxas() -> str | None:
-    cuda = os.environ.get("MOSAIC_GPU_CUDA_ROOT", "/usr/local/cuda")
-    return shutil.which("ptxas") or next((p for p in (os.path.join(cuda, "bin", "ptxas"),) if os.path.exists(p)), None)
+def cuda_tool(name: str) -> str | None:
+    """Path of a CUDA toolkit program (ptxas, ncu): on PATH, else under MOSAIC_GPU_CUDA_ROOT or
+    /usr/local/cuda; None if neither has it."""
+    path = os.path.join(os.environ.get("MOSAIC_GPU_CUDA_ROOT", "/usr/local/cuda"), "bin", name)
+    return shutil.which(name) or (path if os.path.exists(path) else None)
 
 
 def sass_bytes(ptx_path: str, arch: str = "sm_90a") -> int | None:
     """Machine code bytes of one dumped PTX file, assembled again by ptxas (None without one)."""
-    ptxas = _ptxas()
+    ptxas = cuda_tool("ptxas")
     if ptxas is None:
         return None
     cubin = ptx_path[:-4] + ".cubin"

@@ -22,7 +22,6 @@ import argparse
 import csv
 import io
 import os
-import shutil
 import subprocess
 import sys
 
@@ -32,12 +31,6 @@ STALL = "smsp__average_warps_issue_stalled_"
 STALL_SUFFIX = "_per_issue_active.ratio"
 METRICS = ("gpu__time_duration.sum", "smsp__inst_executed.sum", f"regex:{STALL}.*{STALL_SUFFIX}")
 KERNELS = "regex:mosaic_gpu_kernel"
-
-
-def ncu_path() -> str | None:
-    cuda = os.environ.get("MOSAIC_GPU_CUDA_ROOT", "/usr/local/cuda")
-    path = os.path.join(cuda, "bin", "ncu")
-    return shutil.which("ncu") or (path if os.path.exists(path) else None)
 
 
 def _number(text: str) -> float | None:
@@ -130,7 +123,7 @@ def main(argv=None) -> list[dict]:
         _child(a.child)
         return []
     from benchmarks.common import environment, write_json
-    from benchmarks.mosaic_ptxas import CASES
+    from benchmarks.mosaic_ptxas import CASES, cuda_tool
 
     names = [n for n in a.cases.split(",") if n]
     for n in names:
@@ -140,7 +133,7 @@ def main(argv=None) -> list[dict]:
 
     if device_kind() != "hopper":
         raise SystemExit(f"ncu_stalls needs a Hopper GPU: the kernels run nowhere else (device kind {device_kind()!r})")
-    ncu = ncu_path()
+    ncu = cuda_tool("ncu")
     if ncu is None:
         raise SystemExit("ncu_stalls needs Nsight Compute's ncu (on PATH, or under MOSAIC_GPU_CUDA_ROOT/bin)")
     results = []

@@ -62,7 +62,7 @@ def test_text_bytes_sums_the_code_sections():
 def test_sass_bytes_of_a_small_kernel(tmp_path):
     """ptxas assembles a PTX kernel of known length; its code is a whole number of 16-byte
     instructions and grows with the PTX (skipped where no ptxas is installed)."""
-    if bench._ptxas() is None:
+    if bench.cuda_tool("ptxas") is None:
         pytest.skip("no ptxas here")
 
     def kernel(n):
