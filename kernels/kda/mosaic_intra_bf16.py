@@ -23,7 +23,8 @@ H100: 6.7 of 12.8 cycles per issued instruction stalled on "no instruction").
   * (I + L^T)^{-1} = Ai^T in split-bf16 products, two independent products per round trip:
     Dg = (I - Ud)(I + Ud^2)(I + Ud^4)(I + Ud^8) for the 16x16 diagonal blocks Ud, then with
     N = Dg Uo (N^4 = 0): Ai^T = (I - N)(I + N^2) Dg.
-  * qg = scale Rq exp(a_I) and kg = Kl exp(G_last - a_I) from the row side's registers, staged
+  * qg = scale q exp(G) (= scale Rq exp(a_I)) and kg = k exp(G_last - G) (= Kl exp(G_last - a_I))
+    with G = D + a_I: one exponential of a tile each, not four of the per-block anchors; staged
     one half at a time beside g; after the scores k exp(G) = Rk exp(a_I) in place, then
     w = (Ai diag beta)(k exp G), u = (Ai diag beta) v with Ai diag(beta) as hi + lo bf16.
 """
@@ -166,14 +167,15 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
 
             D = pl.run_scoped(cumsum, plgpu.ACC((C, HW), f32))
         e = jnp.exp(D)
-        rq = plgpu.load(q_s.at[j], layout=_W).astype(f32) * e
-        q_s.at[j][...] = rq.astype(dt)
-        st_s.at[0][...] = (rq * blocks(lambda I: jnp.exp(anchor(I, j)) * scale)).astype(dt)
+        G = D + blocks(lambda I: anchor(I, j))  # the chunk-local cumsum itself, <= 0
+        qf = plgpu.load(q_s.at[j], layout=_W).astype(f32)
+        q_s.at[j][...] = (qf * e).astype(dt)
+        st_s.at[0][...] = (qf * jnp.exp(G) * scale).astype(dt)  # qg = scale Rq exp(a_I)
         kf = plgpu.load(k_s.at[j], layout=_W).astype(f32)
         k_s.at[j][...] = (kf * e).astype(dt)
-        kl = kf * jnp.exp(jnp.minimum(-D, MAX_EXP))
-        kl_s.at[j][...] = kl.astype(dt)
-        st_s.at[1][...] = (kl * blocks(lambda I: jnp.exp(anchor(NB, j) - anchor(I, j)))).astype(dt)
+        kl_s.at[j][...] = (kf * jnp.exp(jnp.minimum(-D, MAX_EXP))).astype(dt)
+        G_last = lax.broadcast_in_dim(anchor(NB, j), (C, HW), [1])
+        st_s.at[1][...] = (kf * jnp.exp(G_last - G)).astype(dt)  # kg = Kl exp(G_last - a_I), exponent <= 0
         plgpu.commit_smem()
         with sub("row_side_out"):
             plgpu.copy_smem_to_gmem(st_s.at[0], qg_ref.at[bh, n, :, half(j)])
