@@ -64,3 +64,32 @@ def test_refuses_without_a_hopper_gpu_and_unknown_cases():
         bench.main(["--cases", "kda_intra_bf16"])
     with pytest.raises(SystemExit):
         bench.main(["--cases", "kda_everything"])
+
+
+def test_run_case_keeps_the_measured_call(monkeypatch):
+    """The child runs the case twice; of each kernel's launches only the second call's are kept, and
+    an odd count or a failing ncu is recorded as the case's error."""
+    import subprocess
+
+    calls = []
+
+    def fake_run(cmd, **kwargs):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout=fake_run.stdout, stderr="")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    rows = [HEAD]
+    for i, (kernel, ms) in enumerate([("a_mosaic_gpu_kernel", 9.0), ("b_mosaic_gpu_kernel", 8.0),
+                                      ("a_mosaic_gpu_kernel", 2.0), ("b_mosaic_gpu_kernel", 1.0)]):
+        rows.append(_row(i, kernel, "gpu__time_duration.sum", "msecond", str(ms)))
+        rows.append(_row(i, kernel, _stall("no_instruction"), "inst", "3.0"))
+    fake_run.stdout = "\n".join(rows)
+    out = bench.run_case("kda_intra_bf16", "ncu", timeout=10)
+    assert [(k["kernel"], k["duration_ms"]) for k in out["kernels"]] == [("a_mosaic_gpu_kernel", 2.0),
+                                                                        ("b_mosaic_gpu_kernel", 1.0)]
+    cmd = calls[0]
+    assert cmd[0] == "ncu" and "--csv" in cmd and cmd[-2:] == ["--child", "kda_intra_bf16"]
+    fake_run.stdout = "\n".join(rows[:-2])
+    assert "not two equal calls" in bench.run_case("kda_intra_bf16", "ncu", timeout=10)["error"]
+    fake_run.stdout = "==ERROR== profiling is not supported"
+    assert "0 launches" in bench.run_case("kda_intra_bf16", "ncu", timeout=10)["error"]
