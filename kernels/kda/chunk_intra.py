@@ -117,20 +117,49 @@ def chunk_cumsum(g):
     """Inclusive cumsum of g [..., C, K] over C, formed as CUMSUM_MODE says."""
     if traced_settings()[2] == "scan":
         return jnp.cumsum(g, axis=-2)
-    C = g.shape[-2]
-    tri = jnp.tril(jnp.ones((C, C), g.dtype))  # tri[d, c] = 1 for c <= d
     prec = jax.lax.Precision.HIGHEST
     if CUMSUM_MODE == "matmul_bf16x6" and g.dtype == jnp.float32:
         prec = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6
     if g.ndim >= 3:
-        # [.., H, C, K] as [.., C, H, K] against a batched tri: the product reads g and writes G in
-        # the token-major layout [B, T, H, K] the inputs arrive in. An unbatched tri leaves the
-        # chunk's leading dims free, and XLA then transposes g, G and their gradients around the
-        # GEMM (1.31 GB more in the XLA ops of a forward+backward at 1,65536,16,128).
-        x = jnp.swapaxes(g, -3, -2)
-        tb = jnp.broadcast_to(tri, x.shape[:-3] + tri.shape)
-        return jnp.swapaxes(jnp.einsum("...dc,...chk->...dhk", tb, x, precision=prec), -3, -2)
+        return _token_major_cumsum(g, prec)
+    tri = jnp.tril(jnp.ones((g.shape[-2],) * 2, g.dtype))  # tri[d, c] = 1 for c <= d
     return jnp.einsum("dc,...ck->...dk", tri, g, precision=prec)
+
+
+def _tri_product(g, prec, reverse: bool):
+    """[.., H, C, K] as [.., C, H, K] (chunked [N, B, H, C, K] as [B, N, C, H, K]) against a
+    batched lower-triangular ones matrix (its transpose if `reverse`) as the GEMM's first operand:
+    the product reads g and writes the result in the token-major layout [B, T, H, K] the inputs
+    arrive in, so the chunking's transposes fuse into the element-wise ops around it. An unbatched
+    matrix leaves the chunk's leading dims free, and XLA then transposes g, G and their gradients
+    around the GEMM (1.31 GB more in the XLA ops of a forward+backward at 1,65536,16,128)."""
+    C = g.shape[-2]
+    tri = jnp.tril(jnp.ones((C, C), g.dtype))  # tri[d, c] = 1 for c <= d
+    perm = (1, 0, 3, 2, 4) if g.ndim == 5 else tuple(range(g.ndim - 3)) + (g.ndim - 2, g.ndim - 3, g.ndim - 1)
+    x = jnp.transpose(g, perm)
+    tb = jnp.broadcast_to(tri.T if reverse else tri, x.shape[:-3] + tri.shape)
+    return jnp.transpose(jnp.einsum("...dc,...chk->...dhk", tb, x, precision=prec), perm)  # perm is its inverse
+
+
+# The reverse cumsum (the gradient) is the same product with the transposed matrix, written out
+# rather than left to autodiff: autodiff's transpose puts the cotangent first in the GEMM, so XLA
+# writes it with the summed axis minor (an element-wise fusion transposing its [C, K] tiles at
+# 38% of HBM bandwidth, 1.30 ms at 8,4096,16,128 on an H100,
+# kda-profile-loops-bodies-8x4096-h100-20261205T1923.json) and transposes the result back.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _token_major_cumsum(g, prec):
+    return _tri_product(g, prec, reverse=False)
+
+
+def _token_major_cumsum_fwd(g, prec):
+    return _tri_product(g, prec, reverse=False), None
+
+
+def _token_major_cumsum_bwd(prec, _, dG):
+    return (_tri_product(dG, prec, reverse=True),)
+
+
+_token_major_cumsum.defvjp(_token_major_cumsum_fwd, _token_major_cumsum_bwd)
 
 
 def to_chunks(x, C: int = CHUNK):

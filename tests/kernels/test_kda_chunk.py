@@ -314,6 +314,25 @@ def test_traced_modes_give_the_same_values(rng, monkeypatch, name, modes, lower)
         run()
 
 
+@pytest.mark.parametrize("mode", ["matmul", "matmul_bf16x6"])
+@pytest.mark.parametrize("shape", [(3, 2, 16, 8), (2, 3, 2, 64, 16)])
+def test_chunk_cumsum_and_its_gradient(monkeypatch, mode, shape):
+    """chunk_intra.chunk_cumsum as a matmul (token-major for chunked arrays [.., H, C, K], whose
+    gradient is a hand-written product with the transposed matrix) against numpy's cumsum down
+    C, and its pull-back against the reverse cumsum."""
+    from kernels.kda import chunk_intra
+
+    monkeypatch.setattr(chunk_intra, "CUMSUM_MODE", mode)
+    r = np.random.default_rng(3)
+    g = -r.uniform(size=shape).astype(np.float32)
+    ct = r.standard_normal(shape).astype(np.float32)
+    G, pull = jax.vjp(chunk_intra.chunk_cumsum, jnp.asarray(g))
+    (dg,) = pull(jnp.asarray(ct))
+    np.testing.assert_allclose(np.asarray(G), np.cumsum(g, axis=-2), rtol=1e-5, atol=1e-5)
+    reverse = np.flip(np.cumsum(np.flip(ct, axis=-2), axis=-2), axis=-2)
+    np.testing.assert_allclose(np.asarray(dg), reverse, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("bounded", [True, False])
 @pytest.mark.parametrize("row_mode, diag_stack, offdiag_stack", [
     ("stacked", "separate", "separate"), ("separate", "separate", "separate"), ("separate", "stacked", "separate"),
