@@ -156,6 +156,19 @@ def _case_kda_scores_bwd():
     return run, args
 
 
+def _case_kda_wy_bwd():
+    """chunk_mosaic forward + backward with the WY pull-back kernel (`wy_bwd=mosaic`)."""
+    from kernels.kda import chunk
+
+    fn, args = _case_kda_train()
+
+    def run(*a):
+        with chunk.settings(wy_bwd="mosaic"):
+            return fn(*a)
+
+    return run, args
+
+
 def _case_kda_decode():
     """kda_step impl="pallas_gpu" for B = 64, H = 32, K = V = 128 (benchmarks/kda_decode.py's inputs)."""
     from benchmarks.kda_decode import _decode_inputs
@@ -226,7 +239,7 @@ def _case_gmm_glu():
 
 
 CASES = dict(kda_fwd=_case_kda_fwd, kda_intra_bf16=_case_kda_intra_bf16, kda_train=_case_kda_train,
-             kda_scores_bwd=_case_kda_scores_bwd, kda_decode=_case_kda_decode, short_conv=_case_short_conv,
+             kda_scores_bwd=_case_kda_scores_bwd, kda_wy_bwd=_case_kda_wy_bwd, kda_decode=_case_kda_decode, short_conv=_case_short_conv,
              gmm=_case_gmm, gmm_glu=_case_gmm_glu, gmm_ffn=_case_gmm_ffn)
 
 

@@ -29,7 +29,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
-from kernels.kda import chunk_intra, chunk_output, chunk_segments
+from kernels.kda import chunk_intra, chunk_output, chunk_segments, chunk_wy
 from kernels.kda.chunk_intra import (
     CHUNK,
     SAFE_LOWER_BOUND,
@@ -235,17 +235,7 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
         decay=jnp.sum(states.astype(nm.sdt) * dhs, axis=-1),
     )
     if delta:
-        # v' = u - w S_n; u = Ai bv; w = Ai kgam; Ai = (I + L)^{-1}.
-        dw = -nm.mm("nbhcv,nbhkv->nbhck", dvn, states)
-        dai_dt = nm.cd if compact else None  # compact: dAi is only an operand of dL's compute-dtype products
-        dAi = (nm.mm("nbhrv,nbhcv->nbhrc", dvn, P["bv"], out=dai_dt)
-               + nm.mm("nbhrk,nbhck->nbhrc", dw, P["kgam"], out=dai_dt))
-        ct["bv"] = nm.mm("nbhrc,nbhrv->nbhcv", Ai, dvn)
-        ct["kgam"] = nm.mm("nbhrc,nbhrk->nbhck", Ai, dw)
-        if compact:  # L's cotangent is rounded to the compute dtype below: its products take it too
-            ct["L"] = -nm.mm("nbhsr,nbhsc->nbhrc", Ai, nm.mm("nbhsm,nbhcm->nbhsc", dAi, Ai, out=nm.cd))
-        else:
-            ct["L"] = -nm.mm_fine("nbhsr,nbhsc->nbhrc", Ai, nm.mm_fine("nbhsm,nbhcm->nbhsc", dAi, Ai))
+        ct["bv"], ct["kgam"], ct["L"] = chunk_wy.pull_back(nm, dvn, states, Ai, P["bv"], P["kgam"], compact)
     if compact:
         # Each of these pieces is only ever a matmul operand in the compute dtype, so its
         # cotangent is rounded there too: the products write half the bytes and the pull-back
@@ -391,7 +381,8 @@ def _settings_table(keys=None):
              "scan_form": lambda: (chunk_segments, "SCAN_FORM", chunk_segments.SCAN_FORMS),
              "cotangents": lambda: (sys.modules[__name__], "COTANGENTS", COTANGENT_CHOICES),
              "residuals": lambda: (sys.modules[__name__], "RESIDUALS", RESIDUAL_CHOICES),
-             "forward_state": lambda: (chunk_output, "FORWARD_STATE", chunk_output.FORWARD_STATE_CHOICES)}
+             "forward_state": lambda: (chunk_output, "FORWARD_STATE", chunk_output.FORWARD_STATE_CHOICES),
+             "wy_bwd": lambda: (chunk_wy, "WY_BWD", chunk_wy.WY_BWD_CHOICES)}
     for key in keys or ():
         if key not in table:
             raise ValueError(f"unknown KDA setting {key!r}; expected one of {SETTINGS}")
@@ -406,7 +397,7 @@ def traced_key() -> tuple:
     ms = sys.modules.get("kernels.kda.mosaic_scan")  # "forward_only" exists once the kernels are imported
     return chunk_intra.traced_settings() + (DEFAULT_SCORES, chunk_segments.SEGMENTS, chunk_segments.BLOCK_V,
                                             chunk_segments.GRAD_ISSUE, chunk_segments.SCAN_FORM, COTANGENTS, RESIDUALS,
-                                            chunk_output.FORWARD_STATE, ms.FORWARD_ONLY if ms else None)
+                                            chunk_output.FORWARD_STATE, ms.FORWARD_ONLY if ms else None, chunk_wy.wy_bwd_mode())
 
 
 def _forward_only_setting():
@@ -416,7 +407,7 @@ def _forward_only_setting():
 
 SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse", "diag_stack", "offdiag_stack",
             "forward_only", "segments", "block_v", "grad_issue", "scan_form", "cotangents", "residuals",
-            "forward_state")
+            "forward_state", "wy_bwd")
 
 
 def setting_values(key: str) -> tuple:
@@ -428,7 +419,7 @@ def setting_values(key: str) -> tuple:
 def settings(**values):
     """Within the block, trace with these module settings (diag=, rows=, scores=, cumsum=,
     scores_bwd=, inverse=, diag_stack=, offdiag_stack=, forward_only=, segments=, block_v=,
-    grad_issue=, scan_form=, cotangents=, residuals=, forward_state=; see SETTINGS), restored
+    grad_issue=, scan_form=, cotangents=, residuals=, forward_state=, wy_bwd=; see SETTINGS), restored
     afterwards; an unknown key or value raises."""
     table = _settings_table(values)
     for key, value in values.items():

@@ -1,0 +1,106 @@
+"""The WY form's pull-back as a Mosaic GPU kernel (`kernels/kda/mosaic_wy_bwd.py`, run by the
+Mosaic GPU interpreter) against its XLA reference (`chunk_wy.wy_bwd_reference`), alone and inside
+KDA's gradients; shape and dtype errors; the setting's dispatch."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.kda import chunk, chunk_wy, kda, mosaic_wy_bwd
+from kernels.kda.chunk import _Numerics
+from kernels.kda.chunk_intra import unit_lower_inverse
+
+
+def _pieces(rng, lead, K, V, dtype=jnp.bfloat16):
+    """dv', S_n, Ai = (I + L)^{-1} of a strictly lower L like the chunk's (float32), bv, kgam."""
+    C = 64
+    n = lambda *s: jnp.asarray(rng.standard_normal((*lead, *s)), jnp.float32)  # noqa: E731
+    L = jnp.tril(n(C, C) * 0.1, -1)
+    Ai = unit_lower_inverse(L, jax.lax.Precision.HIGHEST)
+    return (n(C, V).astype(dtype), (n(K, V) * 0.3).astype(dtype), Ai, n(C, V), n(C, K))
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("K, V", [(128, 128), (64, 128), (128, 64)])
+def test_kernel_matches_the_reference(rng, K, V):
+    dvn, S, Ai, bv, kgam = _pieces(rng, (2, 3), K, V)
+    nm = _Numerics(jnp.bfloat16)
+    want = chunk_wy.wy_bwd_reference(nm, dvn, S, Ai, bv, kgam, compact=True)
+    got = mosaic_wy_bwd.wy_bwd(dvn, S, Ai, bv, kgam, interpret=True)
+    for name, g, w in zip(("d bv", "d kgam", "d L"), got, want):
+        assert g.shape == w.shape and g.dtype == jnp.bfloat16, name
+        # bf16 results (8 mantissa bits); dAi rounded once here, twice in the reference
+        assert _rel(g, w) < 1e-2, (name, _rel(g, w))
+    # the float64 pull-back of the same operands, as a check on both
+    f = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    Ai64, dvn64, S64 = f(Ai.astype(jnp.bfloat16)), f(dvn), f(S)
+    dw = -dvn64 @ np.swapaxes(S64, -1, -2)
+    dAi = dvn64 @ np.swapaxes(f(bv.astype(jnp.bfloat16)), -1, -2) + dw @ np.swapaxes(f(kgam.astype(jnp.bfloat16)), -1, -2)
+    AiT = np.swapaxes(Ai64, -1, -2)
+    for g, w in zip(got, (AiT @ dvn64, AiT @ dw, -AiT @ dAi @ AiT)):
+        assert _rel(g, w) < 2e-2
+
+
+def test_kda_gradients_with_the_kernel(rng):
+    """KDA's gradients (bf16, bounded gate, packed documents) with the kernel's pull-back equal
+    the XLA ops' to bf16 rounding."""
+    B, T, H, K = 1, 128, 2, 64
+    q = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.bfloat16)
+    k = rng.standard_normal((B, T, H, K))
+    k = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.bfloat16)
+    g = jnp.asarray(-5 * jax.nn.sigmoid(rng.standard_normal((B, T, H, K))), jnp.float32)
+    beta = jnp.asarray(jax.nn.sigmoid(rng.standard_normal((B, T, H))), jnp.float32)
+    seg = jnp.asarray(np.cumsum(np.isin(np.arange(T), [50, 90]))[None], jnp.int32)
+
+    def grads():
+        def f(q, k, v, g, beta):
+            o, S = kda(q, k, v, g, beta, segment_ids=seg, lower_bound=-5.0, impl="chunk", output_final_state=True)
+            return jnp.sum(o.astype(jnp.float32) * jnp.cos(o.astype(jnp.float32))) + jnp.sum(S * S)
+        return jax.grad(f, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
+
+    with chunk.settings(wy_bwd="xla"):
+        want = grads()
+    with chunk.settings(wy_bwd="interpret"):
+        got = grads()
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
+        assert _rel(a, b) < 1e-2, (name, _rel(a, b))
+    assert _rel(got[1], want[1]) > 0, "the kernel's path was not taken"
+
+
+def test_errors_and_fallback(rng, caplog):
+    dvn, S, Ai, bv, kgam = _pieces(rng, (2,), 96, 128)
+    with pytest.raises(ValueError, match="K=96"):
+        mosaic_wy_bwd.wy_bwd(dvn, S, Ai, bv, kgam, interpret=True)
+    dvn, S, Ai, bv, kgam = _pieces(rng, (2,), 64, 64)
+    with pytest.raises(ValueError, match="kgam has shape"):
+        mosaic_wy_bwd.wy_bwd(dvn, S, Ai, bv, kgam[..., :32, :], interpret=True)
+    with pytest.raises(ValueError, match="float32"):
+        mosaic_wy_bwd.wy_bwd(dvn.astype(jnp.float32), S, Ai, bv, kgam, interpret=True)
+    # float32 inputs have no compute-dtype cotangents: the XLA ops run, and say so once
+    nm = _Numerics(jnp.float32)
+    with chunk.settings(wy_bwd="interpret"), caplog.at_level("WARNING"):
+        out = chunk_wy.pull_back(nm, dvn.astype(jnp.float32), S.astype(jnp.float32), Ai, bv, kgam, compact=False)
+    ref = chunk_wy.wy_bwd_reference(nm, dvn.astype(jnp.float32), S.astype(jnp.float32), Ai, bv, kgam, compact=False)
+    for a, b in zip(out, ref):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert "runs the XLA ops" in caplog.text
+    with pytest.raises(ValueError, match="wy_bwd"):
+        with chunk.settings(wy_bwd="fast"):
+            pass
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_matches_the_reference(rng):
+    """Compiled, over 64 chunk-heads at K = V = 128 (a race between the in-place result staging and
+    the products or copies still reading it would show here)."""
+    dvn, S, Ai, bv, kgam = _pieces(rng, (4, 16), 128, 128)
+    want = chunk_wy.wy_bwd_reference(_Numerics(jnp.bfloat16), dvn, S, Ai, bv, kgam, compact=True)
+    got = mosaic_wy_bwd.wy_bwd(dvn, S, Ai, bv, kgam)
+    for name, g, w in zip(("d bv", "d kgam", "d L"), got, want):
+        assert _rel(g, w) < 1e-2, (name, _rel(g, w))
