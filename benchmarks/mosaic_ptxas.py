@@ -143,30 +143,27 @@ def _case_kda_train():
     return jax.grad(loss, argnums=(0, 1, 2, 3, 4)), args
 
 
-def _case_kda_scores_bwd():
-    """chunk_mosaic forward + backward with the scores-backward kernel (`scores_bwd=mosaic`)."""
+def _train_with(**settings):
+    """`_case_kda_train` traced under these chunk settings."""
     from kernels.kda import chunk
 
     fn, args = _case_kda_train()
 
     def run(*a):
-        with chunk.settings(scores_bwd="mosaic"):
+        with chunk.settings(**settings):
             return fn(*a)
 
     return run, args
+
+
+def _case_kda_scores_bwd():
+    """chunk_mosaic forward + backward with the scores-backward kernel (`scores_bwd=mosaic`)."""
+    return _train_with(scores_bwd="mosaic")
 
 
 def _case_kda_wy_bwd():
     """chunk_mosaic forward + backward with the WY pull-back kernel (`wy_bwd=mosaic`)."""
-    from kernels.kda import chunk
-
-    fn, args = _case_kda_train()
-
-    def run(*a):
-        with chunk.settings(wy_bwd="mosaic"):
-            return fn(*a)
-
-    return run, args
+    return _train_with(wy_bwd="mosaic")
 
 
 def _case_kda_decode():
