@@ -235,7 +235,7 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
         decay=jnp.sum(states.astype(nm.sdt) * dhs, axis=-1),
     )
     if delta:
-        ct["bv"], ct["kgam"], ct["L"] = chunk_wy.pull_back(nm, dvn, states, Ai, P["bv"], P["kgam"], compact)
+        ct["bv"], ct["kgam"], ct["L"] = chunk_wy.pull_back(nm, dvn, states, Ai, v, beta, P["kgam"], compact)
     if compact:
         # Each of these pieces is only ever a matmul operand in the compute dtype, so its
         # cotangent is rounded there too: the products write half the bytes and the pull-back

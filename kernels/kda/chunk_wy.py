@@ -18,12 +18,13 @@ from kernels.kda.hopper import device_kind
 log = logging.getLogger(__name__)
 
 
-def wy_bwd_reference(nm, dvn, states, Ai, bv, kgam, compact):
+def wy_bwd_reference(nm, dvn, states, Ai, v, beta, kgam, compact):
     """The WY form's pull-back as XLA ops: v' = u - w S_n, u = Ai bv, w = Ai kgam, Ai = (I + L)^{-1}.
-    dvn [.., C, V], states [.., K, V], Ai [.., C, C], bv [.., C, V], kgam [.., C, K] -> the
-    cotangents of bv, kgam and L (state dtype). `compact`: dAi and the product inside dL in the
+    dvn [.., C, V], states [.., K, V], Ai [.., C, C], v [.., C, V], beta [.., C], kgam [.., C, K] ->
+    the cotangents of bv = beta v, kgam and L (state dtype). `compact`: dAi and the product inside dL in the
     compute dtype (see `chunk.cotangents()`), else dL's two products at full precision."""
     dw = -nm.mm("...cv,...kv->...ck", dvn, states)
+    bv = beta[..., None] * v.astype(nm.sdt)  # as `prep` forms it
     dai_dt = nm.cd if compact else None  # compact: dAi is only an operand of dL's compute-dtype products
     dAi = (nm.mm("...rv,...cv->...rc", dvn, bv, out=dai_dt) + nm.mm("...rk,...ck->...rc", dw, kgam, out=dai_dt))
     d_bv = nm.mm("...rc,...rv->...cv", Ai, dvn)
@@ -51,12 +52,12 @@ def wy_bwd_mode() -> str:
     return WY_BWD
 
 
-def pull_back(nm, dvn, states, Ai, bv, kgam, compact):
+def pull_back(nm, dvn, states, Ai, v, beta, kgam, compact):
     """The cotangents of bv, kgam and L (state dtype), as `WY_BWD` says; arguments as
     `wy_bwd_reference`'s."""
     mode = wy_bwd_mode()
     if mode == "xla":
-        return wy_bwd_reference(nm, dvn, states, Ai, bv, kgam, compact)
+        return wy_bwd_reference(nm, dvn, states, Ai, v, beta, kgam, compact)
     from kernels.kda import mosaic_wy_bwd
 
     if mode == "mosaic" and jax.default_backend() != "gpu" and device_kind() != "hopper":  # assumed: AOT
@@ -68,6 +69,7 @@ def pull_back(nm, dvn, states, Ai, bv, kgam, compact):
         if reason not in _wy_warned:
             _wy_warned.add(reason)
             log.warning("chunk_wy.WY_BWD=%r runs the XLA ops: %s", mode, reason)
-        return wy_bwd_reference(nm, dvn, states, Ai, bv, kgam, compact)
-    outs = mosaic_wy_bwd.wy_bwd(dvn.astype(nm.cd), states.astype(nm.cd), Ai, bv, kgam, interpret=mode == "interpret")
+        return wy_bwd_reference(nm, dvn, states, Ai, v, beta, kgam, compact)
+    outs = mosaic_wy_bwd.wy_bwd(dvn.astype(nm.cd), states.astype(nm.cd), Ai, v, beta, kgam,
+                                interpret=mode == "interpret")
     return tuple(o.astype(nm.sdt) for o in outs)

@@ -3,9 +3,9 @@
 `chunk.py`'s backward pulls the gradient of the corrected values v' = u - w S_n (u = Ai bv,
 w = Ai kgam, Ai = (I + L)^{-1}) back to the pieces bv, kgam and L. As XLA ops that is seven
 batched [C, C] / [C, D] GEMMs per chunk, each reading its operands from HBM and writing its
-result there. Here one program per (chunk, batch, head) loads dv' [C, V], S_n [K, V], Ai^T, bv
-and kgam once and keeps every intermediate in SMEM (C = 64 rows; compute dtype operands,
-float32 accumulation on the tensor cores):
+result there. Here one program per (chunk, batch, head) loads dv' [C, V], S_n [K, V], Ai, v,
+beta and kgam once (bv = beta v formed in place) and keeps every intermediate in SMEM (C = 64
+rows; compute dtype operands, float32 accumulation on the tensor cores):
 
     dw     = -dv' S_n^T                      [C, K]
     dAi    = dv' bv^T + dw kgam^T            [C, C]
@@ -24,6 +24,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels.kda.mosaic_state import C, _mm, _smem, flat_grid, grid_indices
@@ -42,11 +43,11 @@ def unsupported_reason(K: int, V: int, dtype) -> str | None:
     return None
 
 
-def _body(dvn_ref, s_ref, ait_ref, bv_ref, kg_ref, dbv_ref, dkg_ref, dl_ref, dvn_s, s_s, ait_s, bv_s, kg_s, dw_s,
-          mats, bars, *, dt):
+def _body(dvn_ref, s_ref, ai_ref, v_ref, beta_ref, kg_ref, dbv_ref, dkg_ref, dl_ref, dvn_s, s_s, ai_s, bv_s, beta_s,
+          kg_s, dw_s, mats, bars, *, dt):
     dai_s, x_s, dl_s = mats  # in S_n's memory once dw is formed
     (t,) = grid_indices((dvn_ref.shape[0],))  # program t: chunk-batch-head t
-    loads = ((dvn_ref, dvn_s), (s_ref, s_s), (ait_ref, ait_s), (bv_ref, bv_s), (kg_ref, kg_s))
+    loads = ((dvn_ref, dvn_s), (s_ref, s_s), (ai_ref, ai_s), (v_ref, bv_s), (kg_ref, kg_s), (beta_ref, beta_s))
     for i, (src, dst) in enumerate(loads):
         plgpu.copy_gmem_to_smem(src.at[t], dst, bars.at[i])
     K, V = s_s.shape
@@ -63,9 +64,14 @@ def _body(dvn_ref, s_ref, ait_ref, bv_ref, kg_ref, dbv_ref, dkg_ref, dl_ref, dvn
         plgpu.wgmma(acc, dvn_s, s_s.transpose((1, 0)))
         return acc[...]
 
-    store(-_mm(dw_fn, (C, K)), dw_s)
-    # dAi = dv' bv^T + dw kgam^T, one float32 accumulator (S's memory now takes dAi).
+    # bv = beta v in place of v, formed here: XLA would write it to HBM for this kernel to read.
     plgpu.barrier_wait(bars.at[3])
+    plgpu.barrier_wait(bars.at[5])
+    beta = lax.broadcast_in_dim(plgpu.load(beta_s, layout=_W.reduce(1)), (C, V), [0])
+    bv = plgpu.load(bv_s, layout=_W).astype(jnp.float32) * beta
+    store(-_mm(dw_fn, (C, K)), dw_s)
+    store(bv, bv_s)
+    # dAi = dv' bv^T + dw kgam^T, one float32 accumulator (S's memory now takes dAi).
     plgpu.barrier_wait(bars.at[4])
 
     def dai_fn(acc):
@@ -74,21 +80,22 @@ def _body(dvn_ref, s_ref, ait_ref, bv_ref, kg_ref, dbv_ref, dkg_ref, dl_ref, dvn
         return acc[...]
 
     store(_mm(dai_fn, (C, C)), dai_s)
-    # d bv = Ai^T dv' and d kgam = Ai^T dw, written over bv and kgam (their last reads were dAi's).
+    # d bv = Ai^T dv' and d kgam = Ai^T dw (Ai as the transposed operand), written over bv and kgam
+    # (their last reads were dAi's).
     plgpu.barrier_wait(bars.at[2])
 
     def left_fn(acc, x_ref):
-        plgpu.wgmma(acc, ait_s, x_ref)
+        plgpu.wgmma(acc, ai_s.transpose((1, 0)), x_ref)
         return acc[...]
 
     store(_mm(functools.partial(left_fn, x_ref=dvn_s), (C, V)), bv_s)
     plgpu.copy_smem_to_gmem(bv_s, dbv_ref.at[t])
     store(_mm(functools.partial(left_fn, x_ref=dw_s), (C, K)), kg_s)
     plgpu.copy_smem_to_gmem(kg_s, dkg_ref.at[t])
-    # d L = -Ai^T X with X = dAi Ai^T (Ai^T is the right operand as stored).
+    # d L = -Ai^T X with X = dAi Ai^T.
 
     def x_fn(acc):
-        plgpu.wgmma(acc, dai_s, ait_s)
+        plgpu.wgmma(acc, dai_s, ai_s.transpose((1, 0)))
         return acc[...]
 
     store(_mm(x_fn, (C, C)), x_s)
@@ -98,7 +105,7 @@ def _body(dvn_ref, s_ref, ait_ref, bv_ref, kg_ref, dbv_ref, dkg_ref, dl_ref, dvn
 
 
 @lowered_once("interpret")
-def _wy_bwd(dvn, states, ait, bv, kgam, *, interpret):
+def _wy_bwd(dvn, states, Ai, v, beta, kgam, *, interpret):
     P, _, V = dvn.shape
     K = states.shape[-2]
     dt = dvn.dtype
@@ -106,19 +113,20 @@ def _wy_bwd(dvn, states, ait, bv, kgam, *, interpret):
     scratch = [
         _smem((C, V), dt),  # dv'
         union,  # S_n, then dAi, X, dL
-        _smem((C, C), dt),  # Ai^T
-        _smem((C, V), dt),  # bv, then d bv
+        _smem((C, C), dt),  # Ai
+        _smem((C, V), dt),  # v, then bv, then d bv
+        plgpu.SMEM((C,), jnp.float32),  # beta
         _smem((C, K), dt),  # kgam, then d kgam
         _smem((C, K), dt),  # dw
-        plgpu.Barrier(num_barriers=5),
+        plgpu.Barrier(num_barriers=6),
     ]
     sds = lambda *s: jax.ShapeDtypeStruct((P, *s), dt)  # noqa: E731
 
-    def body(dvn_ref, s_ref, ait_ref, bv_ref, kg_ref, dbv_ref, dkg_ref, dl_ref, dvn_s, un, ait_s, bv_s, kg_s, dw_s,
-             bars):
+    def body(dvn_ref, s_ref, ai_ref, v_ref, beta_ref, kg_ref, dbv_ref, dkg_ref, dl_ref, dvn_s, un, ai_s, bv_s, beta_s,
+             kg_s, dw_s, bars):
         mats, s_s = un
-        _body(dvn_ref, s_ref, ait_ref, bv_ref, kg_ref, dbv_ref, dkg_ref, dl_ref, dvn_s, s_s, ait_s, bv_s, kg_s, dw_s,
-              mats, bars, dt=dt)
+        _body(dvn_ref, s_ref, ai_ref, v_ref, beta_ref, kg_ref, dbv_ref, dkg_ref, dl_ref, dvn_s, s_s, ai_s, bv_s, beta_s,
+              kg_s, dw_s, mats, bars, dt=dt)
 
     return plgpu.kernel(
         body,
@@ -127,24 +135,25 @@ def _wy_bwd(dvn, states, ait, bv, kgam, *, interpret):
         **flat_grid((P,)),
         kernel_name="kda_wy_bwd",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(dvn, states, ait, bv, kgam)
+    )(dvn, states, Ai, v, beta, kgam)
 
 
-def wy_bwd(dvn, states, Ai, bv, kgam, *, interpret=False):
-    """dvn [.., C, V], states [.., K, V], Ai [.., C, C], bv [.., C, V], kgam [.., C, K] (any
-    leading dims, the same for all; cast to dvn's dtype) -> (d bv [.., C, V], d kgam [.., C, K],
-    d L [.., C, C]) in dvn's dtype. `interpret`: the Mosaic GPU interpreter (CPU tests)."""
+def wy_bwd(dvn, states, Ai, v, beta, kgam, *, interpret=False):
+    """dvn [.., C, V], states [.., K, V], Ai [.., C, C], v [.., C, V], beta [.., C], kgam [.., C, K]
+    (any leading dims, the same for all; matrices cast to dvn's dtype, beta to float32) -> (d bv
+    [.., C, V], d kgam [.., C, K], d L [.., C, C]) in dvn's dtype, bv = beta v (rounded to dvn's
+    dtype as a product operand). `interpret`: the Mosaic GPU interpreter (CPU tests)."""
     lead, V = dvn.shape[:-2], dvn.shape[-1]
     K = states.shape[-2]
     reason = unsupported_reason(K, V, dvn.dtype)
     if reason is not None:
         raise ValueError(reason)
-    want = {"dvn": (C, V), "states": (K, V), "Ai": (C, C), "bv": (C, V), "kgam": (C, K)}
-    for name, x in zip(want, (dvn, states, Ai, bv, kgam)):
+    want = {"dvn": (C, V), "states": (K, V), "Ai": (C, C), "v": (C, V), "beta": (C,), "kgam": (C, K)}
+    for name, x in zip(want, (dvn, states, Ai, v, beta, kgam)):
         if x.shape != (*lead, *want[name]):
             raise ValueError(f"wy_bwd: {name} has shape {x.shape}; expected {(*lead, *want[name])}")
     dt = dvn.dtype
     flat = lambda x: x.astype(dt).reshape(-1, *x.shape[-2:])  # noqa: E731
-    ait = jnp.swapaxes(Ai, -1, -2)
-    outs = _wy_bwd(flat(dvn), flat(states), flat(ait), flat(bv), flat(kgam), interpret=interpret)
+    outs = _wy_bwd(flat(dvn), flat(states), flat(Ai), flat(v), beta.astype(jnp.float32).reshape(-1, C), flat(kgam),
+                   interpret=interpret)
     return tuple(o.reshape(*lead, *o.shape[-2:]) for o in outs)

@@ -13,12 +13,13 @@ from kernels.kda.chunk_intra import unit_lower_inverse
 
 
 def _pieces(rng, lead, K, V, dtype=jnp.bfloat16):
-    """dv', S_n, Ai = (I + L)^{-1} of a strictly lower L like the chunk's (float32), bv, kgam."""
+    """dv', S_n, Ai = (I + L)^{-1} of a strictly lower L like the chunk's (float32), v, beta, kgam."""
     C = 64
     n = lambda *s: jnp.asarray(rng.standard_normal((*lead, *s)), jnp.float32)  # noqa: E731
     L = jnp.tril(n(C, C) * 0.1, -1)
     Ai = unit_lower_inverse(L, jax.lax.Precision.HIGHEST)
-    return (n(C, V).astype(dtype), (n(K, V) * 0.3).astype(dtype), Ai, n(C, V), n(C, K))
+    beta = jax.nn.sigmoid(n(C))
+    return (n(C, V).astype(dtype), (n(K, V) * 0.3).astype(dtype), Ai, n(C, V).astype(dtype), beta, n(C, K))
 
 
 def _rel(a, b):
@@ -28,10 +29,10 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("K, V", [(128, 128), (64, 128), (128, 64)])
 def test_kernel_matches_the_reference(rng, K, V):
-    dvn, S, Ai, bv, kgam = _pieces(rng, (2, 3), K, V)
+    dvn, S, Ai, v, beta, kgam = _pieces(rng, (2, 3), K, V)
     nm = _Numerics(jnp.bfloat16)
-    want = chunk_wy.wy_bwd_reference(nm, dvn, S, Ai, bv, kgam, compact=True)
-    got = mosaic_wy_bwd.wy_bwd(dvn, S, Ai, bv, kgam, interpret=True)
+    want = chunk_wy.wy_bwd_reference(nm, dvn, S, Ai, v, beta, kgam, compact=True)
+    got = mosaic_wy_bwd.wy_bwd(dvn, S, Ai, v, beta, kgam, interpret=True)
     for name, g, w in zip(("d bv", "d kgam", "d L"), got, want):
         assert g.shape == w.shape and g.dtype == jnp.bfloat16, name
         # bf16 results (8 mantissa bits); dAi rounded once here, twice in the reference
@@ -40,7 +41,8 @@ def test_kernel_matches_the_reference(rng, K, V):
     f = lambda x: np.asarray(x, np.float64)  # noqa: E731
     Ai64, dvn64, S64 = f(Ai.astype(jnp.bfloat16)), f(dvn), f(S)
     dw = -dvn64 @ np.swapaxes(S64, -1, -2)
-    dAi = dvn64 @ np.swapaxes(f(bv.astype(jnp.bfloat16)), -1, -2) + dw @ np.swapaxes(f(kgam.astype(jnp.bfloat16)), -1, -2)
+    bv = (beta[..., None] * v.astype(jnp.float32)).astype(jnp.bfloat16)
+    dAi = dvn64 @ np.swapaxes(f(bv), -1, -2) + dw @ np.swapaxes(f(kgam.astype(jnp.bfloat16)), -1, -2)
     AiT = np.swapaxes(Ai64, -1, -2)
     for g, w in zip(got, (AiT @ dvn64, AiT @ dw, -AiT @ dAi @ AiT)):
         assert _rel(g, w) < 2e-2
@@ -74,19 +76,20 @@ def test_kda_gradients_with_the_kernel(rng):
 
 
 def test_errors_and_fallback(rng, caplog):
-    dvn, S, Ai, bv, kgam = _pieces(rng, (2,), 96, 128)
+    dvn, S, Ai, v, beta, kgam = _pieces(rng, (2,), 96, 128)
     with pytest.raises(ValueError, match="K=96"):
-        mosaic_wy_bwd.wy_bwd(dvn, S, Ai, bv, kgam, interpret=True)
-    dvn, S, Ai, bv, kgam = _pieces(rng, (2,), 64, 64)
+        mosaic_wy_bwd.wy_bwd(dvn, S, Ai, v, beta, kgam, interpret=True)
+    dvn, S, Ai, v, beta, kgam = _pieces(rng, (2,), 64, 64)
     with pytest.raises(ValueError, match="kgam has shape"):
-        mosaic_wy_bwd.wy_bwd(dvn, S, Ai, bv, kgam[..., :32, :], interpret=True)
+        mosaic_wy_bwd.wy_bwd(dvn, S, Ai, v, beta, kgam[..., :32, :], interpret=True)
     with pytest.raises(ValueError, match="float32"):
-        mosaic_wy_bwd.wy_bwd(dvn.astype(jnp.float32), S, Ai, bv, kgam, interpret=True)
+        mosaic_wy_bwd.wy_bwd(dvn.astype(jnp.float32), S, Ai, v, beta, kgam, interpret=True)
     # float32 inputs have no compute-dtype cotangents: the XLA ops run, and say so once
     nm = _Numerics(jnp.float32)
     with chunk.settings(wy_bwd="interpret"), caplog.at_level("WARNING"):
-        out = chunk_wy.pull_back(nm, dvn.astype(jnp.float32), S.astype(jnp.float32), Ai, bv, kgam, compact=False)
-    ref = chunk_wy.wy_bwd_reference(nm, dvn.astype(jnp.float32), S.astype(jnp.float32), Ai, bv, kgam, compact=False)
+        out = chunk_wy.pull_back(nm, dvn.astype(jnp.float32), S.astype(jnp.float32), Ai, v, beta, kgam, compact=False)
+    ref = chunk_wy.wy_bwd_reference(nm, dvn.astype(jnp.float32), S.astype(jnp.float32), Ai, v, beta, kgam,
+                                     compact=False)
     for a, b in zip(out, ref):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert "runs the XLA ops" in caplog.text
@@ -99,8 +102,8 @@ def test_errors_and_fallback(rng, caplog):
 def test_gpu_kernel_matches_the_reference(rng):
     """Compiled, over 64 chunk-heads at K = V = 128 (a race between the in-place result staging and
     the products or copies still reading it would show here)."""
-    dvn, S, Ai, bv, kgam = _pieces(rng, (4, 16), 128, 128)
-    want = chunk_wy.wy_bwd_reference(_Numerics(jnp.bfloat16), dvn, S, Ai, bv, kgam, compact=True)
-    got = mosaic_wy_bwd.wy_bwd(dvn, S, Ai, bv, kgam)
+    dvn, S, Ai, v, beta, kgam = _pieces(rng, (4, 16), 128, 128)
+    want = chunk_wy.wy_bwd_reference(_Numerics(jnp.bfloat16), dvn, S, Ai, v, beta, kgam, compact=True)
+    got = mosaic_wy_bwd.wy_bwd(dvn, S, Ai, v, beta, kgam)
     for name, g, w in zip(("d bv", "d kgam", "d L"), got, want):
         assert _rel(g, w) < 1e-2, (name, _rel(g, w))
