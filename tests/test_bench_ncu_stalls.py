@@ -75,6 +75,7 @@ def test_run_case_keeps_the_measured_call(monkeypatch):
 
     def fake_run(cmd, **kwargs):
         calls.append(cmd)
+        assert "--xla_gpu_autotune_level=0" in kwargs["env"]["XLA_FLAGS"]  # no GEMM autotuning under ncu
         return subprocess.CompletedProcess(cmd, 0, stdout=fake_run.stdout, stderr="")
 
     monkeypatch.setattr(bench.subprocess, "run", fake_run)
