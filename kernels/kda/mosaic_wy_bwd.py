@@ -20,11 +20,10 @@ K, V in {64, 128}; bf16 or f16 operands.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels.kda.mosaic_state import C, _mm, _smem, flat_grid, grid_indices
@@ -80,26 +79,27 @@ def _body(dvn_ref, s_ref, ai_ref, v_ref, beta_ref, kg_ref, dbv_ref, dkg_ref, dl_
         return acc[...]
 
     store(_mm(dai_fn, (C, C)), dai_s)
-    # d bv = Ai^T dv' and d kgam = Ai^T dw (Ai as the transposed operand), written over bv and kgam
-    # (their last reads were dAi's).
     plgpu.barrier_wait(bars.at[2])
+    ai_t = ai_s.transpose((1, 0))  # Ai^T: Ai as stored, the transposed operand
 
-    def left_fn(acc, x_ref):
-        plgpu.wgmma(acc, ai_s.transpose((1, 0)), x_ref)
-        return acc[...]
+    def two(x, y):  # two products issued together (their latencies overlap), then both read
+        def fn(acc_x, acc_y):
+            plgpu.wgmma(acc_x, *x[1:])
+            plgpu.wgmma(acc_y, *y[1:])
+            return acc_x[...], acc_y[...]
 
-    store(_mm(functools.partial(left_fn, x_ref=dvn_s), (C, V)), bv_s)
+        return pl.run_scoped(fn, plgpu.ACC(x[0], jnp.float32), plgpu.ACC(y[0], jnp.float32))
+
+    # d bv = Ai^T dv' beside X = dAi Ai^T, then d kgam = Ai^T dw beside d L = -Ai^T X; d bv and
+    # d kgam are written over bv and kgam (their last reads were dAi's).
+    d_bv, X = two(((C, V), ai_t, dvn_s), ((C, C), dai_s, ai_t))
+    store(d_bv, bv_s)
     plgpu.copy_smem_to_gmem(bv_s, dbv_ref.at[t])
-    store(_mm(functools.partial(left_fn, x_ref=dw_s), (C, K)), kg_s)
+    store(X, x_s)
+    d_kgam, d_L = two(((C, K), ai_t, dw_s), ((C, C), ai_t, x_s))
+    store(d_kgam, kg_s)
     plgpu.copy_smem_to_gmem(kg_s, dkg_ref.at[t])
-    # d L = -Ai^T X with X = dAi Ai^T.
-
-    def x_fn(acc):
-        plgpu.wgmma(acc, dai_s, ai_s.transpose((1, 0)))
-        return acc[...]
-
-    store(_mm(x_fn, (C, C)), x_s)
-    store(-_mm(functools.partial(left_fn, x_ref=x_s), (C, C)), dl_s)
+    store(-d_L, dl_s)
     plgpu.copy_smem_to_gmem(dl_s, dl_ref.at[t])
     plgpu.wait_smem_to_gmem(0)
 
