@@ -8,7 +8,7 @@ fed with the real outputs of the stages before it, and timed (mean ms of `iters`
                 as "chunk.prep (new)", the "tiled" ones), the WY inverse, the state scan, the
                 output products; the whole backward (`chunk._core_bwd`) with the bounded and the
                 exact intra path and either scores, and its pieces (prep's vjp for both scores,
-                the reverse state scan).
+                the reverse state scan, the WY pull-back as XLA ops and as `mosaic_wy_bwd`).
   pallas_gpu.*  the exact XLA intra stage (`pallas_gpu_prep.prepare`) and its cast to kernel
                 operands, the Mosaic GPU state kernel alone, the Mosaic GPU intra kernels alone
                 (`mosaic_intra`, `mosaic_intra_bf16`) and their XLA inputs (cumsum, pad).
@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import PEAK_TBPS, PEAK_TFLOPS
-from kernels.kda import (chunk, chunk_intra, kda, mosaic_intra, mosaic_intra_bf16, mosaic_scores_bwd, mosaic_state,
-                         pallas_gpu, pallas_gpu_prep)
+from kernels.kda import (chunk, chunk_intra, chunk_wy, kda, mosaic_intra, mosaic_intra_bf16, mosaic_scores_bwd,
+                         mosaic_state, mosaic_wy_bwd, pallas_gpu, pallas_gpu_prep)
 from kernels.kda.chunk_intra import SCORES, to_chunks
 
 LOWER_BOUND = -5.0
@@ -230,6 +230,11 @@ def _chunk_stages(rec, q, k, v, g, beta, scale):
     dvi = jnp.ones(vn.shape, nm.sdt)
     rec("chunk.bwd piece: reverse state scan",
         lambda *a: chunk._grad_scan(nm, *a), dS, w, P["kg"], P["decay"], states.astype(nm.sdt), dvi)
+    # The WY form's pull-back with compute-dtype cotangents: XLA's GEMMs, then the kernel (K, V in {64, 128}).
+    wy_args = (vn.astype(nm.cd), states.astype(nm.cd), wy[0], cv, cb, P["kgam"])
+    rec("chunk.bwd piece: WY pull-back (XLA)", lambda *a: chunk_wy.wy_bwd_reference(nm, *a, compact=True), *wy_args)
+    rec("chunk.bwd piece: WY pull-back (mosaic_wy_bwd kernel)",
+        lambda *a: mosaic_wy_bwd.wy_bwd(*a, interpret=kernel_mode == "interpret"), *wy_args)
 
 
 def _pallas_stages(rec, q, k, v, g, beta, scale):
