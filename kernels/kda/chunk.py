@@ -397,7 +397,8 @@ def traced_key() -> tuple:
     ms = sys.modules.get("kernels.kda.mosaic_scan")  # "forward_only" exists once the kernels are imported
     return chunk_intra.traced_settings() + (DEFAULT_SCORES, chunk_segments.SEGMENTS, chunk_segments.BLOCK_V,
                                             chunk_segments.GRAD_ISSUE, chunk_segments.SCAN_FORM, COTANGENTS, RESIDUALS,
-                                            chunk_output.FORWARD_STATE, ms.FORWARD_ONLY if ms else None, chunk_wy.wy_bwd_mode())
+                                            chunk_output.FORWARD_STATE, ms.FORWARD_ONLY if ms else None,
+                                            chunk_wy.wy_bwd_mode())
 
 
 def _forward_only_setting():

@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 def wy_bwd_reference(nm, dvn, states, Ai, v, beta, kgam, compact):
     """The WY form's pull-back as XLA ops: v' = u - w S_n, u = Ai bv, w = Ai kgam, Ai = (I + L)^{-1}.
     dvn [.., C, V], states [.., K, V], Ai [.., C, C], v [.., C, V], beta [.., C], kgam [.., C, K] ->
-    the cotangents of bv = beta v, kgam and L (state dtype). `compact`: dAi and the product inside dL in the
-    compute dtype (see `chunk.cotangents()`), else dL's two products at full precision."""
+    the cotangents of bv = beta v, kgam and L (state dtype). `compact`: dAi and the product inside
+    dL in the compute dtype (see `chunk.cotangents()`), else dL's two products at full precision."""
     dw = -nm.mm("...cv,...kv->...ck", dvn, states)
     bv = beta[..., None] * v.astype(nm.sdt)  # as `prep` forms it
     dai_dt = nm.cd if compact else None  # compact: dAi is only an operand of dL's compute-dtype products
