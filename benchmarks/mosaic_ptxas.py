@@ -236,8 +236,8 @@ def _case_gmm_glu():
 
 
 CASES = dict(kda_fwd=_case_kda_fwd, kda_intra_bf16=_case_kda_intra_bf16, kda_train=_case_kda_train,
-             kda_scores_bwd=_case_kda_scores_bwd, kda_wy_bwd=_case_kda_wy_bwd, kda_decode=_case_kda_decode, short_conv=_case_short_conv,
-             gmm=_case_gmm, gmm_glu=_case_gmm_glu, gmm_ffn=_case_gmm_ffn)
+             kda_scores_bwd=_case_kda_scores_bwd, kda_wy_bwd=_case_kda_wy_bwd, kda_decode=_case_kda_decode,
+             short_conv=_case_short_conv, gmm=_case_gmm, gmm_glu=_case_gmm_glu, gmm_ffn=_case_gmm_ffn)
 
 
 # An H200 as XLA's GPU compiler describes a device (GpuTargetConfig), for --deviceless.

@@ -127,26 +127,18 @@ def main(argv=None) -> list[dict]:
         _child(a.child)
         return []
     from benchmarks.common import environment, write_json
-    from benchmarks.mosaic_ptxas import CASES, cuda_tool
+    from benchmarks.mosaic_ptxas import cuda_tool, run_cases
 
-    names = [n for n in a.cases.split(",") if n]
-    for n in names:
-        if n not in CASES:
-            p.error(f"--cases: {n!r} is not one of {list(CASES)}")
-    from kernels.kda.hopper import device_kind
-
-    if device_kind() != "hopper":
-        raise SystemExit(f"ncu_stalls needs a Hopper GPU: the kernels run nowhere else (device kind {device_kind()!r})")
-    ncu = cuda_tool("ncu")
-    if ncu is None:
-        raise SystemExit("ncu_stalls needs Nsight Compute's ncu (on PATH, or under MOSAIC_GPU_CUDA_ROOT/bin)")
-    results = []
-    for n in names:
+    def run(name):
+        ncu = cuda_tool("ncu")
+        if ncu is None:
+            raise SystemExit("ncu_stalls needs Nsight Compute's ncu (on PATH, or under MOSAIC_GPU_CUDA_ROOT/bin)")
         try:
-            results.append(run_case(n, ncu, a.timeout))
+            return run_case(name, ncu, a.timeout)
         except subprocess.TimeoutExpired:
-            results.append(dict(case=n, kernels=[], error=f"ncu took more than {a.timeout} s"))
-        print(markdown(results[-1:]), flush=True)
+            return dict(case=name, kernels=[], error=f"ncu took more than {a.timeout} s")
+
+    results = run_cases(p, a.cases, run, markdown, "ncu_stalls", "the kernels run nowhere else")
     path = write_json(dict(env=environment(), metrics=list(METRICS), results=results), a.out, "ncu-stalls")
     print(f"wrote {path}", flush=True)
     return results
