@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels.kda.hopper import device_kind
+from kernels.kda.hopper import check_kernel_setting
 
 CHUNK = 64
 TILE = 16
@@ -458,9 +458,7 @@ def prep(q, k, v, g, beta, counts, *, scale: float, bounded: bool, delta: bool, 
 def _kernel_scores_bwd(cd, K: int) -> bool:
     """Whether the dense scores' backward runs as the Mosaic GPU kernel (`SCORES_BWD`)."""
     mode = traced_settings()[3]
-    if mode == "mosaic" and jax.default_backend() != "gpu" and device_kind() != "hopper":  # assumed: AOT
-        raise ValueError(f"chunk_intra.SCORES_BWD='mosaic' compiles a Mosaic GPU kernel, but the backend is "
-                         f"{jax.default_backend()!r}; use 'interpret' (the Mosaic GPU interpreter) or 'xla'")
+    check_kernel_setting("chunk_intra.SCORES_BWD", mode)
     return mode != "xla" and jnp.dtype(cd) == jnp.bfloat16 and K % 64 == 0
 
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import logging
 
-import jax
-
-from kernels.kda.hopper import device_kind
+from kernels.kda.hopper import check_kernel_setting
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +58,7 @@ def pull_back(nm, dvn, states, Ai, v, beta, kgam, compact):
         return wy_bwd_reference(nm, dvn, states, Ai, v, beta, kgam, compact)
     from kernels.kda import mosaic_wy_bwd
 
-    if mode == "mosaic" and jax.default_backend() != "gpu" and device_kind() != "hopper":  # assumed: AOT
-        raise ValueError(f"chunk_wy.WY_BWD='mosaic' compiles a Mosaic GPU kernel, but the backend is "
-                         f"{jax.default_backend()!r}; use 'interpret' (the Mosaic GPU interpreter) or 'xla'")
+    check_kernel_setting("chunk_wy.WY_BWD", mode)
     reason = None if compact else "the kernel forms the 'compute' cotangents of bf16 / f16 inputs only"
     reason = reason or mosaic_wy_bwd.unsupported_reason(states.shape[-2], states.shape[-1], nm.cd)
     if reason:

@@ -45,6 +45,15 @@ def assume_device_kind(kind: str):
         _ASSUMED = old
 
 
+def check_kernel_setting(name: str, mode: str) -> None:
+    """A module setting `name` = "mosaic" (a compiled Mosaic GPU kernel) needs a GPU backend, or a
+    Hopper assumed for an ahead-of-time compile (`assume_device_kind`); raise otherwise, pointing
+    to "interpret" (the Mosaic GPU interpreter) and "xla"."""
+    if mode == "mosaic" and jax.default_backend() != "gpu" and device_kind() != "hopper":
+        raise ValueError(f"{name}='mosaic' compiles a Mosaic GPU kernel, but the backend is "
+                         f"{jax.default_backend()!r}; use 'interpret' (the Mosaic GPU interpreter) or 'xla'")
+
+
 @functools.cache
 def _detected_kind() -> str:
     d = jax.devices()[0]

@@ -96,6 +96,10 @@ def test_errors_and_fallback(rng, caplog):
     with pytest.raises(ValueError, match="wy_bwd"):
         with chunk.settings(wy_bwd="fast"):
             pass
+    # the compiled kernel on a CPU backend: refused, naming the interpreter instead
+    if jax.default_backend() == "cpu":
+        with chunk.settings(wy_bwd="mosaic"), pytest.raises(ValueError, match="'interpret'"):
+            chunk_wy.pull_back(_Numerics(jnp.bfloat16), dvn, S, Ai, v, beta, kgam, compact=True)
 
 
 @pytest.mark.gpu
