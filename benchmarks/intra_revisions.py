@@ -28,6 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import environment, markdown_table, write_json  # noqa: E402
+from kernels import testing  # noqa: E402
 
 MODULE = "kernels/kda/mosaic_intra_bf16.py"
 OUTPUTS = ("qg", "wn", "kg", "u", "a^T", "decay")
@@ -56,10 +57,11 @@ def load(rev: str, tmp: str):
 
 
 def rel_rms(a, b) -> float:
-    """Relative RMS difference over the entries finite in both (the anchors' padding is not)."""
+    """`kernels.testing.rel_rms` of a against the reference b over the entries finite in both (the
+    anchors' padding is not)."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     ok = np.isfinite(a) & np.isfinite(b)
-    return float(np.sqrt(np.mean((a[ok] - b[ok]) ** 2) / max(np.mean(b[ok] ** 2), 1e-300)))
+    return testing.rel_rms(b[ok], a[ok])
 
 
 def main(argv=None) -> dict:

@@ -10,6 +10,7 @@ import pytest
 from kernels.kda import chunk, chunk_wy, kda, mosaic_wy_bwd
 from kernels.kda.chunk import _Numerics
 from kernels.kda.chunk_intra import unit_lower_inverse
+from kernels.testing import rel_rms
 
 
 def _pieces(rng, lead, K, V, dtype=jnp.bfloat16):
@@ -22,11 +23,6 @@ def _pieces(rng, lead, K, V, dtype=jnp.bfloat16):
     return (n(C, V).astype(dtype), (n(K, V) * 0.3).astype(dtype), Ai, n(C, V).astype(dtype), beta, n(C, K))
 
 
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 @pytest.mark.parametrize("K, V", [(128, 128), (64, 128), (128, 64)])
 def test_kernel_matches_the_reference(rng, K, V):
     dvn, S, Ai, v, beta, kgam = _pieces(rng, (2, 3), K, V)
@@ -36,7 +32,7 @@ def test_kernel_matches_the_reference(rng, K, V):
     for name, g, w in zip(("d bv", "d kgam", "d L"), got, want):
         assert g.shape == w.shape and g.dtype == jnp.bfloat16, name
         # bf16 results (8 mantissa bits); dAi rounded once here, twice in the reference
-        assert _rel(g, w) < 1e-2, (name, _rel(g, w))
+        assert rel_rms(w, g) < 1e-2, (name, rel_rms(w, g))
     # the float64 pull-back of the same operands, as a check on both
     f = lambda x: np.asarray(x, np.float64)  # noqa: E731
     Ai64, dvn64, S64 = f(Ai.astype(jnp.bfloat16)), f(dvn), f(S)
@@ -45,7 +41,7 @@ def test_kernel_matches_the_reference(rng, K, V):
     dAi = dvn64 @ np.swapaxes(f(bv), -1, -2) + dw @ np.swapaxes(f(kgam.astype(jnp.bfloat16)), -1, -2)
     AiT = np.swapaxes(Ai64, -1, -2)
     for g, w in zip(got, (AiT @ dvn64, AiT @ dw, -AiT @ dAi @ AiT)):
-        assert _rel(g, w) < 2e-2
+        assert rel_rms(w, g) < 2e-2
 
 
 def test_kda_gradients_with_the_kernel(rng):
@@ -71,8 +67,8 @@ def test_kda_gradients_with_the_kernel(rng):
     with chunk.settings(wy_bwd="interpret"):
         got = grads()
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
-        assert _rel(a, b) < 1e-2, (name, _rel(a, b))
-    assert _rel(got[1], want[1]) > 0, "the kernel's path was not taken"
+        assert rel_rms(b, a) < 1e-2, (name, rel_rms(b, a))
+    assert rel_rms(want[1], got[1]) > 0, "the kernel's path was not taken"
 
 
 def test_errors_and_fallback(rng, caplog):
@@ -110,4 +106,4 @@ def test_gpu_kernel_matches_the_reference(rng):
     want = chunk_wy.wy_bwd_reference(_Numerics(jnp.bfloat16), dvn, S, Ai, v, beta, kgam, compact=True)
     got = mosaic_wy_bwd.wy_bwd(dvn, S, Ai, v, beta, kgam)
     for name, g, w in zip(("d bv", "d kgam", "d L"), got, want):
-        assert _rel(g, w) < 1e-2, (name, _rel(g, w))
+        assert rel_rms(w, g) < 1e-2, (name, rel_rms(w, g))
