@@ -72,8 +72,9 @@ def kda_call(impl: str, shape, step: str = "fwd_bwd"):
             return kda(q, k, v, g, beta, lower_bound=LOWER_BOUND, impl=name)[0]
 
     def fwd_bwd(*a):
-        o, vjp = jax.vjp(f, *a)
-        return o, vjp(do.astype(o.dtype))
+        with chunk.settings(**settings):  # the backward rule is traced here, by the vjp's call
+            o, vjp = jax.vjp(f, *a)
+            return o, vjp(do.astype(o.dtype))
 
     return (f if step == "fwd" else fwd_bwd), args
 

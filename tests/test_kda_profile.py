@@ -51,6 +51,12 @@ def test_kda_call_traces_under_the_named_chunk_settings():
         fn, args = kp.kda_call(impl, (1, 64, 1, 16))
         texts[impl] = jax.jit(fn).lower(*args).as_text()
     assert "reduce_window" in texts["chunk:cumsum=scan"] and "reduce_window" not in texts["chunk"]
+    # a backward-only setting holds while the backward rule is traced too: the compiled WY kernel
+    # is refused on a CPU backend, which only a backward traced under the setting can notice
+    if jax.default_backend() == "cpu":
+        fn, args = kp.kda_call("chunk:wy_bwd=mosaic", (1, 64, 1, 16))
+        with pytest.raises(ValueError, match="interpret"):
+            jax.jit(fn).lower(*args)
 
 
 def test_mixer_profile_sums_kernels_by_the_mixers_scopes(tmp_path):

@@ -235,7 +235,8 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
         decay=jnp.sum(states.astype(nm.sdt) * dhs, axis=-1),
     )
     if delta:
-        ct["bv"], ct["kgam"], ct["L"] = chunk_wy.pull_back(nm, dvn, states, Ai, v, beta, P["kgam"], compact)
+        ct["bv"], ct["kgam"], ct["L"] = chunk_wy.pull_back(nm, dvn, states, Ai, v, beta, P["kgam"], compact,
+                                                                 state_pass)
     if compact:
         # Each of these pieces is only ever a matmul operand in the compute dtype, so its
         # cotangent is rounded there too: the products write half the bytes and the pull-back
@@ -398,7 +399,7 @@ def traced_key() -> tuple:
     return chunk_intra.traced_settings() + (DEFAULT_SCORES, chunk_segments.SEGMENTS, chunk_segments.BLOCK_V,
                                             chunk_segments.GRAD_ISSUE, chunk_segments.SCAN_FORM, COTANGENTS, RESIDUALS,
                                             chunk_output.FORWARD_STATE, ms.FORWARD_ONLY if ms else None,
-                                            chunk_wy.wy_bwd_mode())
+                                            chunk_wy.wy_bwd_setting())
 
 
 def _forward_only_setting():

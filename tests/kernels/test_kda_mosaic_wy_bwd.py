@@ -107,3 +107,17 @@ def test_gpu_kernel_matches_the_reference(rng):
     got = mosaic_wy_bwd.wy_bwd(dvn, S, Ai, v, beta, kgam)
     for name, g, w in zip(("d bv", "d kgam", "d L"), got, want):
         assert rel_rms(w, g) < 1e-2, (name, rel_rms(w, g))
+
+
+def test_auto_follows_the_backward_state_pass():
+    """"auto" (the default) runs the kernel only where the backward's serial passes are compiled
+    Mosaic GPU kernels; the XLA ops elsewhere (impl="chunk", the interpreter's passes)."""
+    assert chunk_wy.WY_BWD == "auto"
+    with chunk.settings(wy_bwd="auto"):
+        assert chunk_wy.wy_bwd_mode("mosaic") == "mosaic"
+        for state_pass in ("xla", "mosaic_interpret", None):
+            assert chunk_wy.wy_bwd_mode(state_pass) == "xla", state_pass
+    with chunk.settings(wy_bwd="interpret"):
+        assert chunk_wy.wy_bwd_mode("xla") == "interpret"
+    with chunk.settings(wy_bwd="xla"):
+        assert chunk_wy.wy_bwd_mode("mosaic") == "xla"
