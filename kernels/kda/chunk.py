@@ -383,7 +383,8 @@ def _settings_table(keys=None):
              "cotangents": lambda: (sys.modules[__name__], "COTANGENTS", COTANGENT_CHOICES),
              "residuals": lambda: (sys.modules[__name__], "RESIDUALS", RESIDUAL_CHOICES),
              "forward_state": lambda: (chunk_output, "FORWARD_STATE", chunk_output.FORWARD_STATE_CHOICES),
-             "wy_bwd": lambda: (chunk_wy, "WY_BWD", chunk_wy.WY_BWD_CHOICES)}
+             "wy_bwd": lambda: (chunk_wy, "WY_BWD", chunk_wy.WY_BWD_CHOICES),
+             "wy_form": lambda: (chunk_wy, "WY_FORM", chunk_wy.WY_FORMS)}
     for key in keys or ():
         if key not in table:
             raise ValueError(f"unknown KDA setting {key!r}; expected one of {SETTINGS}")
@@ -399,7 +400,7 @@ def traced_key() -> tuple:
     return chunk_intra.traced_settings() + (DEFAULT_SCORES, chunk_segments.SEGMENTS, chunk_segments.BLOCK_V,
                                             chunk_segments.GRAD_ISSUE, chunk_segments.SCAN_FORM, COTANGENTS, RESIDUALS,
                                             chunk_output.FORWARD_STATE, ms.FORWARD_ONLY if ms else None,
-                                            chunk_wy.wy_bwd_setting())
+                                            *chunk_wy.wy_bwd_setting())
 
 
 def _forward_only_setting():
@@ -409,7 +410,7 @@ def _forward_only_setting():
 
 SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse", "diag_stack", "offdiag_stack",
             "forward_only", "segments", "block_v", "grad_issue", "scan_form", "cotangents", "residuals",
-            "forward_state", "wy_bwd")
+            "forward_state", "wy_bwd", "wy_form")
 
 
 def setting_values(key: str) -> tuple:
@@ -421,7 +422,7 @@ def setting_values(key: str) -> tuple:
 def settings(**values):
     """Within the block, trace with these module settings (diag=, rows=, scores=, cumsum=,
     scores_bwd=, inverse=, diag_stack=, offdiag_stack=, forward_only=, segments=, block_v=,
-    grad_issue=, scan_form=, cotangents=, residuals=, forward_state=, wy_bwd=; see SETTINGS), restored
+    grad_issue=, scan_form=, cotangents=, residuals=, forward_state=, wy_bwd=, wy_form=; see SETTINGS), restored
     afterwards; an unknown key or value raises."""
     table = _settings_table(values)
     for key, value in values.items():

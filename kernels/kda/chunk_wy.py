@@ -48,18 +48,27 @@ def wy_bwd_reference(nm, dvn, states, Ai, v, beta, kgam, compact):
 WY_BWD_CHOICES = ("auto", "xla", "mosaic", "interpret")
 WY_BWD = "auto"
 _wy_warned: set = set()
+# How the kernel walks the chunks (`chunk.settings(wy_form=...)`): "per_chunk" (one program per
+# chunk, every input loaded at once: 104 KiB of SMEM at K = V = 128, two programs per SM) or
+# "persistent" (one program per SM walking chunks p, p + SMs, ... through two SMEM slots, the next
+# chunk's inputs loading while one computes: 193 KiB).
+WY_FORMS = ("per_chunk", "persistent")
+WY_FORM = "per_chunk"
 
 
-def wy_bwd_setting() -> str:
+def wy_bwd_setting() -> tuple[str, str]:
+    """(WY_BWD, WY_FORM), checked: part of `chunk.traced_key`."""
     if WY_BWD not in WY_BWD_CHOICES:
         raise ValueError(f"chunk_wy.WY_BWD={WY_BWD!r}; expected one of {WY_BWD_CHOICES}")
-    return WY_BWD
+    if WY_FORM not in WY_FORMS:
+        raise ValueError(f"chunk_wy.WY_FORM={WY_FORM!r}; expected one of {WY_FORMS}")
+    return WY_BWD, WY_FORM
 
 
 def wy_bwd_mode(state_pass: str | None = None) -> str:
     """The resolved setting ("xla", "mosaic" or "interpret"); "auto" follows the backward's serial
     pass `state_pass` (one of `chunk.STATE_PASSES`; None: not known, the XLA ops)."""
-    if wy_bwd_setting() == "auto":
+    if wy_bwd_setting()[0] == "auto":
         return "mosaic" if state_pass == "mosaic" else "xla"
     return WY_BWD
 
@@ -81,5 +90,5 @@ def pull_back(nm, dvn, states, Ai, v, beta, kgam, compact, state_pass: str | Non
             log.warning("chunk_wy.WY_BWD=%r runs the XLA ops: %s", WY_BWD, reason)
         return wy_bwd_reference(nm, dvn, states, Ai, v, beta, kgam, compact)
     outs = mosaic_wy_bwd.wy_bwd(dvn.astype(nm.cd), states.astype(nm.cd), Ai, v, beta, kgam,
-                                interpret=mode == "interpret")
+                                interpret=mode == "interpret", form=WY_FORM)
     return tuple(o.astype(nm.sdt) for o in outs)

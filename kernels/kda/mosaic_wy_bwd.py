@@ -16,9 +16,15 @@ rows; compute dtype operands, float32 accumulation on the tensor cores):
 the values of `chunk_wy.wy_bwd_reference` (its "compute" cotangents: operands and the three results
 in the compute dtype; dAi is rounded once, after both of its products, where XLA rounds each).
 K, V in {64, 128}; bf16 or f16 operands.
+
+Two forms (`chunk_wy.WY_FORM`): one program per chunk with every input loaded at once, or one persistent
+program per SM walking its chunks through two SMEM slots, so that the next chunk's copies overlap
+this chunk's products (the per-chunk form leaves that overlap to its two programs per SM).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels.kda.chunk_wy import WY_FORMS
 from kernels.kda.mosaic_state import C, _mm, _smem, flat_grid, grid_indices
 from kernels.lowering import lowered_once
 
@@ -42,13 +49,19 @@ def unsupported_reason(K: int, V: int, dtype) -> str | None:
     return None
 
 
-def _body(dvn_ref, s_ref, ai_ref, v_ref, beta_ref, kg_ref, dbv_ref, dkg_ref, dl_ref, dvn_s, s_s, ai_s, bv_s, beta_s,
-          kg_s, dw_s, mats, bars, *, dt):
-    dai_s, x_s, dl_s = mats  # in S_n's memory once dw is formed
-    (t,) = grid_indices((dvn_ref.shape[0],))  # program t: chunk-batch-head t
-    loads = ((dvn_ref, dvn_s), (s_ref, s_s), (ai_ref, ai_s), (v_ref, bv_s), (kg_ref, kg_s), (beta_ref, beta_s))
-    for i, (src, dst) in enumerate(loads):
-        plgpu.copy_gmem_to_smem(src.at[t], dst, bars.at[i])
+# Input order of the copies (and of their barriers within a slot).
+_INPUTS = ("dvn", "S", "Ai", "v", "beta", "kgam")  # the kernel's argument order
+
+
+def _compute(t, bufs, wait, outs, *, dt):
+    """One chunk's pull-back from its inputs in SMEM into row t of the HBM outputs.
+
+    bufs: dict of SMEM refs (the inputs by `_INPUTS` name, and "mats" (dAi, X, dL) in S's memory
+    once dw is formed, "dw"); wait(name) blocks until that input's copy landed; outs: (d bv,
+    d kgam, d L) in HBM. Leaves the three stores in flight (one commit group each)."""
+    dvn_s, s_s, ai_s, bv_s, kg_s, beta_s, dw_s = (bufs[n] for n in ("dvn", "S", "Ai", "v", "kgam", "beta", "dw"))
+    dai_s, x_s, dl_s = bufs["mats"]
+    dbv_ref, dkg_ref, dl_ref = outs
     K, V = s_s.shape
 
     def store(x, ref):  # an accumulator's value into SMEM in the compute dtype
@@ -56,22 +69,22 @@ def _body(dvn_ref, s_ref, ai_ref, v_ref, beta_ref, kg_ref, dbv_ref, dkg_ref, dl_
         plgpu.commit_smem()
 
     # dw = -dv' S^T: S [K, V] is the transposed operand (its rows are dw's columns).
-    plgpu.barrier_wait(bars.at[0])
-    plgpu.barrier_wait(bars.at[1])
+    wait("dvn")
+    wait("S")
 
     def dw_fn(acc):
         plgpu.wgmma(acc, dvn_s, s_s.transpose((1, 0)))
         return acc[...]
 
     # bv = beta v in place of v, formed here: XLA would write it to HBM for this kernel to read.
-    plgpu.barrier_wait(bars.at[3])
-    plgpu.barrier_wait(bars.at[5])
+    wait("v")
+    wait("beta")
     beta = lax.broadcast_in_dim(plgpu.load(beta_s, layout=_W.reduce(1)), (C, V), [0])
     bv = plgpu.load(bv_s, layout=_W).astype(jnp.float32) * beta
     store(-_mm(dw_fn, (C, K)), dw_s)
     store(bv, bv_s)
     # dAi = dv' bv^T + dw kgam^T, one float32 accumulator (S's memory now takes dAi).
-    plgpu.barrier_wait(bars.at[4])
+    wait("kgam")
 
     def dai_fn(acc):
         plgpu.wgmma(acc, dvn_s, bv_s.transpose((1, 0)))
@@ -79,7 +92,7 @@ def _body(dvn_ref, s_ref, ai_ref, v_ref, beta_ref, kg_ref, dbv_ref, dkg_ref, dl_
         return acc[...]
 
     store(_mm(dai_fn, (C, C)), dai_s)
-    plgpu.barrier_wait(bars.at[2])
+    wait("Ai")
     ai_t = ai_s.transpose((1, 0))  # Ai^T: Ai as stored, the transposed operand
 
     def two(x, y):  # two products issued together (their latencies overlap), then both read
@@ -101,48 +114,113 @@ def _body(dvn_ref, s_ref, ai_ref, v_ref, beta_ref, kg_ref, dbv_ref, dkg_ref, dl_
     plgpu.copy_smem_to_gmem(kg_s, dkg_ref.at[t])
     store(-d_L, dl_s)
     plgpu.copy_smem_to_gmem(dl_s, dl_ref.at[t])
+
+
+def _inputs_scratch(K, V, dt, lead=()):
+    """The SMEM of one chunk's inputs (`lead` (2,): two slots of them), in `_INPUTS` order."""
+    return [
+        _smem((*lead, C, V), dt),  # dv'
+        _smem((*lead, K, V), dt),  # S_n
+        _smem((*lead, C, C), dt),  # Ai
+        _smem((*lead, C, V), dt),  # v, then bv, then d bv
+        plgpu.SMEM((*lead, C), jnp.float32),  # beta
+        _smem((*lead, C, K), dt),  # kgam, then d kgam
+    ]
+
+
+def _body(*refs, dt, P):
+    """One program per chunk: every input copied at once, then `_compute`."""
+    ins, outs, rest = refs[:6], refs[6:9], refs[9:]
+    dvn_s, (mats, s_s), ai_s, v_s, beta_s, kg_s, dw_s, bars = rest
+    (t,) = grid_indices((P,))
+    bufs = dict(dvn=dvn_s, S=s_s, Ai=ai_s, v=v_s, beta=beta_s, kgam=kg_s, mats=tuple(mats), dw=dw_s)
+    for i, name in enumerate(_INPUTS):
+        plgpu.copy_gmem_to_smem(ins[i].at[t], bufs[name], bars.at[i])
+    _compute(t, bufs, lambda name: plgpu.barrier_wait(bars.at[_INPUTS.index(name)]), outs, dt=dt)
     plgpu.wait_smem_to_gmem(0)
 
 
-@lowered_once("interpret")
-def _wy_bwd(dvn, states, Ai, v, beta, kgam, *, interpret):
+def _body_persistent(*refs, dt, P, programs):
+    """`programs` persistent programs; program p takes chunks p, p + programs, ... through two
+    SMEM slots: chunk j + 1's inputs load while chunk j computes."""
+    ins, outs, rest = refs[:6], refs[6:9], refs[9:]
+    slotted, mats, dw_s, bars = rest[:6], rest[6:9], rest[9], rest[10]
+    pid = lax.axis_index("t")
+    J = -(-P // programs)  # chunks of program 0; the others may have one fewer
+    n = len(_INPUTS)
+
+    def issue(j, slot):
+        for i in range(n):
+            plgpu.copy_gmem_to_smem(ins[i].at[pid + j * programs], slotted[i].at[slot], bars.at[n * slot + i])
+
+    def step(j, carry):
+        @pl.when(pid + j * programs < P)
+        def _():
+            slot = lax.rem(j, 2)
+            # The other slot, and the [C, C] intermediates, held chunk j - 1, whose three stores
+            # were just issued: wait until they have read the SMEM, then fill the slot with j + 1.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            @pl.when(pid + (j + 1) * programs < P)
+            def _():
+                issue(j + 1, 1 - slot)
+
+            bufs = dict(zip(_INPUTS, (r.at[slot] for r in slotted)), mats=tuple(mats), dw=dw_s)
+            wait = lambda name: plgpu.barrier_wait(bars.at[n * slot + _INPUTS.index(name)])  # noqa: E731
+            _compute(pid + j * programs, bufs, wait, outs, dt=dt)
+
+        return carry
+
+    issue(0, 0)  # programs <= P: every program has chunk 0
+    lax.fori_loop(0, J, step, 0)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _num_sms() -> int:
+    return getattr(jax.devices()[0], "core_count", None) or 132
+
+
+@lowered_once("form", "programs", "interpret")
+def _wy_bwd(dvn, states, Ai, v, beta, kgam, *, form, programs, interpret):
     P, _, V = dvn.shape
     K = states.shape[-2]
     dt = dvn.dtype
-    union = plgpu.RefUnion((_smem((C, C), dt), _smem((C, C), dt), _smem((C, C), dt)), _smem((K, V), dt))
-    scratch = [
-        _smem((C, V), dt),  # dv'
-        union,  # S_n, then dAi, X, dL
-        _smem((C, C), dt),  # Ai
-        _smem((C, V), dt),  # v, then bv, then d bv
-        plgpu.SMEM((C,), jnp.float32),  # beta
-        _smem((C, K), dt),  # kgam, then d kgam
-        _smem((C, K), dt),  # dw
-        plgpu.Barrier(num_barriers=6),
-    ]
     sds = lambda *s: jax.ShapeDtypeStruct((P, *s), dt)  # noqa: E731
-
-    def body(dvn_ref, s_ref, ai_ref, v_ref, beta_ref, kg_ref, dbv_ref, dkg_ref, dl_ref, dvn_s, un, ai_s, bv_s, beta_s,
-             kg_s, dw_s, bars):
-        mats, s_s = un
-        _body(dvn_ref, s_ref, ai_ref, v_ref, beta_ref, kg_ref, dbv_ref, dkg_ref, dl_ref, dvn_s, s_s, ai_s, bv_s, beta_s,
-              kg_s, dw_s, mats, bars, dt=dt)
-
+    if form == "persistent":
+        programs = min(programs or _num_sms(), P)
+        # two slots of inputs; one set of the [C, C] intermediates (dAi, X, dL) and of dw
+        scratch = _inputs_scratch(K, V, dt, (2,)) + [_smem((C, C), dt) for _ in range(3)] + [
+            _smem((C, K), dt), plgpu.Barrier(num_barriers=2 * len(_INPUTS))]
+        body = functools.partial(_body_persistent, dt=dt, P=P, programs=programs)
+        grid = dict(grid=(programs,), grid_names=("t",))
+    else:
+        scratch = _inputs_scratch(K, V, dt)  # S's memory in a union with dAi, X, dL (made after dw)
+        scratch[1] = plgpu.RefUnion(tuple(_smem((C, C), dt) for _ in range(3)), scratch[1])
+        scratch += [_smem((C, K), dt), plgpu.Barrier(num_barriers=len(_INPUTS))]
+        body = functools.partial(_body, dt=dt, P=P)
+        grid = flat_grid((P,))
     return plgpu.kernel(
         body,
         out_type=(sds(C, V), sds(C, K), sds(C, C)),
         scratch_types=scratch,
-        **flat_grid((P,)),
+        **grid,
         kernel_name="kda_wy_bwd",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(dvn, states, Ai, v, beta, kgam)
 
 
-def wy_bwd(dvn, states, Ai, v, beta, kgam, *, interpret=False):
+def wy_bwd(dvn, states, Ai, v, beta, kgam, *, interpret=False, form=None, programs=None):
     """dvn [.., C, V], states [.., K, V], Ai [.., C, C], v [.., C, V], beta [.., C], kgam [.., C, K]
     (any leading dims, the same for all; matrices cast to dvn's dtype, beta to float32) -> (d bv
     [.., C, V], d kgam [.., C, K], d L [.., C, C]) in dvn's dtype, bv = beta v (rounded to dvn's
-    dtype as a product operand). `interpret`: the Mosaic GPU interpreter (CPU tests)."""
+    dtype as a product operand). `interpret`: the Mosaic GPU interpreter (CPU tests); `form`: one
+    of `chunk_wy.WY_FORMS` (default "per_chunk"); `programs`: the persistent form's program count (default the
+    GPU's SM count)."""
+    form = "per_chunk" if form is None else form
+    if form not in WY_FORMS:
+        raise ValueError(f"form={form!r}; expected one of {WY_FORMS}")
+    if programs is not None and programs < 1:
+        raise ValueError(f"programs={programs}: the persistent form needs at least one program")
     lead, V = dvn.shape[:-2], dvn.shape[-1]
     K = states.shape[-2]
     reason = unsupported_reason(K, V, dvn.dtype)
@@ -155,5 +233,5 @@ def wy_bwd(dvn, states, Ai, v, beta, kgam, *, interpret=False):
     dt = dvn.dtype
     flat = lambda x: x.astype(dt).reshape(-1, *x.shape[-2:])  # noqa: E731
     outs = _wy_bwd(flat(dvn), flat(states), flat(Ai), flat(v), beta.astype(jnp.float32).reshape(-1, C), flat(kgam),
-                   interpret=interpret)
+                   form=form, programs=programs, interpret=interpret)
     return tuple(o.reshape(*lead, *o.shape[-2:]) for o in outs)

@@ -233,8 +233,9 @@ def _chunk_stages(rec, q, k, v, g, beta, scale):
     # The WY form's pull-back with compute-dtype cotangents: XLA's GEMMs, then the kernel (K, V in {64, 128}).
     wy_args = (vn.astype(nm.cd), states.astype(nm.cd), wy[0], cv, cb, P["kgam"])
     rec("chunk.bwd piece: WY pull-back (XLA)", lambda *a: chunk_wy.wy_bwd_reference(nm, *a, compact=True), *wy_args)
-    rec("chunk.bwd piece: WY pull-back (mosaic_wy_bwd kernel)",
-        lambda *a: mosaic_wy_bwd.wy_bwd(*a, interpret=kernel_mode == "interpret"), *wy_args)
+    for form in chunk_wy.WY_FORMS:
+        rec(f"chunk.bwd piece: WY pull-back (mosaic_wy_bwd kernel, {form})",
+            lambda *a, f=form: mosaic_wy_bwd.wy_bwd(*a, interpret=kernel_mode == "interpret", form=f), *wy_args)
 
 
 def _pallas_stages(rec, q, k, v, g, beta, scale):

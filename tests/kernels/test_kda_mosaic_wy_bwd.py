@@ -99,12 +99,14 @@ def test_errors_and_fallback(rng, caplog):
 
 
 @pytest.mark.gpu
-def test_gpu_kernel_matches_the_reference(rng):
-    """Compiled, over 64 chunk-heads at K = V = 128 (a race between the in-place result staging and
-    the products or copies still reading it would show here)."""
-    dvn, S, Ai, v, beta, kgam = _pieces(rng, (4, 16), 128, 128)
+@pytest.mark.parametrize("form", chunk_wy.WY_FORMS)
+def test_gpu_kernel_matches_the_reference(rng, form):
+    """Compiled, over 1000 chunk-heads at K = V = 128, each persistent program walking several (a
+    race between the in-place result staging, the slots' refills and the products or copies still
+    reading them would show here)."""
+    dvn, S, Ai, v, beta, kgam = _pieces(rng, (10, 100), 128, 128)
     want = chunk_wy.wy_bwd_reference(_Numerics(jnp.bfloat16), dvn, S, Ai, v, beta, kgam, compact=True)
-    got = mosaic_wy_bwd.wy_bwd(dvn, S, Ai, v, beta, kgam)
+    got = mosaic_wy_bwd.wy_bwd(dvn, S, Ai, v, beta, kgam, form=form)
     for name, g, w in zip(("d bv", "d kgam", "d L"), got, want):
         assert rel_rms(w, g) < 1e-2, (name, rel_rms(w, g))
 
@@ -121,3 +123,18 @@ def test_auto_follows_the_backward_state_pass():
         assert chunk_wy.wy_bwd_mode("xla") == "interpret"
     with chunk.settings(wy_bwd="xla"):
         assert chunk_wy.wy_bwd_mode("mosaic") == "xla"
+
+
+@pytest.mark.parametrize("lead, programs", [((7,), 2), ((2, 3), 4), ((3,), 3)])
+def test_persistent_form_matches_the_per_chunk_form(rng, lead, programs):
+    """Programs walking several chunks through two slots (chunk counts that do not divide evenly,
+    an odd count per program, one chunk each) give the per-chunk form's values exactly."""
+    args = _pieces(rng, lead, 64, 128)
+    want = mosaic_wy_bwd.wy_bwd(*args, interpret=True, form="per_chunk")
+    got = mosaic_wy_bwd.wy_bwd(*args, interpret=True, form="persistent", programs=programs)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    with pytest.raises(ValueError, match="form="):
+        mosaic_wy_bwd.wy_bwd(*args, interpret=True, form="ring")
+    with pytest.raises(ValueError, match="programs=0"):
+        mosaic_wy_bwd.wy_bwd(*args, interpret=True, form="persistent", programs=0)
