@@ -219,11 +219,17 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
 
             scan = lambda dS, c, src, **kw: mt.grad_scan_chunks(  # noqa: E731
                 nm, dS, c[0], c[1], c[2], src[0], src[1], c[3], interpret=interpret, **kw)
+            chunked, sources = (w, P["kg"], P["qg"], P["decay"]), (do, dvn_intra)
+        elif delta and chunk_segments.grad_intra() == "kernel":  # the pass forms Aqk^T do itself
+            scan = lambda dS, c, src, **kw: ms.grad_scan_chunks(  # noqa: E731
+                dS, c[0], c[1], c[2], src[0], None, c[3], cd=nm.cd, interpret=interpret,
+                dhs_dtype=nm.cd if compact else jnp.float32, aqk=c[4], **kw)
+            chunked, sources = (w, P["kg"], P["qg"], P["decay"], P["Aqk"]), (do,)
         else:
             scan = lambda dS, c, src, **kw: ms.grad_scan_chunks(  # noqa: E731
                 dS, c[0], c[1], c[2], src[0], src[1], c[3], cd=nm.cd, interpret=interpret,
                 dhs_dtype=nm.cd if compact else jnp.float32, **kw)
-        chunked, sources = (w, P["kg"], P["qg"], P["decay"]), (do, dvn_intra)
+            chunked, sources = (w, P["kg"], P["qg"], P["decay"]), (do, dvn_intra)
     dhs, dvn, dh0 = chunk_segments.grad_scan(scan, dS_final, chunked, sources, chunk_segments.SEGMENTS)
     if compact:  # the XLA and transition passes write float32
         dhs = dhs.astype(nm.cd)
@@ -379,6 +385,7 @@ def _settings_table(keys=None):
              "segments": lambda: (chunk_segments, "SEGMENTS", chunk_segments.SEGMENT_CHOICES),
              "block_v": lambda: (chunk_segments, "BLOCK_V", chunk_segments.BLOCK_V_CHOICES),
              "grad_issue": lambda: (chunk_segments, "GRAD_ISSUE", chunk_segments.GRAD_ISSUES),
+             "grad_intra": lambda: (chunk_segments, "GRAD_INTRA", chunk_segments.GRAD_INTRAS),
              "scan_form": lambda: (chunk_segments, "SCAN_FORM", chunk_segments.SCAN_FORMS),
              "cotangents": lambda: (sys.modules[__name__], "COTANGENTS", COTANGENT_CHOICES),
              "residuals": lambda: (sys.modules[__name__], "RESIDUALS", RESIDUAL_CHOICES),
@@ -398,7 +405,8 @@ def traced_key() -> tuple:
 
     ms = sys.modules.get("kernels.kda.mosaic_scan")  # "forward_only" exists once the kernels are imported
     return chunk_intra.traced_settings() + (DEFAULT_SCORES, chunk_segments.SEGMENTS, chunk_segments.BLOCK_V,
-                                            chunk_segments.GRAD_ISSUE, chunk_segments.SCAN_FORM, COTANGENTS, RESIDUALS,
+                                            chunk_segments.GRAD_ISSUE, chunk_segments.grad_intra(),
+                                            chunk_segments.SCAN_FORM, COTANGENTS, RESIDUALS,
                                             chunk_output.FORWARD_STATE, ms.FORWARD_ONLY if ms else None,
                                             *chunk_wy.wy_bwd_setting())
 
@@ -409,7 +417,7 @@ def _forward_only_setting():
 
 
 SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse", "diag_stack", "offdiag_stack",
-            "forward_only", "segments", "block_v", "grad_issue", "scan_form", "cotangents", "residuals",
+            "forward_only", "segments", "block_v", "grad_issue", "grad_intra", "scan_form", "cotangents", "residuals",
             "forward_state", "wy_bwd", "wy_form")
 
 
@@ -422,8 +430,8 @@ def setting_values(key: str) -> tuple:
 def settings(**values):
     """Within the block, trace with these module settings (diag=, rows=, scores=, cumsum=,
     scores_bwd=, inverse=, diag_stack=, offdiag_stack=, forward_only=, segments=, block_v=,
-    grad_issue=, scan_form=, cotangents=, residuals=, forward_state=, wy_bwd=, wy_form=; see SETTINGS), restored
-    afterwards; an unknown key or value raises."""
+    grad_issue=, grad_intra=, scan_form=, cotangents=, residuals=, forward_state=, wy_bwd=,
+    wy_form=; see SETTINGS), restored afterwards; an unknown key or value raises."""
     table = _settings_table(values)
     for key, value in values.items():
         if value not in table[key][2]:

@@ -47,6 +47,16 @@ BLOCK_V = 64
 # 23.58 ms against 23.47 in order, so "in_order" stays.
 GRAD_ISSUES = ("in_order", "early")
 GRAD_ISSUE = "in_order"
+# Where the Mosaic reverse pass (delta rule, "wy" form) gets Aqk_n^T do_n, the part of dv'_n that
+# does not depend on the carried dS: "input" (an XLA product written to HBM, read per chunk) or
+# "kernel" (formed in the pass from Aqk_n and do_n, in dv'_n's accumulator beside kg_n dS: XLA's
+# product and its [N, B, H, C, V] result go, the pass reads the [C, C] Aqk_n instead and rounds
+# dv' once). XLA ops of a forward+backward at 8,4096,16,128 (`benchmarks/xla_bytes.py
+# --deviceless`): 24.02 -> 23.69 GB, kernel operands 2.86 -> 2.79
+# (xla-bytes-deviceless-grad-intra-8x4096-20261205.json). Not yet timed: "input" stays the
+# default. Set with `chunk.settings(grad_intra=...)`.
+GRAD_INTRAS = ("input", "kernel")
+GRAD_INTRA = "input"
 # How the Mosaic delta-rule passes chain their steps: "wy" (`mosaic_scan`: v' = u - w S, then
 # kg^T v', two dependent products a step) or "transition" (`mosaic_scan_transition`: one product
 # with M = -kg^T w formed for all chunks first, v' and dv' formed from the states afterwards).
@@ -79,6 +89,13 @@ def grad_issue() -> str:
     if GRAD_ISSUE not in GRAD_ISSUES:
         raise ValueError(f"chunk_segments.GRAD_ISSUE={GRAD_ISSUE!r}; expected one of {GRAD_ISSUES}")
     return GRAD_ISSUE
+
+
+def grad_intra() -> str:
+    """GRAD_INTRA, checked (read while tracing)."""
+    if GRAD_INTRA not in GRAD_INTRAS:
+        raise ValueError(f"chunk_segments.GRAD_INTRA={GRAD_INTRA!r}; expected one of {GRAD_INTRAS}")
+    return GRAD_INTRA
 
 
 def scan_form() -> str:

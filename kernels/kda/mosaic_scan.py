@@ -210,7 +210,7 @@ def _state_scan(w, u, kg, decay, h0, *, BV, interpret, final_only, segments):
     return (None, None, out[0]) if final_only else out
 
 
-def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact):
+def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact, aqk_in=False):
     ins_refs, (dhs_ref, dvn_ref, dh0_ref), scratch = _outputs(refs, 7 if delta else 6, final_only)
     if delta:
         w_ref, kg_ref, qg_ref, do_ref, dvi_ref, d_ref, dS_ref = ins_refs
@@ -220,7 +220,8 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact):
         kg_ref, qg_ref, do_ref, dvi_ref, d_ref, dS_ref = ins_refs
         kg_s, qg_s, do_s, dvi_s, d_s, ds_c, dvn_s, ds_f, bars, h_bar = scratch
         ins = ()
-    ins += ((kg_ref, kg_s, False), (qg_ref, qg_s, False), (do_ref, do_s, True), (dvi_ref, dvi_s, True),
+    # `aqk_in`: the fifth input is Aqk [C, C] per chunk (all of V's blocks read it), else Aqk^T do.
+    ins += ((kg_ref, kg_s, False), (qg_ref, qg_s, False), (do_ref, do_s, True), (dvi_ref, dvi_s, not aqk_in),
             (d_ref, d_s, False))
 
     def step(n, slot, dS, at):
@@ -259,6 +260,16 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact):
         def dvi(slot):  # Aqk^T do, float32 or (compact) the compute dtype
             return plgpu.load(dvi_s.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
 
+        def dvn_of_dS():  # dv' = Aqk^T do + kg dS, float32
+            if not aqk_in:
+                return dvi(slot) + _mm(kdS, (C, BV))
+
+            def both(acc):  # Aqk^T do does not wait on dS: issued first, into the same accumulator
+                plgpu.wgmma(acc, dvi_s.at[slot].transpose((1, 0)), do_s.at[slot])
+                return kdS(acc)
+
+            return _mm(both, (C, BV))
+
         def w_dvn(acc):
             if delta:
                 plgpu.wgmma(acc, w_s.at[slot].transpose((1, 0)), neg_s)
@@ -272,7 +283,7 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact):
                 qg_do(acc)
                 ds_c[...] = dS.astype(dt)
                 plgpu.commit_smem()
-                dvn = dvi(slot) + _mm(kdS, (C, BV))
+                dvn = dvn_of_dS()
                 write_dvn(dvn)
                 plgpu.commit_smem()
                 w_dvn(acc)
@@ -286,7 +297,7 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact):
         ds_c[...] = dS.astype(dt)
         plgpu.commit_smem()
         send_dhs()
-        dvn = dvi(slot) + _mm(kdS, (C, BV))
+        dvn = dvn_of_dS()
         write_dvn(dvn)
         plgpu.commit_smem()
         send_dvn()
@@ -304,7 +315,7 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact):
 
 
 def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, final_only=False, segments=1,
-              dhs_dtype=jnp.float32):
+              dhs_dtype=jnp.float32, aqk=None):
     """Reverse pass. w, kg, qg [N, BH, C, K] (w None: linear attention) and do [N, BH, C, V] in one
     compute dtype; dvn_intra [N, BH, C, V] (Aqk^T do) in float32 or the compute dtype; decay
     [N, BH, K] f32; dS_final [segments * BH, K, V] f32 (segments > 1: each run of N / segments
@@ -312,14 +323,21 @@ def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, fin
     Returns (gradients of the outgoing states [N, BH, K, V] f32, of v' [N, BH, C, V] compute dtype,
     of each run's initial state [segments * BH, K, V] f32); `final_only`: (None, None, that last),
     the per-chunk outputs never written. `dhs_dtype` float32 or the compute dtype: the latter
-    writes the rounded copy the kg dS product reads (half the bytes)."""
+    writes the rounded copy the kg dS product reads (half the bytes). `aqk` [N, BH, C, C] in the
+    compute dtype (delta rule only, with dvn_intra None): the pass forms Aqk^T do itself."""
+    if (aqk is None) == (dvn_intra is None):
+        raise ValueError("grad_scan takes exactly one of dvn_intra (Aqk^T do) and aqk")
+    if aqk is not None and w is None:
+        raise ValueError("grad_scan: aqk is for the delta rule's pass (w given)")
     BV = chunk_segments.block_v(programs64=segments * kg.shape[1] * max(do.shape[-1] // 64, 1))  # read while tracing
-    return _grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, BV=BV, early=chunk_segments.grad_issue() == "early",
-                      interpret=interpret, final_only=final_only, segments=segments, dhs_dtype=jnp.dtype(dhs_dtype))
+    return _grad_scan(w, kg, qg, do, dvn_intra if aqk is None else aqk, decay, dS_final, BV=BV,
+                      early=chunk_segments.grad_issue() == "early", interpret=interpret, final_only=final_only,
+                      segments=segments, dhs_dtype=jnp.dtype(dhs_dtype), aqk_in=aqk is not None)
 
 
-@lowered_once("BV", "early", "interpret", "final_only", "segments", "dhs_dtype")
-def _grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, BV, early, interpret, final_only, segments, dhs_dtype):
+@lowered_once("BV", "early", "interpret", "final_only", "segments", "dhs_dtype", "aqk_in")
+def _grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, BV, early, interpret, final_only, segments, dhs_dtype,
+               aqk_in=False):
     N, BH, Cc, K = kg.shape
     _check_segments(N, segments, dS_final, BH)
     V = do.shape[-1]
@@ -335,6 +353,7 @@ def _grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, BV, early, interpre
         _smem_((2, C, K), dt),
         _smem_((2, C, K), dt),
         _smem_((2, C, BV), dt),
+        _smem_((2, C, C), dt) if aqk_in else  # Aqk (wgmma operand), or Aqk^T do as read:
         plgpu.SMEM((2, C, BV), f32) if dvn_intra.dtype == f32 else _smem_((2, C, BV), dt),
         plgpu.SMEM((2, K), f32),
         _smem_((K, BV), dt),
@@ -350,7 +369,7 @@ def _grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, BV, early, interpre
     args = ((w,) if delta else ()) + (kg, qg, do, dvn_intra, decay, dS_final)
     body = functools.partial(_bwd_body, NT=N // segments, BH=BH, K=K, BV=BV, dt=dt, delta=delta,
                              final_only=final_only, early=early,
-                             compact=jnp.dtype(dhs_dtype) != jnp.dtype(f32))
+                             compact=jnp.dtype(dhs_dtype) != jnp.dtype(f32), aqk_in=aqk_in)
     out = launch_bh_v(body, out_type, scratch, args, BH=segments * BH, V=V, BV=BV, interpret=interpret)
     return (None, None, out[0]) if final_only else out
 
@@ -381,17 +400,18 @@ def state_scan_chunks(h0, w, u, kg, decay, *, cd, interpret=False, final_only=Fa
 
 
 def grad_scan_chunks(dS, w, kg, qg, do, dvn_intra, decay, *, cd, interpret=False, final_only=False, segments=1,
-                     dhs_dtype=jnp.float32):
+                     dhs_dtype=jnp.float32, aqk=None):
     """`grad_scan` on `chunk.py`'s arrays ([N, B, H, ...]; dS [segments * B, H, K, V]); dvn_intra in
-    the compute dtype `cd` stays so, any other dtype goes in as float32."""
+    the compute dtype `cd` stays so, any other dtype goes in as float32; `aqk` (instead of
+    dvn_intra) goes in the compute dtype."""
     N, B, H = kg.shape[:3]
     K, V = dS.shape[-2:]
     op = lambda x: None if x is None else _flat(x).astype(cd)
     f32 = lambda x: _flat(x).astype(jnp.float32)
-    dvi = op(dvn_intra) if dvn_intra.dtype == jnp.dtype(cd) else f32(dvn_intra)
+    dvi = None if dvn_intra is None else op(dvn_intra) if dvn_intra.dtype == jnp.dtype(cd) else f32(dvn_intra)
     out = grad_scan(op(w), op(kg), op(qg), op(do), dvi, f32(decay),
                     dS.reshape(-1, K, V).astype(jnp.float32), interpret=interpret,
-                    final_only=final_only, segments=segments, dhs_dtype=dhs_dtype)
+                    final_only=final_only, segments=segments, dhs_dtype=dhs_dtype, aqk=op(aqk))
     return _unflat(out, N, B, H, dS.shape)
 
 

@@ -109,6 +109,40 @@ def test_chunk_mosaic_bfloat16(rng, block_v):
         _compare(rng, inputs, BF16_TOL, -5.0, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("block_v, grad_issue, segments", [(64, "in_order", 1), (16, "early", 1), (64, "in_order", 2)])
+def test_reverse_pass_forming_aqk_do(rng, block_v, grad_issue, segments, monkeypatch):
+    """grad_intra="kernel": the reverse pass forms Aqk^T do from Aqk (at 16 columns the [C, C]
+    operand takes the narrow swizzle; with two segments Aqk rides with the pass's chunked inputs)
+    and every gradient stays within the bf16 tolerances of naive; the pass was launched with Aqk."""
+    launched, launch = [], mosaic_scan.launch_bh_v
+
+    def spy(body, *a, **kw):
+        launched.append(body.keywords.get("aqk_in"))
+        return launch(body, *a, **kw)
+
+    monkeypatch.setattr(mosaic_scan, "launch_bh_v", spy)
+    inputs = make_inputs(rng, 1, 200, 2, 128, 128, "channel", lower=-5.0, seg="random")
+    with chunk.settings(block_v=block_v, grad_issue=grad_issue, grad_intra="kernel", segments=segments):
+        _compare(rng, inputs, BF16_TOL, -5.0, jnp.bfloat16)
+    assert True in launched, launched
+
+
+def test_grad_scan_takes_one_intra_source(rng):
+    N, BH, C, K, V = 2, 1, 64, 64, 64
+    z = lambda *s: jnp.zeros(s, jnp.bfloat16)  # noqa: E731
+    args = (z(N, BH, C, K), z(N, BH, C, K), z(N, BH, C, K), z(N, BH, C, V))
+    decay, dS = jnp.ones((N, BH, K), jnp.float32), jnp.zeros((BH, K, V), jnp.float32)
+    with pytest.raises(ValueError, match="exactly one"):
+        mosaic_scan.grad_scan(*args, z(N, BH, C, V), decay, dS, interpret=True, aqk=z(N, BH, C, C))
+    with pytest.raises(ValueError, match="exactly one"):
+        mosaic_scan.grad_scan(*args, None, decay, dS, interpret=True)
+    with pytest.raises(ValueError, match="delta rule"):
+        mosaic_scan.grad_scan(None, *args[1:], None, decay, dS, interpret=True, aqk=z(N, BH, C, C))
+    with pytest.raises(ValueError, match="grad_intra"):
+        with chunk.settings(grad_intra="xla"):
+            pass
+
+
 def test_forward_only_calls_run_the_bounded_kernel_forward(rng, monkeypatch):
     """Without a gradient, a bounded, reset-free bf16 call runs pallas_gpu's all-kernel forward
     (the intra kernel runs) and matches naive; under jax.grad chunk's forward runs instead (no
@@ -189,13 +223,16 @@ def test_falls_back_once_with_reason(rng, caplog):
     assert mosaic_scan.unsupported_reason(128, 64, jnp.float32, interpret=True) is None
 
 
-@pytest.mark.parametrize("B, T, H, K, block_v, grad_issue", [
-    (8, 4096, 16, 128, 64, "in_order"), (1, 128, 2, 64, 64, "in_order"), (1, 65536, 16, 128, 32, "in_order"),
-    (1, 128, 2, 128, 16, "in_order"), (8, 4096, 16, 128, 64, "early"), (1, 65536, 16, 128, 16, "early")])
-def test_forward_backward_lowers_for_cuda(B, T, H, K, block_v, grad_issue):
+@pytest.mark.parametrize("B, T, H, K, block_v, grad_issue, grad_intra", [
+    (8, 4096, 16, 128, 64, "in_order", "input"), (1, 128, 2, 64, 64, "in_order", "input"),
+    (1, 65536, 16, 128, 32, "in_order", "input"), (1, 128, 2, 128, 16, "in_order", "input"),
+    (8, 4096, 16, 128, 64, "early", "input"), (1, 65536, 16, 128, 16, "early", "input"),
+    (8, 4096, 16, 128, 64, "in_order", "kernel"), (1, 128, 2, 128, 16, "early", "kernel")])
+def test_forward_backward_lowers_for_cuda(B, T, H, K, block_v, grad_issue, grad_intra):
     """The Mosaic GPU lowering (layouts, wgmma operands with one swizzle, SMEM budget) of both
     kernels in the bf16 forward+backward, exported for CUDA from this CPU machine."""
-    assert cuda_train_module(B, T, H, K, block_v=block_v, grad_issue=grad_issue).count("mosaic_gpu") >= 2
+    module = cuda_train_module(B, T, H, K, block_v=block_v, grad_issue=grad_issue, grad_intra=grad_intra)
+    assert module.count("mosaic_gpu") >= 2
 
 
 def cuda_train_module(B, T, H, K, **settings) -> str:
@@ -332,12 +369,13 @@ def test_scan_bench_pass_work_counts_what_each_pass_reads_and_writes():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_v, grad_issue", [(32, "in_order"), (16, "in_order"), (64, "early"), (16, "early")])
-def test_gpu_narrow_v_blocks_match_naive(rng, block_v, grad_issue):
+@pytest.mark.parametrize("grad_intra", ["input", "kernel"])
+def test_gpu_narrow_v_blocks_match_naive(rng, block_v, grad_issue, grad_intra):
     """The compiled serial passes with V / block_v programs per (batch * head), and the reverse
     pass with qg^T do issued early, at a training shape (bf16, bounded gates, packed documents)
     against naive, at the usual tolerances."""
     inputs = make_inputs(rng, 2, 4096, 16, 128, 128, "channel", lower=-5.0, seg="random")
-    with chunk.settings(block_v=block_v, grad_issue=grad_issue):
+    with chunk.settings(block_v=block_v, grad_issue=grad_issue, grad_intra=grad_intra):
         _compare(rng, inputs, BF16_TOL, -5.0, jnp.bfloat16)
 
 
