@@ -241,8 +241,7 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
         decay=jnp.sum(states.astype(nm.sdt) * dhs, axis=-1),
     )
     if delta:
-        ct["bv"], ct["kgam"], ct["L"] = chunk_wy.pull_back(nm, dvn, states, Ai, v, beta, P["kgam"], compact,
-                                                                 state_pass)
+        ct["bv"], ct["kgam"], ct["L"] = chunk_wy.pull_back(nm, dvn, states, Ai, v, beta, P["kgam"], compact, state_pass)
     if compact:
         # Each of these pieces is only ever a matmul operand in the compute dtype, so its
         # cotangent is rounded there too: the products write half the bytes and the pull-back
@@ -417,8 +416,8 @@ def _forward_only_setting():
 
 
 SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse", "diag_stack", "offdiag_stack",
-            "forward_only", "segments", "block_v", "grad_issue", "grad_intra", "scan_form", "cotangents", "residuals",
-            "forward_state", "wy_bwd", "wy_form")
+            "forward_only", "segments", "block_v", "grad_issue", "grad_intra", "scan_form", "cotangents",
+            "residuals", "forward_state", "wy_bwd", "wy_form")
 
 
 def setting_values(key: str) -> tuple:

@@ -17,9 +17,10 @@ the values of `chunk_wy.wy_bwd_reference` (its "compute" cotangents: operands an
 in the compute dtype; dAi is rounded once, after both of its products, where XLA rounds each).
 K, V in {64, 128}; bf16 or f16 operands.
 
-Two forms (`chunk_wy.WY_FORM`): one program per chunk with every input loaded at once, or one persistent
-program per SM walking its chunks through two SMEM slots, so that the next chunk's copies overlap
-this chunk's products (the per-chunk form leaves that overlap to its two programs per SM).
+Two forms (`chunk_wy.WY_FORM`): one program per chunk with every input loaded at once (the
+default: faster on an H100), or one persistent program per SM walking its chunks through two SMEM
+slots, so that the next chunk's copies overlap this chunk's products (the per-chunk form leaves
+that overlap to its two programs per SM).
 """
 
 from __future__ import annotations
@@ -214,8 +215,8 @@ def wy_bwd(dvn, states, Ai, v, beta, kgam, *, interpret=False, form=None, progra
     (any leading dims, the same for all; matrices cast to dvn's dtype, beta to float32) -> (d bv
     [.., C, V], d kgam [.., C, K], d L [.., C, C]) in dvn's dtype, bv = beta v (rounded to dvn's
     dtype as a product operand). `interpret`: the Mosaic GPU interpreter (CPU tests); `form`: one
-    of `chunk_wy.WY_FORMS` (default "per_chunk"); `programs`: the persistent form's program count (default the
-    GPU's SM count)."""
+    of `chunk_wy.WY_FORMS` (default "per_chunk"); `programs`: the persistent form's program count
+    (default the GPU's SM count)."""
     form = "per_chunk" if form is None else form
     if form not in WY_FORMS:
         raise ValueError(f"form={form!r}; expected one of {WY_FORMS}")
