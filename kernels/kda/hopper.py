@@ -45,6 +45,12 @@ def assume_device_kind(kind: str):
         _ASSUMED = old
 
 
+def num_sms() -> int:
+    """The SMs of the first device (132, an H100's / H200's, where it does not say: a CPU host
+    compiling ahead of time): the program count of the persistent kernels."""
+    return getattr(jax.devices()[0], "core_count", None) or 132
+
+
 def check_kernel_setting(name: str, mode: str) -> None:
     """A module setting `name` = "mosaic" (a compiled Mosaic GPU kernel) needs a GPU backend, or a
     Hopper assumed for an ahead-of-time compile (`assume_device_kind`); raise otherwise, pointing

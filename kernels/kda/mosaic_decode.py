@@ -20,6 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels.kda.hopper import num_sms
 from kernels.kda.mosaic_state import _smem, launch_bh_v
 from kernels.lowering import lowered_once
 
@@ -156,7 +157,7 @@ def decode_step_pipelined(state, vecs, v, *, programs=None, slots=4, block_v=BV,
     NV = V // block_v
     n_tiles = BH * NV
     if programs is None:
-        programs = getattr(jax.devices()[0], "core_count", None) or 132
+        programs = num_sms()
     P = min(programs, n_tiles)
     f32 = jnp.float32
     scratch = [

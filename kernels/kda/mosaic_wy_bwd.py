@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels.kda.chunk_wy import WY_FORMS
+from kernels.kda.hopper import num_sms
 from kernels.kda.mosaic_state import C, _mm, _smem, flat_grid, grid_indices
 from kernels.lowering import lowered_once
 
@@ -177,10 +178,6 @@ def _body_persistent(*refs, dt, P, programs):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _num_sms() -> int:
-    return getattr(jax.devices()[0], "core_count", None) or 132
-
-
 @lowered_once("form", "programs", "interpret")
 def _wy_bwd(dvn, states, Ai, v, beta, kgam, *, form, programs, interpret):
     P, _, V = dvn.shape
@@ -188,7 +185,7 @@ def _wy_bwd(dvn, states, Ai, v, beta, kgam, *, form, programs, interpret):
     dt = dvn.dtype
     sds = lambda *s: jax.ShapeDtypeStruct((P, *s), dt)  # noqa: E731
     if form == "persistent":
-        programs = min(programs or _num_sms(), P)
+        programs = min(programs or num_sms(), P)
         # two slots of inputs; one set of the [C, C] intermediates (dAi, X, dL) and of dw
         scratch = _inputs_scratch(K, V, dt, (2,)) + [_smem((C, C), dt) for _ in range(3)] + [
             _smem((C, K), dt), plgpu.Barrier(num_barriers=2 * len(_INPUTS))]
