@@ -58,8 +58,8 @@ _INPUTS = ("dvn", "S", "Ai", "v", "beta", "kgam")  # the kernel's argument order
 def _compute(t, bufs, wait, outs, *, dt):
     """One chunk's pull-back from its inputs in SMEM into row t of the HBM outputs.
 
-    bufs: dict of SMEM refs (the inputs by `_INPUTS` name, and "mats" (dAi, X, dL) in S's memory
-    once dw is formed, "dw"); wait(name) blocks until that input's copy landed; outs: (d bv,
+    bufs: dict of SMEM refs (the inputs by `_INPUTS` name, "mats" (dAi, X, dL: the per-chunk form
+    keeps them in S's memory, written only after dw is formed), "dw"); wait(name) blocks until that input's copy landed; outs: (d bv,
     d kgam, d L) in HBM. Leaves the three stores in flight (one commit group each)."""
     dvn_s, s_s, ai_s, bv_s, kg_s, beta_s, dw_s = (bufs[n] for n in ("dvn", "S", "Ai", "v", "kgam", "beta", "dw"))
     dai_s, x_s, dl_s = bufs["mats"]
