@@ -171,6 +171,11 @@ def _case_kda_wy_bwd_persistent():
     return _train_with(wy_bwd="mosaic", wy_form="persistent")
 
 
+def _case_kda_wy_bwd_state():
+    """The same with the WY kernel also forming the state products (`wy_state=kernel`)."""
+    return _train_with(wy_bwd="mosaic", wy_state="kernel")
+
+
 def _case_kda_decode():
     """kda_step impl="pallas_gpu" for B = 64, H = 32, K = V = 128 (benchmarks/kda_decode.py's inputs)."""
     from benchmarks.kda_decode import _decode_inputs
@@ -242,7 +247,8 @@ def _case_gmm_glu():
 
 CASES = dict(kda_fwd=_case_kda_fwd, kda_intra_bf16=_case_kda_intra_bf16, kda_train=_case_kda_train,
              kda_scores_bwd=_case_kda_scores_bwd, kda_wy_bwd=_case_kda_wy_bwd,
-             kda_wy_bwd_persistent=_case_kda_wy_bwd_persistent, kda_decode=_case_kda_decode,
+             kda_wy_bwd_persistent=_case_kda_wy_bwd_persistent, kda_wy_bwd_state=_case_kda_wy_bwd_state,
+             kda_decode=_case_kda_decode,
              short_conv=_case_short_conv, gmm=_case_gmm, gmm_glu=_case_gmm_glu, gmm_ffn=_case_gmm_ffn)
 
 

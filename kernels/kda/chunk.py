@@ -241,7 +241,10 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
         decay=jnp.sum(states.astype(nm.sdt) * dhs, axis=-1),
     )
     if delta:
-        ct["bv"], ct["kgam"], ct["L"] = chunk_wy.pull_back(nm, dvn, states, Ai, v, beta, P["kgam"], compact, state_pass)
+        # with the WY kernel's state products (`chunk_wy.WY_STATE`), its qg, kg and decay
+        # cotangents take the place of the three above (whose XLA ops then go unused)
+        ct.update(chunk_wy.pull_back(nm, dvn, states, Ai, v, beta, P["kgam"], compact, state_pass, do=do, vn=vn,
+                                     dhs=dhs))
     if compact:
         # Each of these pieces is only ever a matmul operand in the compute dtype, so its
         # cotangent is rounded there too: the products write half the bytes and the pull-back
@@ -390,7 +393,8 @@ def _settings_table(keys=None):
              "residuals": lambda: (sys.modules[__name__], "RESIDUALS", RESIDUAL_CHOICES),
              "forward_state": lambda: (chunk_output, "FORWARD_STATE", chunk_output.FORWARD_STATE_CHOICES),
              "wy_bwd": lambda: (chunk_wy, "WY_BWD", chunk_wy.WY_BWD_CHOICES),
-             "wy_form": lambda: (chunk_wy, "WY_FORM", chunk_wy.WY_FORMS)}
+             "wy_form": lambda: (chunk_wy, "WY_FORM", chunk_wy.WY_FORMS),
+             "wy_state": lambda: (chunk_wy, "WY_STATE", chunk_wy.WY_STATES)}
     for key in keys or ():
         if key not in table:
             raise ValueError(f"unknown KDA setting {key!r}; expected one of {SETTINGS}")
@@ -417,7 +421,7 @@ def _forward_only_setting():
 
 SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse", "diag_stack", "offdiag_stack",
             "forward_only", "segments", "block_v", "grad_issue", "grad_intra", "scan_form", "cotangents",
-            "residuals", "forward_state", "wy_bwd", "wy_form")
+            "residuals", "forward_state", "wy_bwd", "wy_form", "wy_state")
 
 
 def setting_values(key: str) -> tuple:
@@ -430,7 +434,7 @@ def settings(**values):
     """Within the block, trace with these module settings (diag=, rows=, scores=, cumsum=,
     scores_bwd=, inverse=, diag_stack=, offdiag_stack=, forward_only=, segments=, block_v=,
     grad_issue=, grad_intra=, scan_form=, cotangents=, residuals=, forward_state=, wy_bwd=,
-    wy_form=; see SETTINGS), restored afterwards; an unknown key or value raises."""
+    wy_form=, wy_state=; see SETTINGS), restored afterwards; an unknown key or value raises."""
     table = _settings_table(values)
     for key, value in values.items():
         if value not in table[key][2]:

@@ -56,15 +56,26 @@ _wy_warned: set = set()
 # (stages-wy-forms-h100-20261205T2150.json, kda-wyform-h100-20261205T2151.json).
 WY_FORMS = ("per_chunk", "persistent")
 WY_FORM = "per_chunk"
+# Where the state products' cotangents dqg = do S_n^T, dkg = v' dhs^T and d decay = sum_v S_n dhs
+# are formed when the kernel runs (`chunk.settings(wy_state=...)`): "xla" (two GEMMs and a
+# reduction, each reading S_n or dhs again) or "kernel" (the per-chunk kernel forms them beside
+# dw from the S_n it reads anyway and dhs, do, v'; 112 KiB of SMEM at K = V = 128 by its
+# scratch's sum, under the two-per-SM limit; 243 registers, no spills). XLA ops of a
+# forward+backward at 8,4096,16,128 24.02 -> 22.41 GB, kernel operands 2.86 -> 3.67
+# (xla-bytes-deviceless-wy-state-8x4096-20261205.json). Not yet timed: "xla" stays the default.
+WY_STATES = ("xla", "kernel")
+WY_STATE = "xla"
 
 
-def wy_bwd_setting() -> tuple[str, str]:
-    """(WY_BWD, WY_FORM), checked: part of `chunk.traced_key`."""
-    if WY_BWD not in WY_BWD_CHOICES:
-        raise ValueError(f"chunk_wy.WY_BWD={WY_BWD!r}; expected one of {WY_BWD_CHOICES}")
-    if WY_FORM not in WY_FORMS:
-        raise ValueError(f"chunk_wy.WY_FORM={WY_FORM!r}; expected one of {WY_FORMS}")
-    return WY_BWD, WY_FORM
+def wy_bwd_setting() -> tuple[str, str, str]:
+    """(WY_BWD, WY_FORM, WY_STATE), checked: part of `chunk.traced_key`."""
+    for name, value, choices in (("WY_BWD", WY_BWD, WY_BWD_CHOICES), ("WY_FORM", WY_FORM, WY_FORMS),
+                                 ("WY_STATE", WY_STATE, WY_STATES)):
+        if value not in choices:
+            raise ValueError(f"chunk_wy.{name}={value!r}; expected one of {choices}")
+    if WY_STATE == "kernel" and WY_FORM != "per_chunk":
+        raise ValueError("chunk_wy.WY_STATE='kernel' runs in the per_chunk form, not WY_FORM='persistent'")
+    return WY_BWD, WY_FORM, WY_STATE
 
 
 def wy_bwd_mode(state_pass: str | None = None) -> str:
@@ -75,12 +86,16 @@ def wy_bwd_mode(state_pass: str | None = None) -> str:
     return WY_BWD
 
 
-def pull_back(nm, dvn, states, Ai, v, beta, kgam, compact, state_pass: str | None = None):
-    """The cotangents of bv, kgam and L (state dtype), as `WY_BWD` says; arguments as
-    `wy_bwd_reference`'s, and the backward's serial pass for "auto"."""
+def pull_back(nm, dvn, states, Ai, v, beta, kgam, compact, state_pass: str | None = None, *, do=None, vn=None,
+              dhs=None) -> dict:
+    """The cotangents of the pieces bv, kgam and L (state dtype) as `WY_BWD` says, by piece name;
+    arguments as `wy_bwd_reference`'s, and the backward's serial pass for "auto". With do, vn (v')
+    and dhs in the compute dtype, where the kernel runs with WY_STATE "kernel", also those of qg,
+    kg and decay (the caller forms any it does not get)."""
+    names = ("bv", "kgam", "L")
     mode = wy_bwd_mode(state_pass)
     if mode == "xla":
-        return wy_bwd_reference(nm, dvn, states, Ai, v, beta, kgam, compact)
+        return dict(zip(names, wy_bwd_reference(nm, dvn, states, Ai, v, beta, kgam, compact)))
     from kernels.kda import mosaic_wy_bwd
 
     if WY_BWD != "auto":  # "auto" follows a serial pass the caller already compiles as a kernel
@@ -91,7 +106,9 @@ def pull_back(nm, dvn, states, Ai, v, beta, kgam, compact, state_pass: str | Non
         if reason not in _wy_warned:
             _wy_warned.add(reason)
             log.warning("chunk_wy.WY_BWD=%r runs the XLA ops: %s", WY_BWD, reason)
-        return wy_bwd_reference(nm, dvn, states, Ai, v, beta, kgam, compact)
+        return dict(zip(names, wy_bwd_reference(nm, dvn, states, Ai, v, beta, kgam, compact)))
+    state = wy_bwd_setting()[2] == "kernel" and do is not None
+    more = dict(do=do.astype(nm.cd), vn=vn.astype(nm.cd), dhs=dhs.astype(nm.cd)) if state else {}
     outs = mosaic_wy_bwd.wy_bwd(dvn.astype(nm.cd), states.astype(nm.cd), Ai, v, beta, kgam,
-                                interpret=mode == "interpret", form=WY_FORM)
-    return tuple(o.astype(nm.sdt) for o in outs)
+                                interpret=mode == "interpret", form=WY_FORM, **more)
+    return dict(zip(names + ("qg", "kg", "decay"), (o.astype(nm.sdt) for o in outs)))

@@ -55,36 +55,50 @@ def unsupported_reason(K: int, V: int, dtype) -> str | None:
 _INPUTS = ("dvn", "S", "Ai", "v", "beta", "kgam")  # the kernel's argument order
 
 
-def _compute(t, bufs, wait, outs, *, dt):
+def _two(x, y):
+    """Two products issued together (their latencies overlap), then both read: x, y = (result
+    shape, a, b) -> (a_x b_x, a_y b_y) in float32."""
+    def fn(acc_x, acc_y):
+        plgpu.wgmma(acc_x, *x[1:])
+        plgpu.wgmma(acc_y, *y[1:])
+        return acc_x[...], acc_y[...]
+
+    return pl.run_scoped(fn, plgpu.ACC(x[0], jnp.float32), plgpu.ACC(y[0], jnp.float32))
+
+
+def _store(x, ref):
+    """A value into SMEM in the ref's dtype, committed for the async proxy (wgmma, TMA)."""
+    ref[...] = x.astype(ref.dtype)
+    plgpu.commit_smem()
+
+
+def _compute(t, bufs, wait, outs, *, dw_ready=False):
     """One chunk's pull-back from its inputs in SMEM into row t of the HBM outputs.
 
-    bufs: dict of SMEM refs (the inputs by `_INPUTS` name, "mats" (dAi, X, dL: the per-chunk form
-    keeps them in S's memory, written only after dw is formed), "dw"); wait(name) blocks until that input's copy landed; outs: (d bv,
-    d kgam, d L) in HBM. Leaves the three stores in flight (one commit group each)."""
-    dvn_s, s_s, ai_s, bv_s, kg_s, beta_s, dw_s = (bufs[n] for n in ("dvn", "S", "Ai", "v", "kgam", "beta", "dw"))
+    bufs: dict of SMEM refs: the inputs by `_INPUTS` name, "mats" (dAi, X, dL; the per-chunk form
+    keeps them in S's memory, written only after dw is formed) and "dw"; `dw_ready`: dw is in
+    bufs["dw"] already (S is not read). wait(name) blocks until that input's copy landed; outs:
+    (d bv, d kgam, d L) in HBM. Leaves the three stores in flight (one commit group each)."""
+    dvn_s, ai_s, bv_s, kg_s, beta_s, dw_s = (bufs[n] for n in ("dvn", "Ai", "v", "kgam", "beta", "dw"))
     dai_s, x_s, dl_s = bufs["mats"]
     dbv_ref, dkg_ref, dl_ref = outs
-    K, V = s_s.shape
+    V, K = bv_s.shape[-1], kg_s.shape[-1]
+    if not dw_ready:  # dw = -dv' S^T: S [K, V] is the transposed operand (its rows are dw's columns)
+        wait("dvn")
+        wait("S")
 
-    def store(x, ref):  # an accumulator's value into SMEM in the compute dtype
-        ref[...] = x.astype(dt)
-        plgpu.commit_smem()
-
-    # dw = -dv' S^T: S [K, V] is the transposed operand (its rows are dw's columns).
-    wait("dvn")
-    wait("S")
-
-    def dw_fn(acc):
-        plgpu.wgmma(acc, dvn_s, s_s.transpose((1, 0)))
-        return acc[...]
+        def dw_fn(acc):
+            plgpu.wgmma(acc, dvn_s, bufs["S"].transpose((1, 0)))
+            return acc[...]
 
     # bv = beta v in place of v, formed here: XLA would write it to HBM for this kernel to read.
     wait("v")
     wait("beta")
     beta = lax.broadcast_in_dim(plgpu.load(beta_s, layout=_W.reduce(1)), (C, V), [0])
     bv = plgpu.load(bv_s, layout=_W).astype(jnp.float32) * beta
-    store(-_mm(dw_fn, (C, K)), dw_s)
-    store(bv, bv_s)
+    if not dw_ready:
+        _store(-_mm(dw_fn, (C, K)), dw_s)
+    _store(bv, bv_s)
     # dAi = dv' bv^T + dw kgam^T, one float32 accumulator (S's memory now takes dAi).
     wait("kgam")
 
@@ -93,29 +107,78 @@ def _compute(t, bufs, wait, outs, *, dt):
         plgpu.wgmma(acc, dw_s, kg_s.transpose((1, 0)))
         return acc[...]
 
-    store(_mm(dai_fn, (C, C)), dai_s)
+    _store(_mm(dai_fn, (C, C)), dai_s)
     wait("Ai")
     ai_t = ai_s.transpose((1, 0))  # Ai^T: Ai as stored, the transposed operand
-
-    def two(x, y):  # two products issued together (their latencies overlap), then both read
-        def fn(acc_x, acc_y):
-            plgpu.wgmma(acc_x, *x[1:])
-            plgpu.wgmma(acc_y, *y[1:])
-            return acc_x[...], acc_y[...]
-
-        return pl.run_scoped(fn, plgpu.ACC(x[0], jnp.float32), plgpu.ACC(y[0], jnp.float32))
-
     # d bv = Ai^T dv' beside X = dAi Ai^T, then d kgam = Ai^T dw beside d L = -Ai^T X; d bv and
     # d kgam are written over bv and kgam (their last reads were dAi's).
-    d_bv, X = two(((C, V), ai_t, dvn_s), ((C, C), dai_s, ai_t))
-    store(d_bv, bv_s)
+    d_bv, X = _two(((C, V), ai_t, dvn_s), ((C, C), dai_s, ai_t))
+    _store(d_bv, bv_s)
     plgpu.copy_smem_to_gmem(bv_s, dbv_ref.at[t])
-    store(X, x_s)
-    d_kgam, d_L = two(((C, K), ai_t, dw_s), ((C, C), ai_t, x_s))
-    store(d_kgam, kg_s)
+    _store(X, x_s)
+    d_kgam, d_L = _two(((C, K), ai_t, dw_s), ((C, C), ai_t, x_s))
+    _store(d_kgam, kg_s)
     plgpu.copy_smem_to_gmem(kg_s, dkg_ref.at[t])
-    store(-d_L, dl_s)
+    _store(-d_L, dl_s)
     plgpu.copy_smem_to_gmem(dl_s, dl_ref.at[t])
+
+
+def _body_state(*refs, P):
+    """One program per chunk that also forms the state products' cotangents before the WY
+    pull-back: dqg = do S_n^T, dkg = v' dhs^T and d decay = sum_v S_n * dhs (float32), S_n and
+    dhs [K, V] read once for all three and dw. Each input's memory passes to a later one once
+    read (dhs's to v and kgam, S's to Ai and the [C, C] intermediates, v''s to dkg then dw, do's
+    to dqg), so the program holds 112 KiB at K = V = 128: two per SM."""
+    ins, outs, rest = refs[:9], refs[9:15], refs[15:]
+    dvn_ref, s_ref, ai_ref, v_ref, beta_ref, kg_ref, do_ref, vn_ref, dhs_ref = ins
+    dqg_ref, dkg_ref, dd_ref = outs[3:]
+    dvn_s, (mats, s_s), ((bv_s, kg_s), dhs_s), (do_s, dqg_s), (vn_s, dkw_s), beta_s, dd_s, bars = rest
+    ai_s, *mats = mats
+    (t,) = grid_indices((P,))
+    K, V = s_s.shape
+    f32 = jnp.float32
+    first = ((dvn_ref, dvn_s), (s_ref, s_s), (dhs_ref, dhs_s), (do_ref, do_s), (vn_ref, vn_s), (beta_ref, beta_s))
+    for i, (src, dst) in enumerate(first):
+        plgpu.copy_gmem_to_smem(src.at[t], dst, bars.at[i])
+    late = {"v": 6, "kgam": 7, "Ai": 8}
+    index = {"dvn": 0, "beta": 5, **late}
+    wait = lambda name: plgpu.barrier_wait(bars.at[index[name]])  # noqa: E731
+    # d decay = sum_v S_n * dhs, 64 columns at a time (a whole [K, V] float32 pair would take 256
+    # registers per thread).
+    plgpu.barrier_wait(bars.at[1])
+    plgpu.barrier_wait(bars.at[2])
+    dd = None
+    for j in range(V // 64):
+        cols = pl.ds(j * 64, 64)
+        prod = plgpu.load(s_s.at[:, cols], layout=_W).astype(f32) * plgpu.load(dhs_s.at[:, cols], layout=_W).astype(f32)
+        dd = prod.sum(axis=1) if dd is None else dd + prod.sum(axis=1)
+    _store(dd, dd_s)
+    plgpu.copy_smem_to_gmem(dd_s, dd_ref.at[t])
+    # dkg = v' dhs^T; then dhs's memory takes v and kgam, v''s the result.
+    plgpu.barrier_wait(bars.at[4])
+
+    def dkg_fn(acc):
+        plgpu.wgmma(acc, vn_s, dhs_s.transpose((1, 0)))
+        return acc[...]
+
+    dkg = _mm(dkg_fn, (C, K))
+    plgpu.copy_gmem_to_smem(v_ref.at[t], bv_s, bars.at[late["v"]])
+    plgpu.copy_gmem_to_smem(kg_ref.at[t], kg_s, bars.at[late["kgam"]])
+    _store(dkg, dkw_s)
+    plgpu.copy_smem_to_gmem(dkw_s, dkg_ref.at[t])
+    # dqg = do S^T beside dw = -dv' S^T; then S's memory takes Ai, do's the result.
+    wait("dvn")
+    plgpu.barrier_wait(bars.at[3])
+    s_t = s_s.transpose((1, 0))
+    dqg, dw = _two(((C, K), do_s, s_t), ((C, K), dvn_s, s_t))
+    plgpu.copy_gmem_to_smem(ai_ref.at[t], ai_s, bars.at[late["Ai"]])
+    _store(dqg, dqg_s)
+    plgpu.copy_smem_to_gmem(dqg_s, dqg_ref.at[t])
+    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # d decay's and dkg's copies have read their SMEM
+    _store(-dw, dkw_s)
+    bufs = dict(dvn=dvn_s, Ai=ai_s, v=bv_s, kgam=kg_s, beta=beta_s, dw=dkw_s, mats=tuple(mats))
+    _compute(t, bufs, wait, outs[:3], dw_ready=True)
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _inputs_scratch(K, V, dt, lead=()):
@@ -130,7 +193,7 @@ def _inputs_scratch(K, V, dt, lead=()):
     ]
 
 
-def _body(*refs, dt, P):
+def _body(*refs, P):
     """One program per chunk: every input copied at once, then `_compute`."""
     ins, outs, rest = refs[:6], refs[6:9], refs[9:]
     dvn_s, (mats, s_s), ai_s, v_s, beta_s, kg_s, dw_s, bars = rest
@@ -138,11 +201,11 @@ def _body(*refs, dt, P):
     bufs = dict(dvn=dvn_s, S=s_s, Ai=ai_s, v=v_s, beta=beta_s, kgam=kg_s, mats=tuple(mats), dw=dw_s)
     for i, name in enumerate(_INPUTS):
         plgpu.copy_gmem_to_smem(ins[i].at[t], bufs[name], bars.at[i])
-    _compute(t, bufs, lambda name: plgpu.barrier_wait(bars.at[_INPUTS.index(name)]), outs, dt=dt)
+    _compute(t, bufs, lambda name: plgpu.barrier_wait(bars.at[_INPUTS.index(name)]), outs)
     plgpu.wait_smem_to_gmem(0)
 
 
-def _body_persistent(*refs, dt, P, programs):
+def _body_persistent(*refs, P, programs):
     """`programs` persistent programs; program p takes chunks p, p + programs, ... through two
     SMEM slots: chunk j + 1's inputs load while chunk j computes."""
     ins, outs, rest = refs[:6], refs[6:9], refs[9:]
@@ -169,7 +232,7 @@ def _body_persistent(*refs, dt, P, programs):
 
             bufs = dict(zip(_INPUTS, (r.at[slot] for r in slotted)), mats=tuple(mats), dw=dw_s)
             wait = lambda name: plgpu.barrier_wait(bars.at[n * slot + _INPUTS.index(name)])  # noqa: E731
-            _compute(pid + j * programs, bufs, wait, outs, dt=dt)
+            _compute(pid + j * programs, bufs, wait, outs)
 
         return carry
 
@@ -179,57 +242,85 @@ def _body_persistent(*refs, dt, P, programs):
 
 
 @lowered_once("form", "programs", "interpret")
-def _wy_bwd(dvn, states, Ai, v, beta, kgam, *, form, programs, interpret):
+def _wy_bwd(dvn, states, Ai, v, beta, kgam, *extra, form, programs, interpret):
+    """extra: () or (do, vn, dhs), the per-chunk form with the state products (`_body_state`)."""
     P, _, V = dvn.shape
     K = states.shape[-2]
     dt = dvn.dtype
-    sds = lambda *s: jax.ShapeDtypeStruct((P, *s), dt)  # noqa: E731
-    if form == "persistent":
+    sds = lambda *s, dtype=dt: jax.ShapeDtypeStruct((P, *s), dtype)  # noqa: E731
+    out_type = (sds(C, V), sds(C, K), sds(C, C))
+    mats = lambda n: tuple(_smem((C, C), dt) for _ in range(n))  # noqa: E731
+    if extra:
+        scratch = [
+            _smem((C, V), dt),  # dv'
+            plgpu.RefUnion(mats(4), _smem((K, V), dt)),  # S_n, then Ai, dAi, X, dL
+            plgpu.RefUnion((_smem((C, V), dt), _smem((C, K), dt)), _smem((K, V), dt)),  # dhs, then v, kgam
+            plgpu.RefUnion(_smem((C, V), dt), _smem((C, K), dt)),  # do, then dqg
+            plgpu.RefUnion(_smem((C, V), dt), _smem((C, K), dt)),  # v', then dkg, then dw
+            plgpu.SMEM((C,), jnp.float32),  # beta
+            plgpu.SMEM((K,), jnp.float32),  # d decay
+            plgpu.Barrier(num_barriers=9),
+        ]
+        out_type += (sds(C, K), sds(C, K), sds(K, dtype=jnp.float32))
+        body = functools.partial(_body_state, P=P)
+        grid = flat_grid((P,))
+    elif form == "persistent":
         programs = min(programs or num_sms(), P)
         # two slots of inputs; one set of the [C, C] intermediates (dAi, X, dL) and of dw
-        scratch = _inputs_scratch(K, V, dt, (2,)) + [_smem((C, C), dt) for _ in range(3)] + [
+        scratch = _inputs_scratch(K, V, dt, (2,)) + list(mats(3)) + [
             _smem((C, K), dt), plgpu.Barrier(num_barriers=2 * len(_INPUTS))]
-        body = functools.partial(_body_persistent, dt=dt, P=P, programs=programs)
+        body = functools.partial(_body_persistent, P=P, programs=programs)
         grid = dict(grid=(programs,), grid_names=("t",))
     else:
         scratch = _inputs_scratch(K, V, dt)  # S's memory in a union with dAi, X, dL (made after dw)
-        scratch[1] = plgpu.RefUnion(tuple(_smem((C, C), dt) for _ in range(3)), scratch[1])
+        scratch[1] = plgpu.RefUnion(mats(3), scratch[1])
         scratch += [_smem((C, K), dt), plgpu.Barrier(num_barriers=len(_INPUTS))]
-        body = functools.partial(_body, dt=dt, P=P)
+        body = functools.partial(_body, P=P)
         grid = flat_grid((P,))
     return plgpu.kernel(
         body,
-        out_type=(sds(C, V), sds(C, K), sds(C, C)),
+        out_type=out_type,
         scratch_types=scratch,
         **grid,
         kernel_name="kda_wy_bwd",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(dvn, states, Ai, v, beta, kgam)
+    )(dvn, states, Ai, v, beta, kgam, *extra)
 
 
-def wy_bwd(dvn, states, Ai, v, beta, kgam, *, interpret=False, form=None, programs=None):
+def wy_bwd(dvn, states, Ai, v, beta, kgam, *, interpret=False, form=None, programs=None, do=None, vn=None,
+           dhs=None):
     """dvn [.., C, V], states [.., K, V], Ai [.., C, C], v [.., C, V], beta [.., C], kgam [.., C, K]
     (any leading dims, the same for all; matrices cast to dvn's dtype, beta to float32) -> (d bv
     [.., C, V], d kgam [.., C, K], d L [.., C, C]) in dvn's dtype, bv = beta v (rounded to dvn's
     dtype as a product operand). `interpret`: the Mosaic GPU interpreter (CPU tests); `form`: one
     of `chunk_wy.WY_FORMS` (default "per_chunk"); `programs`: the persistent form's program count
-    (default the GPU's SM count)."""
+    (default the GPU's SM count). With do [.., C, V], vn (v') [.., C, V] and dhs [.., K, V] (the
+    gradient of the outgoing state) too, per-chunk form only: also (dqg = do S^T [.., C, K],
+    dkg = v' dhs^T [.., C, K] in dvn's dtype, d decay = sum_v S * dhs [.., K] float32)."""
     form = "per_chunk" if form is None else form
     if form not in WY_FORMS:
         raise ValueError(f"form={form!r}; expected one of {WY_FORMS}")
     if programs is not None and programs < 1:
         raise ValueError(f"programs={programs}: the persistent form needs at least one program")
+    extra = (do, vn, dhs)
+    if any(x is not None for x in extra) and (any(x is None for x in extra) or form != "per_chunk"):
+        raise ValueError("wy_bwd: the state products take do, vn and dhs together, in the per_chunk form")
     lead, V = dvn.shape[:-2], dvn.shape[-1]
     K = states.shape[-2]
     reason = unsupported_reason(K, V, dvn.dtype)
     if reason is not None:
         raise ValueError(reason)
     want = {"dvn": (C, V), "states": (K, V), "Ai": (C, C), "v": (C, V), "beta": (C,), "kgam": (C, K)}
-    for name, x in zip(want, (dvn, states, Ai, v, beta, kgam)):
+    given = dict(zip(want, (dvn, states, Ai, v, beta, kgam)))
+    if do is not None:
+        want.update(do=(C, V), vn=(C, V), dhs=(K, V))
+        given.update(do=do, vn=vn, dhs=dhs)
+    for name, x in given.items():
         if x.shape != (*lead, *want[name]):
             raise ValueError(f"wy_bwd: {name} has shape {x.shape}; expected {(*lead, *want[name])}")
     dt = dvn.dtype
     flat = lambda x: x.astype(dt).reshape(-1, *x.shape[-2:])  # noqa: E731
+    more = () if do is None else (flat(do), flat(vn), flat(dhs))
     outs = _wy_bwd(flat(dvn), flat(states), flat(Ai), flat(v), beta.astype(jnp.float32).reshape(-1, C), flat(kgam),
-                   form=form, programs=programs, interpret=interpret)
-    return tuple(o.reshape(*lead, *o.shape[-2:]) for o in outs)
+                   *more, form=form, programs=programs, interpret=interpret)
+    return tuple(o.reshape(*lead, *o.shape[1:]) for o in outs)

@@ -44,9 +44,10 @@ def test_kernel_matches_the_reference(rng, K, V):
         assert rel_rms(w, g) < 2e-2
 
 
-def test_kda_gradients_with_the_kernel(rng):
-    """KDA's gradients (bf16, bounded gate, packed documents) with the kernel's pull-back equal
-    the XLA ops' to bf16 rounding."""
+@pytest.mark.parametrize("wy_state", chunk_wy.WY_STATES)
+def test_kda_gradients_with_the_kernel(rng, wy_state):
+    """KDA's gradients (bf16, bounded gate, packed documents) with the kernel's pull-back (and,
+    wy_state "kernel", its state products) equal the XLA ops' to bf16 rounding."""
     B, T, H, K = 1, 128, 2, 64
     q = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.bfloat16)
     k = rng.standard_normal((B, T, H, K))
@@ -64,7 +65,7 @@ def test_kda_gradients_with_the_kernel(rng):
 
     with chunk.settings(wy_bwd="xla"):
         want = grads()
-    with chunk.settings(wy_bwd="interpret"):
+    with chunk.settings(wy_bwd="interpret", wy_state=wy_state):
         got = grads()
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
         assert rel_rms(b, a) < 1e-2, (name, rel_rms(b, a))
@@ -86,7 +87,8 @@ def test_errors_and_fallback(rng, caplog):
         out = chunk_wy.pull_back(nm, dvn.astype(jnp.float32), S.astype(jnp.float32), Ai, v, beta, kgam, compact=False)
     ref = chunk_wy.wy_bwd_reference(nm, dvn.astype(jnp.float32), S.astype(jnp.float32), Ai, v, beta, kgam,
                                      compact=False)
-    for a, b in zip(out, ref):
+    assert list(out) == ["bv", "kgam", "L"]
+    for a, b in zip(out.values(), ref):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert "runs the XLA ops" in caplog.text
     with pytest.raises(ValueError, match="wy_bwd"):
@@ -109,6 +111,16 @@ def test_gpu_kernel_matches_the_reference(rng, form):
     got = mosaic_wy_bwd.wy_bwd(dvn, S, Ai, v, beta, kgam, form=form)
     for name, g, w in zip(("d bv", "d kgam", "d L"), got, want):
         assert rel_rms(w, g) < 1e-2, (name, rel_rms(w, g))
+    if form == "per_chunk":  # with the state products: the same three, and those
+        n = lambda *s: jnp.asarray(rng.standard_normal((10, 100, *s)), jnp.bfloat16)  # noqa: E731
+        do, vn, dhs = n(64, 128), n(64, 128), n(128, 128)
+        more = mosaic_wy_bwd.wy_bwd(dvn, S, Ai, v, beta, kgam, do=do, vn=vn, dhs=dhs)
+        for a, b in zip(more[:3], got):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        T = lambda x: jnp.swapaxes(x, -1, -2).astype(jnp.float32)  # noqa: E731
+        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+        for g, w in zip(more[3:], (f32(do) @ T(S), f32(vn) @ T(dhs), jnp.sum(f32(S) * f32(dhs), -1))):
+            assert rel_rms(w, g) < 4e-3
 
 
 def test_auto_follows_the_backward_state_pass():
@@ -138,3 +150,32 @@ def test_persistent_form_matches_the_per_chunk_form(rng, lead, programs):
         mosaic_wy_bwd.wy_bwd(*args, interpret=True, form="ring")
     with pytest.raises(ValueError, match="programs=0"):
         mosaic_wy_bwd.wy_bwd(*args, interpret=True, form="persistent", programs=0)
+
+
+def test_state_products_match_numpy(rng):
+    """With do, v' and dhs the kernel also forms dqg = do S^T, dkg = v' dhs^T (bf16) and
+    d decay = sum_v S dhs (float32) against float64 NumPy, and its WY results stay bit-equal to the
+    plain kernel's."""
+    for K, V in ((128, 128), (64, 128), (128, 64)):
+        args = _pieces(rng, (3,), K, V)
+        n = lambda *s: jnp.asarray(rng.standard_normal((3, *s)), jnp.bfloat16)  # noqa: E731
+        do, vn, dhs = n(64, V), n(64, V), n(K, V)
+        got = mosaic_wy_bwd.wy_bwd(*args, interpret=True, do=do, vn=vn, dhs=dhs)
+        plain = mosaic_wy_bwd.wy_bwd(*args, interpret=True)
+        for a, b in zip(got[:3], plain):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        f = lambda x: np.asarray(x, np.float64)  # noqa: E731
+        S = f(args[1])
+        want = (f(do) @ np.swapaxes(S, -1, -2), f(vn) @ np.swapaxes(f(dhs), -1, -2), np.sum(S * f(dhs), -1))
+        for name, g, w, dtype, tol in zip(("dqg", "dkg", "d decay"), got[3:], want,
+                                          (jnp.bfloat16, jnp.bfloat16, jnp.float32), (4e-3, 4e-3, 1e-6)):
+            assert g.shape == w.shape and g.dtype == dtype, (name, g.shape, g.dtype)
+            assert rel_rms(w, g) < tol, (name, K, V, rel_rms(w, g))
+    with pytest.raises(ValueError, match="together"):
+        mosaic_wy_bwd.wy_bwd(*args, interpret=True, do=do)
+    with pytest.raises(ValueError, match="together"):
+        mosaic_wy_bwd.wy_bwd(*args, interpret=True, form="persistent", do=do, vn=vn, dhs=dhs)
+    with pytest.raises(ValueError, match="dhs has shape"):
+        mosaic_wy_bwd.wy_bwd(*args, interpret=True, do=do, vn=vn, dhs=dhs[..., :32, :])
+    with chunk.settings(wy_state="kernel", wy_form="persistent"), pytest.raises(ValueError, match="per_chunk"):
+        chunk.traced_key()
