@@ -379,6 +379,17 @@ def test_gpu_narrow_v_blocks_match_naive(rng, block_v, grad_issue, grad_intra):
         _compare(rng, inputs, BF16_TOL, -5.0, jnp.bfloat16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("levers", [dict(wy_state="kernel"),
+                                    dict(wy_state="kernel", grad_intra="kernel", forward_state="output")])
+def test_gpu_backward_levers_match_naive(rng, levers):
+    """The WY kernel forming the state products (and with it the reverse pass forming Aqk^T do and
+    the output pass keeping the chunk states), compiled at a training shape against naive."""
+    inputs = make_inputs(rng, 2, 4096, 16, 128, 128, "channel", lower=-5.0, seg="random")
+    with chunk.settings(**levers):
+        _compare(rng, inputs, BF16_TOL, -5.0, jnp.bfloat16)
+
+
 def test_scores_setting_reaches_the_bounded_route(rng, monkeypatch):
     """chunk.settings(scores="tiled") holds on chunk_mosaic's bounded bf16 route too (pallas_gpu's
     custom VJP with chunk's forward and backward), not only on impl="chunk": the tiled scores run
