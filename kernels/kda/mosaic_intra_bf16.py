@@ -11,9 +11,11 @@ is straight-line code run once per program, and at about 9300 instructions (146 
 unrolled its warps spent half their cycles waiting for instruction fetch (Nsight Compute on an
 H100: 6.7 of 12.8 cycles per issued instruction stalled on "no instruction").
 
-  * Anchors a_I = G at the first row of each 16-row block I, and G_last, come from XLA
-    (`gate_anchors`, one small reduction over g). In the kernel, D = G - a_I is the block-local
-    cumsum BlockTri (g_hi + g_lo) on the tensor cores (split bf16, about 2^-17 relative).
+  * D = G - a_I, the block-local cumsum (a_I = G at the first row of 16-row block I), is
+    BlockTri (g_hi + g_lo) on the tensor cores (split bf16, about 2^-17 relative); the anchors
+    a_I and G_last are Sel (g_hi + g_lo) beside it, 0/1 rows that sum each prefix. Formed here,
+    not by XLA, they cost no second and third pass over g (0.59 of the forward's 2.68 GB at
+    8,4096,16,128 by the compiled HLO's count).
   * Row side, one half per loop step after its D: Rq = q exp(D), Rk = k exp(D) (factors <= 1),
     Kl = k exp(-D) (<= exp(15 * 5)).
   * Scores, transposed, per row block I: column operand Kc = Kl times the per-column-block
@@ -49,17 +51,6 @@ NB = C // SUB  # row blocks per chunk
 HW = 64  # column half width
 assert HW == C, "one [C, HW] row/column index serves the [C, C] score tiles too"
 _W = plgpu.Layout.WGMMA
-
-
-def gate_anchors(g):
-    """g [B, Tp, H, K] f32 (Tp a multiple of 64) -> [B, H, NT, NB + 1, K]: the chunk-local
-    cumsum G at rows 0, 16, 32, 48 (each block's first row) and 63 of every chunk."""
-    B, Tp, H, K = g.shape
-    gc = g.astype(jnp.float32).reshape(B, Tp // C, NB, SUB, H, K)
-    sums = jnp.sum(gc, axis=3)  # [B, NT, NB, H, K]
-    before = jnp.cumsum(sums, axis=2) - sums
-    an = jnp.concatenate([before + gc[:, :, :, 0], (before[:, :, -1] + sums[:, :, -1])[:, :, None]], axis=2)
-    return jnp.transpose(an, (0, 3, 1, 2, 4))
 
 
 def _distinct(mats):
@@ -104,10 +95,10 @@ def _mm_pair(pairs, m_s, dt, a_s=None):
     return pl.run_scoped(prod, *[plgpu.ACC((C, C), jnp.float32) for _ in pairs])
 
 
-def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_ref, *rest, H, KH, VH, scale, dt,
+def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_ref, gl_ref, *rest, H, KH, VH, scale, dt,
           grid):
     q_s, k_s, kl_s, an_s, b_s, a_o, union, bars, *a_s = rest
-    (g_s, st_s), parts, (kc_s, sc_s), (v_s, m_s) = union
+    (g_s, st_s), parts, (kc_s, sc_s), (v_s, m_s), (_, an_full) = union
     phase = profiling.phases()  # named profiler ranges (kernels.profiling), free when not profiling
     phase("load")
     n, bh = grid_indices(grid)
@@ -117,7 +108,7 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
     loads = [(q_ref.at[b, rows_t, h, half(j)], q_s.at[j]) for j in range(KH)]
     loads += [(k_ref.at[b, rows_t, h, half(j)], k_s.at[j]) for j in range(KH)]
     loads += [(g_ref.at[b, rows_t, h, half(j)], g_s.at[j]) for j in range(KH)]
-    loads += [(an_ref.at[b, h, n], an_s), (b_ref.at[b, h, rows_t], b_s)]
+    loads += [(b_ref.at[b, h, rows_t], b_s)]
     for i, (src, dst) in enumerate(loads):
         plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
     for i in range(len(loads)):
@@ -134,8 +125,8 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
     same_block = lambda: (lax.broadcast_in_dim(block_of(r1), (C, HW), [0])  # noqa: E731
                           == lax.broadcast_in_dim(block_of(c1), (C, HW), [1]))
     blocks = lambda fn: _per_block((C, HW), fn, NB)  # noqa: E731 - rows of block I hold fn(I) [HW]
-    # [HW] anchor i of column half j (j may be a loop index: an_s is [NB + 1, KH, HW])
-    anchor = lambda i, j: plgpu.load(an_s.at[i, j], layout=_W.reduce(0))  # noqa: E731
+    # [HW] anchor i of column half j (j may be a loop index: an_s is [KH, NB + 1, HW])
+    anchor = lambda i, j: plgpu.load(an_s.at[j, i], layout=_W.reduce(0))  # noqa: E731
     halves = lambda fn: lax.fori_loop(0, KH, lambda j, c: fn(j) or c, None)  # noqa: E731 - one copy of fn's code
 
     phase("cumsum")
@@ -143,9 +134,34 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
     # r's block, after its first row, up to r. BlockTri is the products' register operand.
     later_col = lax.broadcast_in_dim(block_of(c1) * SUB != c1, (C, HW), [1])  # not a block's first column
     bt = jnp.where(same_block() & (cols() <= rows()) & later_col, 1.0, 0.0).astype(dt)
+    # The anchors, Sel (g_hi + g_lo): Sel's row I < NB sums rows 0 .. 16 I (a_I = G at block I's
+    # first row), row NB all 64 (G_last); its other rows are zero.
+    sel = jnp.where(((rows() < NB) & (cols() <= rows() * SUB)) | (rows() == NB), 1.0, 0.0).astype(dt)
     if a_s:  # the interpreter takes wgmma operands from SMEM only (see _mm_pair)
         a_s[0].at[0][...] = bt
-        bt = a_s[0].at[0]
+        a_s[0].at[1][...] = sel
+        bt, sel = a_s[0].at[0], a_s[0].at[1]
+
+    # g as hi + lo parts in g's own memory (Pallas's barrier before each store: every warp has
+    # read it), then the anchors of both halves, Sel (g_hi + g_lo): rows 0 .. NB of the product go
+    # through SMEM (st_s's memory, free until the first half's outputs) to where every warp reads
+    # them, and G_last out for the chunk decay. The halves are unrolled here: a store into an_s
+    # takes no loop index.
+    for j in range(KH):
+        _split_store(plgpu.load(g_s.at[j], layout=_W), parts.at[j, 0], parts.at[j, 1], dt)
+    plgpu.commit_smem()
+    for j in range(KH):
+        def anchors(acc, j=j):
+            for part in range(2):
+                plgpu.wgmma(acc, sel, parts.at[j, part])
+            return acc[...]
+
+        an_full[...] = pl.run_scoped(anchors, plgpu.ACC((C, HW), f32))
+        plgpu.commit_smem()
+        for i in range(NB + 1):
+            an_s.at[j, i][...] = plgpu.load(an_full.at[i], layout=_W.reduce(0))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(an_s.at[j, NB], gl_ref.at[bh, n, half(j)])
 
     phase("row_side")
     # Half by half: D, then Rq, Rk in place of q, k; Kl; and from the same registers the outputs
@@ -155,11 +171,6 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
     def row_half(j):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous half's staged outputs are read
         with sub("block_cumsum"):
-            # g's split parts take g's own memory (Pallas's barrier before the store: every warp
-            # has read it); the other half's g is untouched.
-            _split_store(plgpu.load(g_s.at[j], layout=_W), parts.at[j, 0], parts.at[j, 1], dt)
-            plgpu.commit_smem()
-
             def cumsum(acc):
                 plgpu.wgmma(acc, bt, parts.at[j, 0])
                 plgpu.wgmma(acc, bt, parts.at[j, 1])
@@ -192,10 +203,13 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
             def operand(j):
                 with sub("scores_operand"):
                     a_I = anchor(I, j)
-                    # column block J's factor exp(a_I - a_J) <= 1 (1 on the diagonal), 0 for J > I
-                    factor = lambda J: jnp.exp(jnp.minimum(a_I - anchor(J, j), 0.0)) * (J <= I).astype(f32)  # noqa: E731
+                    # column block J's factor exp(a_I - a_J) <= 1 (1 on the diagonal), 0 for J > I:
+                    # the exponents selected by block first, then one exponential per element (an
+                    # exponential of each block's [HW] vector costs every thread 16 per block, 64 in all)
+                    exponent = blocks(lambda J: jnp.minimum(a_I - anchor(J, j), 0.0))
                     kl = plgpu.load(kl_s.at[j], layout=_W).astype(f32)
-                    kc_s.at[j][...] = (kl * blocks(factor)).astype(dt)
+                    kc = jnp.where(rows() < (I + 1) * SUB, kl * jnp.exp(exponent), 0.0)
+                    kc_s.at[j][...] = kc.astype(dt)
                     plgpu.commit_smem()
                 with sub("scores_issue"):
                     blk = pl.ds(I * SUB, SUB)
@@ -223,7 +237,7 @@ def _body(q_ref, k_ref, v_ref, g_ref, an_ref, b_ref, qg_ref, wn_ref, kg_ref, u_r
 
     def k_exp_g(j):  # k exp(G) = Rk exp(a_I) in place for w (Rk's last reads were the scores)
         rk = plgpu.load(k_s.at[j], layout=_W).astype(f32)
-        k_s.at[j][...] = (rk * blocks(lambda I: jnp.exp(anchor(I, j)))).astype(dt)
+        k_s.at[j][...] = (rk * jnp.exp(blocks(lambda I: anchor(I, j)))).astype(dt)
 
     halves(k_exp_g)
     plgpu.commit_smem()
@@ -302,30 +316,30 @@ def _intra_bf16(q, k, v, g, beta_t, *, scale, interpret):
     KH, VH = K // HW, V // HW
     dt = q.dtype
     f32 = jnp.float32
-    an = gate_anchors(g)  # [B, H, NT, NB + 1, K]
     half = lambda n, dtype: _smem((n, C, HW), dtype)  # noqa: E731
     union = plgpu.RefUnion(
         (half(KH, f32), half(2, dt)),  # g; one half's qg, kg staged
         _smem((KH, 2, C, HW), dt),  # g as hi + lo (half j's over g's half j)
         (half(KH, dt), _smem((2, NB, C, SUB), f32)),  # column operand of the scores; Aqk^T, L^T by row block
         (half(VH, dt), _smem((4, C, C), dt)),  # v -> u; split operands of the inverse, then Ai diag(beta), -w
+        (half(KH, f32), plgpu.SMEM((C, HW), f32)),  # (g's place;) one half's anchor product, in st_s's place
     )
     scratch = [
         half(KH, dt),  # q -> Rq -> qg
         half(KH, dt),  # k -> Rk -> k exp(G)
         half(KH, dt),  # Kl -> kg
-        plgpu.SMEM((NB + 1, KH, HW), f32),  # anchors a_0..a_3, G_last, by column half
+        plgpu.SMEM((KH, NB + 1, HW), f32),  # anchors a_0..a_3, G_last, by column half
         plgpu.SMEM((C,), f32),  # beta
         _smem((C, C), dt),  # a^T
         union,
-        plgpu.Barrier(num_barriers=3 * KH + 2 + VH),
+        plgpu.Barrier(num_barriers=3 * KH + 1 + VH),
     ]
     if interpret:  # the interpreter takes wgmma operands from SMEM only (see _mm_pair)
         scratch.append(_smem((4, C, C), dt))
     sds = lambda *s: jax.ShapeDtypeStruct((B * H, NT, *s), dt)  # noqa: E731
-    out_type = (sds(C, K), sds(C, K), sds(C, K), sds(C, V), sds(C, C))
+    out_type = (sds(C, K), sds(C, K), sds(C, K), sds(C, V), sds(C, C), jax.ShapeDtypeStruct((B * H, NT, K), f32))
     body = functools.partial(_body, H=H, KH=KH, VH=VH, scale=float(scale), dt=dt, grid=(NT, B * H))
-    outs = plgpu.kernel(
+    *outs, G_last = plgpu.kernel(
         body,
         out_type=out_type,
         scratch_types=scratch,
@@ -333,6 +347,5 @@ def _intra_bf16(q, k, v, g, beta_t, *, scale, interpret):
         kernel_name="kda_intra_bf16",
         compiler_params=profiling.compiler_params(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q, k, v, g, an.reshape(*an.shape[:-1], KH, HW), beta_t)
-    d = jnp.exp(an[:, :, :, NB]).reshape(B * H, NT, K)
-    return (*outs, d)
+    )(q, k, v, g, beta_t)
+    return (*outs, jnp.exp(G_last))

@@ -41,17 +41,6 @@ def test_operands_match_exact_stage(rng, K, V):
     assert_close("d", flat(p["d"]), outs[-1], 1e-5)  # the chunk decays exp(G_last)
 
 
-def test_gate_anchors_are_the_chunk_cumsum_at_block_starts(rng):
-    """gate_anchors: G at rows 0, 16, 32, 48 and 63 of every chunk, [B, H, NT, 5, K]."""
-    B, T, H, K, C = 2, 128, 3, 8, 64
-    g = jnp.asarray(-5.0 * rng.random((B, T, H, K)), jnp.float32)
-    G = jnp.cumsum(g.reshape(B, T // C, C, H, K), axis=2)
-    want = jnp.moveaxis(G[:, :, jnp.array([0, 16, 32, 48, 63])], 3, 1)
-    got = mosaic_intra_bf16.gate_anchors(g)
-    assert got.shape == (B, H, T // C, 5, K)
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
-
-
 def test_rejects_unsupported_sizes():
     bf = lambda *s: jnp.zeros(s, jnp.bfloat16)
     with pytest.raises(ValueError, match="K, V in"):
