@@ -12,10 +12,8 @@ xla-bytes-deviceless-forward-state-{t65536,8x4096}-20261205.json). Its chunk ste
 products instead of two on the chain that bounds the pass. Timed at 1,65536,16,128 on an H100
 (benchmarks/results/kda-t65536-stack-h100-20261205T1010.json): 21.66 against 21.77 ms forward +
 backward, within one run's spread. Timed since together with the backward's two kernel-side
-levers (`chunk_segments.GRAD_INTRA` and `chunk_wy.WY_STATE` "kernel") against none of them, on an
-H100, forward+backward: 9.16 / 9.59 ms at 8,4096,16,128, 8.95 / 9.82 at 2,16384,16,128, 17.67 /
-18.68 at 4,8192,32,128, 20.07 / 21.24 at 1,65536,16,128 (kda-levers-fla-h100-20261206T0102.json,
-kda-levers-h100-20261206T010{5,6}.json): "output" is the default.
+levers (`chunk_segments.GRAD_INTRA` says how and where): 4.5%-8.9% faster forward+backward at the
+four benchmark shapes on an H100. "output" is the default.
 """
 
 from __future__ import annotations

@@ -55,12 +55,12 @@ GRAD_ISSUE = "in_order"
 # product and its [N, B, H, C, V] result go, the pass reads the [C, C] Aqk_n instead and rounds
 # dv' once). XLA ops of a forward+backward at 8,4096,16,128 (`benchmarks/xla_bytes.py
 # --deviceless`): 24.02 -> 23.69 GB, kernel operands 2.86 -> 2.79
-# (xla-bytes-deviceless-grad-intra-8x4096-20261205.json). On an H100 the three kernel-side levers together (this, `chunk_wy.WY_STATE` "kernel" and
-# `chunk_output.FORWARD_STATE` "output") against none of them, forward+backward: 9.16 / 9.59 ms at
-# 8,4096,16,128, 8.95 / 9.82 at 2,16384,16,128, 17.67 / 18.68 at 4,8192,32,128, 20.07 / 21.24 at
-# 1,65536,16,128 (kda-levers-fla-h100-20261206T0102.json, kda-levers-h100-20261206T010{5,6}.json;
-# not timed one by one). "kernel" is
-# the default. Set with `chunk.settings(grad_intra=...)`.
+# (xla-bytes-deviceless-grad-intra-8x4096-20261205.json). The three kernel-side levers together
+# (this, `chunk_wy.WY_STATE` "kernel" and `chunk_output.FORWARD_STATE` "output") against none of
+# them on an H100, forward+backward: 9.16 / 9.59 ms at 8,4096,16,128, 8.95 / 9.82 at
+# 2,16384,16,128, 17.67 / 18.68 at 4,8192,32,128, 20.07 / 21.24 at 1,65536,16,128
+# (kda-levers-fla-h100-20261206T0102.json, kda-levers-h100-20261206T010{5,6}.json; not timed one
+# by one). "kernel" is the default. Set with `chunk.settings(grad_intra=...)`.
 GRAD_INTRAS = ("input", "kernel")
 GRAD_INTRA = "kernel"
 # How the Mosaic delta-rule passes chain their steps: "wy" (`mosaic_scan`: v' = u - w S, then

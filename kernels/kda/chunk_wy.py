@@ -62,11 +62,9 @@ WY_FORM = "per_chunk"
 # dw from the S_n it reads anyway and dhs, do, v'; 112 KiB of SMEM at K = V = 128 by its
 # scratch's sum, under the two-per-SM limit; 243 registers, no spills). XLA ops of a
 # forward+backward at 8,4096,16,128 24.02 -> 22.41 GB, kernel operands 2.86 -> 3.67
-# (xla-bytes-deviceless-wy-state-8x4096-20261205.json). On an H100 the three kernel-side levers together (this, `chunk_segments.GRAD_INTRA` "kernel"
-# and `chunk_output.FORWARD_STATE` "output") against none of them, forward+backward: 9.16 / 9.59 ms at
-# 8,4096,16,128, 8.95 / 9.82 at 2,16384,16,128, 17.67 / 18.68 at 4,8192,32,128, 20.07 / 21.24 at
-# 1,65536,16,128 (kda-levers-fla-h100-20261206T0102.json, kda-levers-h100-20261206T010{5,6}.json;
-# not timed one by one). "kernel" is the default.
+# (xla-bytes-deviceless-wy-state-8x4096-20261205.json). Timed together with the other two
+# kernel-side levers (`chunk_segments.GRAD_INTRA` says how): 4.5%-8.9% faster forward+backward at
+# the four benchmark shapes on an H100. "kernel" is the default.
 WY_STATES = ("xla", "kernel")
 WY_STATE = "kernel"
 

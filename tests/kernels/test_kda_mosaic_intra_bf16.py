@@ -6,7 +6,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from kernels.kda import mosaic_intra_bf16, pallas_gpu, pallas_gpu_prep
