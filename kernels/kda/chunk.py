@@ -205,13 +205,12 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
     compact = cotangents() == "compute" and nm.cd.itemsize < jnp.dtype(nm.sdt).itemsize
     # Output o = qg S + Aqk v'.
     dAqk = nm.mm("nbhrv,nbhcv->nbhrc", do, vn)
-    dqg = nm.mm("nbhcv,nbhkv->nbhck", do, states)
-    dvn_intra = nm.mm("nbhrc,nbhrv->nbhcv", P["Aqk"], do, out=nm.cd if compact else None)
+    aqk_do = lambda: nm.mm("nbhrc,nbhrv->nbhcv", P["Aqk"], do, out=nm.cd if compact else None)  # noqa: E731
     dS_final = dS_final.astype(nm.sdt)
     if state_pass == "xla":
         dS_out = nm.mm("nbhck,nbhcv->nbhkv", P["qg"], do)
         scan = lambda dS, c, src, **kw: _grad_scan(nm, dS, c[0], c[1], c[2], *src, **kw)  # noqa: E731
-        chunked, sources = (w, P["kg"], P["decay"]), (dS_out, dvn_intra)
+        chunked, sources = (w, P["kg"], P["decay"]), (dS_out, aqk_do())
     else:  # the kernel forms dS_out = qg^T do per chunk itself
         ms, interpret = _mosaic_scan(state_pass)
         if delta and chunk_segments.scan_form() == "transition":
@@ -219,32 +218,25 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
 
             scan = lambda dS, c, src, **kw: mt.grad_scan_chunks(  # noqa: E731
                 nm, dS, c[0], c[1], c[2], src[0], src[1], c[3], interpret=interpret, **kw)
-            chunked, sources = (w, P["kg"], P["qg"], P["decay"]), (do, dvn_intra)
-        elif delta and chunk_segments.grad_intra() == "kernel":  # the pass forms Aqk^T do itself
-            scan = lambda dS, c, src, **kw: ms.grad_scan_chunks(  # noqa: E731
-                dS, c[0], c[1], c[2], src[0], None, c[3], cd=nm.cd, interpret=interpret,
-                dhs_dtype=nm.cd if compact else jnp.float32, aqk=c[4], **kw)
-            chunked, sources = (w, P["kg"], P["qg"], P["decay"], P["Aqk"]), (do,)
+            chunked, sources = (w, P["kg"], P["qg"], P["decay"]), (do, aqk_do())
         else:
+            # grad_intra "kernel": the pass forms Aqk^T do itself from each chunk's Aqk
+            own = delta and chunk_segments.grad_intra() == "kernel"
             scan = lambda dS, c, src, **kw: ms.grad_scan_chunks(  # noqa: E731
-                dS, c[0], c[1], c[2], src[0], src[1], c[3], cd=nm.cd, interpret=interpret,
-                dhs_dtype=nm.cd if compact else jnp.float32, **kw)
-            chunked, sources = (w, P["kg"], P["qg"], P["decay"]), (do, dvn_intra)
+                dS, c[0], c[1], c[2], src[0], None if own else src[1], c[3], cd=nm.cd, interpret=interpret,
+                dhs_dtype=nm.cd if compact else jnp.float32, aqk=c[4] if own else None, **kw)
+            chunked = (w, P["kg"], P["qg"], P["decay"]) + ((P["Aqk"],) if own else ())
+            sources = (do,) if own else (do, aqk_do())
     dhs, dvn, dh0 = chunk_segments.grad_scan(scan, dS_final, chunked, sources, chunk_segments.SEGMENTS)
     if compact:  # the XLA and transition passes write float32
         dhs = dhs.astype(nm.cd)
-    # State update S_{n+1} = decay S_n + kg^T v'.
-    ct = dict(
-        qg=dqg,
-        Aqk=dAqk,
-        kg=nm.mm("nbhcv,nbhkv->nbhck", vn, dhs),
-        decay=jnp.sum(states.astype(nm.sdt) * dhs, axis=-1),
-    )
-    if delta:
-        # with the WY kernel's state products (`chunk_wy.WY_STATE`), its qg, kg and decay
-        # cotangents take the place of the three above (whose XLA ops then go unused)
+    ct = dict(Aqk=dAqk)
+    if delta:  # bv, kgam, L; with the WY kernel's state products (`chunk_wy.WY_STATE`) qg, kg, decay too
         ct.update(chunk_wy.pull_back(nm, dvn, states, Ai, v, beta, P["kgam"], compact, state_pass, do=do, vn=vn,
                                      dhs=dhs))
+    if "qg" not in ct:  # o = qg S_n + ..., S_{n+1} = decay S_n + kg^T v'
+        ct.update(qg=nm.mm("nbhcv,nbhkv->nbhck", do, states), kg=nm.mm("nbhcv,nbhkv->nbhck", vn, dhs),
+                  decay=jnp.sum(states.astype(nm.sdt) * dhs, axis=-1))
     if compact:
         # Each of these pieces is only ever a matmul operand in the compute dtype, so its
         # cotangent is rounded there too: the products write half the bytes and the pull-back
