@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from kernels.kda import chunk_segments
+from kernels.kda.chunk_intra import to_chunks
 
 FORWARD_STATE_CHOICES = ("scan", "output")
 FORWARD_STATE = "output"
@@ -47,10 +48,14 @@ def kernel_output(nm, P, w, u, h0, *, interpret: bool):
     N, B, H, C, K = P["qg"].shape
     V = u.shape[-1]
     flat = lambda x: x.reshape(N, B * H, *x.shape[3:]).astype(nm.cd)  # noqa: E731
+    # W as it is (the kernel subtracts W S: no XLA pass negating it) and o straight into the
+    # inputs' [B, T, H, V] layout: chunked below as the caller's un-chunking transposes it back,
+    # XLA cancels the two transposes (one pass over o fewer than a chunk-major o).
     o, S, states, vn = mosaic_state.state_output(
-        flat(P["qg"]), flat(-w), flat(P["kg"]), flat(u), flat(P["Aqk"]),
+        flat(P["qg"]), flat(w), flat(P["kg"]), flat(u), flat(P["Aqk"]),
         P["decay"].reshape(N, B * H, K).astype(jnp.float32), h0.reshape(B * H, K, V).astype(jnp.float32),
-        out_dtype=nm.cd, interpret=interpret, with_states=True, with_vn=True, chunk_major=True)
-    o = jnp.moveaxis(o.reshape(B, H, N, C, V), 2, 0).astype(nm.sdt)  # [BH, N, C, V] -> [N, B, H, C, V]
+        out_dtype=nm.cd, interpret=interpret, with_states=True, with_vn=True, chunk_major=True, heads=H,
+        w_negated=False)
+    o = to_chunks(o).astype(nm.sdt)  # [B, N C, H, V] -> [N, B, H, C, V]
     unflat = lambda x: x.reshape(N, B, H, *x.shape[2:])  # noqa: E731
     return o, S.reshape(B, H, K, V).astype(h0.dtype), unflat(states), unflat(vn)

@@ -4,7 +4,7 @@ One program per (batch*head, V-block of BV = `chunk_segments.BLOCK_V` columns, 6
 walks the chunks in order with the state S [K, BV] in float32 registers (a wgmma accumulator).
 Per chunk n, with the chunk tensors of `pallas_gpu_prep.prepare` (C = 64 rows):
 
-    V' = U_n + Wneg_n S                     [C, BV]   (Wneg = -W)
+    V' = U_n + Wneg_n S                     [C, BV]   (Wneg = -W; or U_n - W_n S from W itself)
     O_n = QG_n S + A_n V'                   [C, BV]   (scale folded into QG and A)
     S  <- Diag(d_n) S + KG_n^T V'           [K, BV]
 
@@ -111,7 +111,7 @@ def _mm(fn, shape):
 
 
 def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *rest, NT, K, BV, dt, with_states, heads,
-          chunk_major, a_transposed, with_vn=False):
+          chunk_major, a_transposed, with_vn=False, w_negated=True):
     st_ref, rest = (rest[0], rest[1:]) if with_states else (None, rest)
     vn_ref, rest = (rest[0], rest[1:]) if with_vn else (None, rest)
     (qg_s, wn_s, kg_s, u_s, a_s, d_s, s_s, vn_s, o_s, h_s, bars, h_bar) = rest
@@ -147,7 +147,8 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *r
             plgpu.wgmma(acc, wn_s.at[slot], s_s)
             return acc[...]
 
-        vnew = u + _mm(vnew_mm, (C, BV))
+        # A negated W costs XLA a pass over it; a subtraction here costs nothing
+        vnew = u + _mm(vnew_mm, (C, BV)) if w_negated else u - _mm(vnew_mm, (C, BV))
         vn_s[...] = vnew.astype(dt)
         plgpu.commit_smem()
         if with_vn:  # like the states: read by TMA before the wait below, so before the next step's write
@@ -182,11 +183,12 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *r
 
 
 def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_states=False, heads=None,
-                 chunk_major=False, a_transposed=False, block_v=None, with_vn=False):
+                 chunk_major=False, a_transposed=False, block_v=None, with_vn=False, w_negated=True):
     """Run the inter-chunk kernel.
 
     qg, wn, kg [BH, NT, C, K]; u [BH, NT, C, V]; a [BH, NT, C, C] (one operand
-    dtype, bf16 on GPU); d [BH, NT, K] f32; h0 [BH, K, V] f32.
+    dtype, bf16 on GPU); d [BH, NT, K] f32; h0 [BH, K, V] f32. wn holds -W, or W itself with
+    `w_negated=False` (v' = u - W S either way).
     Returns (o [BH, NT, C, V] out_dtype, final state [BH, K, V] f32), and with `with_states`
     also the incoming state of every chunk [NT, BH, K, V] in the operand dtype (the rounding
     the products used), which the backward pass reuses instead of recomputing the forward, and
@@ -201,12 +203,13 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
     BV = chunk_segments.block_v(block_v, programs64=BH * max(u.shape[-1] // 64, 1))  # read while tracing
     return _state_output(qg, wn, kg, u, a, d, h0, out_dtype=jnp.dtype(out_dtype), interpret=interpret,
                          with_states=with_states, heads=heads, chunk_major=chunk_major, a_transposed=a_transposed,
-                         BV=BV, with_vn=with_vn)
+                         BV=BV, with_vn=with_vn, w_negated=bool(w_negated))
 
 
-@lowered_once("out_dtype", "interpret", "with_states", "heads", "chunk_major", "a_transposed", "BV", "with_vn")
+@lowered_once("out_dtype", "interpret", "with_states", "heads", "chunk_major", "a_transposed", "BV", "with_vn",
+              "w_negated")
 def _state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret, with_states, heads, chunk_major, a_transposed,
-                  BV, with_vn):
+                  BV, with_vn, w_negated):
     NT, BH, Cc, K = qg.shape if chunk_major else (qg.shape[1], qg.shape[0], *qg.shape[2:])
     V = u.shape[-1]
     if Cc != C or K % 64 or V % 64:
@@ -234,5 +237,6 @@ def _state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret, with_states,
     if with_vn:
         out_type += (jax.ShapeDtypeStruct((NT, BH, C, V), dt),)
     body = functools.partial(_body, NT=NT, K=K, BV=BV, dt=dt, with_states=with_states, heads=heads,
-                             chunk_major=chunk_major, a_transposed=a_transposed, with_vn=with_vn)
+                             chunk_major=chunk_major, a_transposed=a_transposed, with_vn=with_vn,
+                             w_negated=w_negated)
     return launch_bh_v(body, out_type, scratch, (qg, wn, kg, u, a, d, h0), BH=BH, V=V, BV=BV, interpret=interpret)

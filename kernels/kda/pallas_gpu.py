@@ -141,7 +141,7 @@ def _chunked_inputs(q, k, v, g, beta, seg):
 
 
 def _chunk_operands(q, k, v, g, beta, seg, scale, chunk_bounded, dt):
-    """State-kernel operands ([N, BH, ...], chunk-major) from `chunk.py`'s XLA intra-chunk pieces
+    """State-kernel operands ([N, BH, ...], chunk-major; W itself, not -W) from `chunk.py`'s XLA intra-chunk pieces
     (its prep and WY factors: any gate, segment resets, its bounded all-matmul path when
     `chunk_bounded`)."""
     ck = _chunk_module()
@@ -152,7 +152,7 @@ def _chunk_operands(q, k, v, g, beta, seg, scale, chunk_bounded, dt):
     _, w, u = ck._wy(nm, P)
     flat = lambda x: x.reshape(x.shape[0], B * H, *x.shape[3:])
     op = lambda x: flat(x).astype(dt)
-    return op(P["qg"]), op(-w), op(P["kg"]), op(u), op(P["Aqk"]), flat(P["decay"]).astype(jnp.float32)
+    return op(P["qg"]), op(w), op(P["kg"]), op(u), op(P["Aqk"]), flat(P["decay"]).astype(jnp.float32)
 
 
 def resolve_intra(intra, lower_bound, segment_ids, dtype) -> str:
@@ -188,7 +188,7 @@ def _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, inte
     chunk_major = intra == "chunk"
     out = mosaic_state.state_output(*ops, h0.reshape(B * H, K, V), out_dtype=v.dtype, interpret=interpret,
                                     with_states=with_states, heads=H, chunk_major=chunk_major,
-                                    a_transposed=intra == "mosaic_bf16")
+                                    a_transposed=intra == "mosaic_bf16", w_negated=intra != "chunk")
     o, S = out[:2]
     NT = ops[0].shape[0 if chunk_major else 1]
     res = (o[:, :T], S.reshape(B, H, K, V))
