@@ -386,7 +386,8 @@ def _settings_table(keys=None):
              "forward_state": lambda: (chunk_output, "FORWARD_STATE", chunk_output.FORWARD_STATE_CHOICES),
              "wy_bwd": lambda: (chunk_wy, "WY_BWD", chunk_wy.WY_BWD_CHOICES),
              "wy_form": lambda: (chunk_wy, "WY_FORM", chunk_wy.WY_FORMS),
-             "wy_state": lambda: (chunk_wy, "WY_STATE", chunk_wy.WY_STATES)}
+             "wy_state": lambda: (chunk_wy, "WY_STATE", chunk_wy.WY_STATES),
+             "state_buffers": _state_buffers_setting}
     for key in keys or ():
         if key not in table:
             raise ValueError(f"unknown KDA setting {key!r}; expected one of {SETTINGS}")
@@ -399,11 +400,18 @@ def traced_key() -> tuple:
     import sys
 
     ms = sys.modules.get("kernels.kda.mosaic_scan")  # "forward_only" exists once the kernels are imported
+    mst = sys.modules.get("kernels.kda.mosaic_state")
     return chunk_intra.traced_settings() + (DEFAULT_SCORES, chunk_segments.SEGMENTS, chunk_segments.BLOCK_V,
                                             chunk_segments.GRAD_ISSUE, chunk_segments.grad_intra(),
                                             chunk_segments.SCAN_FORM, COTANGENTS, RESIDUALS,
                                             chunk_output.FORWARD_STATE, ms.FORWARD_ONLY if ms else None,
-                                            *chunk_wy.wy_bwd_setting())
+                                            mst.buffers() if mst else None, *chunk_wy.wy_bwd_setting())
+
+
+def _state_buffers_setting():
+    from kernels.kda import mosaic_state  # Mosaic GPU is only imported when a kernel setting is asked for
+
+    return mosaic_state, "BUFFERS", mosaic_state.BUFFERS_CHOICES
 
 
 def _forward_only_setting():
@@ -413,7 +421,7 @@ def _forward_only_setting():
 
 SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse", "diag_stack", "offdiag_stack",
             "forward_only", "segments", "block_v", "grad_issue", "grad_intra", "scan_form", "cotangents",
-            "residuals", "forward_state", "wy_bwd", "wy_form", "wy_state")
+            "residuals", "forward_state", "wy_bwd", "wy_form", "wy_state", "state_buffers")
 
 
 def setting_values(key: str) -> tuple:
@@ -426,7 +434,7 @@ def settings(**values):
     """Within the block, trace with these module settings (diag=, rows=, scores=, cumsum=,
     scores_bwd=, inverse=, diag_stack=, offdiag_stack=, forward_only=, segments=, block_v=,
     grad_issue=, grad_intra=, scan_form=, cotangents=, residuals=, forward_state=, wy_bwd=,
-    wy_form=, wy_state=; see SETTINGS), restored afterwards; an unknown key or value raises."""
+    wy_form=, wy_state=, state_buffers=; see SETTINGS), restored afterwards; an unknown key or value raises."""
     table = _settings_table(values)
     for key, value in values.items():
         if value not in table[key][2]:

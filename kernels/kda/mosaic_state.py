@@ -34,6 +34,22 @@ C = 64  # chunk length (rows of every wgmma's M side except the state update)
 MAX_PROGRAMS = 2**31 - 1
 MAX_Y = 65535
 
+# How `state_output` buffers its chunk operands (`chunk.settings(state_buffers=...)`; read while
+# tracing): "double" (every operand double-buffered, chunk n + 1 loading while n computes: 193 KiB
+# of SMEM at K = 128, BV = 64 in bf16, one program per SM) or "single" (only W and the decay
+# double-buffered, the first operands a step reads; qg, kg, A and u single-buffered and loaded once
+# the step's products have read them, the final state's tile over qg and kg, o's over v': 105 KiB,
+# two programs per SM, so 256 programs run as one wave instead of two).
+BUFFERS_CHOICES = ("double", "single")
+BUFFERS = "double"
+
+
+def buffers() -> str:
+    """BUFFERS, checked (read while tracing)."""
+    if BUFFERS not in BUFFERS_CHOICES:
+        raise ValueError(f"mosaic_state.BUFFERS={BUFFERS!r}; expected one of {BUFFERS_CHOICES}")
+    return BUFFERS
+
 
 def launch_bh_v(body, out_type, scratch, args, *, BH, V, BV, interpret):
     """One program per (batch*head, V-block of BV): the chunk-walking kernels and the decode step.
@@ -111,9 +127,13 @@ def _mm(fn, shape):
 
 
 def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *rest, NT, K, BV, dt, with_states, heads,
-          chunk_major, a_transposed, with_vn=False, w_negated=True):
+          chunk_major, a_transposed, with_vn=False, w_negated=True, single=False):
     st_ref, rest = (rest[0], rest[1:]) if with_states else (None, rest)
     vn_ref, rest = (rest[0], rest[1:]) if with_vn else (None, rest)
+    if single:
+        return _body_single(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, st_ref, vn_ref, *rest,
+                            NT=NT, K=K, BV=BV, dt=dt, heads=heads, chunk_major=chunk_major,
+                            a_transposed=a_transposed, w_negated=w_negated)
     (qg_s, wn_s, kg_s, u_s, a_s, d_s, s_s, vn_s, o_s, h_s, bars, h_bar) = rest
     bh = lax.axis_index("bh")
     vs = pl.ds(pl.multiple_of(lax.axis_index("v") * BV, BV), BV)
@@ -182,6 +202,94 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *r
     plgpu.wait_smem_to_gmem(0)
 
 
+def _body_single(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, st_ref, vn_ref, wn_s, d_s, hqk,
+                 a_s, u_s, s_s, vo, bars, sbars, h_bar, *, NT, K, BV, dt, heads, chunk_major, a_transposed, w_negated):
+    """`_body` with BUFFERS "single": the same products and outputs in 105 KiB of SMEM (K = 128,
+    BV = 64, bf16), so two programs share an SM."""
+    h_s, (qg_s, kg_s) = hqk  # the carried tile's float32 [K, BV] over qg's and kg's buffers
+    vn_s, o_s = vo  # o is formed after the step's last read of v'
+    bh = lax.axis_index("bh")
+    vs = pl.ds(pl.multiple_of(lax.axis_index("v") * BV, BV), BV)
+    chunk = lambda src, n: src.at[n, bh] if chunk_major else src.at[bh, n]  # noqa: E731
+    dbl = ((wn_ref, wn_s), (d_ref, d_s))
+    sgl = ((qg_ref, qg_s, None), (kg_ref, kg_s, None), (a_ref, a_s, None), (u_ref, u_s, vs))
+
+    def issue_dbl(n, slot):
+        for i, (src, dst) in enumerate(dbl):
+            plgpu.copy_gmem_to_smem(chunk(src, n), dst.at[slot], bars.at[2 * i + slot])
+
+    def issue_sgl(n):
+        for i, (src, dst, cols) in enumerate(sgl):
+            src = chunk(src, n)
+            plgpu.copy_gmem_to_smem(src if cols is None else src.at[:, cols], dst, sbars.at[i])
+
+    # The carried tile first: its buffer is qg's and kg's.
+    plgpu.copy_gmem_to_smem(h0_ref.at[bh, :, vs], h_s, h_bar.at[0])
+    plgpu.barrier_wait(h_bar.at[0])
+    S = plgpu.load(h_s, layout=plgpu.Layout.WGMMA)
+    plgpu.commit_smem()  # every warp has read h_s before TMA writes qg, kg over it
+    issue_dbl(0, 0)
+    issue_sgl(0)
+
+    def step(n, S):
+        slot = lax.rem(n, 2)
+
+        @pl.when(n + 1 < NT)
+        def _prefetch():
+            issue_dbl(n + 1, 1 - slot)
+
+        for i in range(len(dbl)):
+            plgpu.barrier_wait(bars.at[2 * i + slot])
+        for i in range(len(sgl)):
+            plgpu.barrier_wait(sbars.at[i])
+        s_s[...] = S.astype(dt)
+        plgpu.commit_smem()
+        if st_ref is not None:
+            plgpu.copy_smem_to_gmem(s_s, st_ref.at[n, bh, :, vs])
+        u = plgpu.load(u_s, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+
+        def vnew_mm(acc):
+            plgpu.wgmma(acc, wn_s.at[slot], s_s)
+            return acc[...]
+
+        vnew = u + _mm(vnew_mm, (C, BV)) if w_negated else u - _mm(vnew_mm, (C, BV))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's o (over v') is read
+        vn_s[...] = vnew.astype(dt)
+        plgpu.commit_smem()
+        if vn_ref is not None:
+            plgpu.copy_smem_to_gmem(vn_s, vn_ref.at[n, bh, :, vs])
+
+        def out_state_mm(acc_o, acc_s):
+            plgpu.wgmma(acc_o, qg_s, s_s)
+            plgpu.wgmma(acc_o, a_s.transpose((1, 0)) if a_transposed else a_s, vn_s)
+            plgpu.wgmma(acc_s, kg_s.transpose((1, 0)), vn_s)
+            return acc_o[...], acc_s[...]
+
+        d = plgpu.load(d_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
+        S = S * lax.broadcast_in_dim(d, S.shape, [0])
+        o, dS = pl.run_scoped(out_state_mm, plgpu.ACC((C, BV), jnp.float32), plgpu.ACC((K, BV), jnp.float32))
+
+        @pl.when(n + 1 < NT)
+        def _load_next():  # the products have read qg, kg, A and v'; u went to registers before a commit
+            issue_sgl(n + 1)
+
+        S = S + dS
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # v' (o's buffer) is read
+        o_s[...] = o.astype(o_s.dtype)
+        plgpu.commit_smem()
+        if heads is None:
+            plgpu.copy_smem_to_gmem(o_s, o_ref.at[bh, n, :, vs])
+        else:
+            plgpu.copy_smem_to_gmem(o_s, o_ref.at[lax.div(bh, heads), pl.ds(n * C, C), lax.rem(bh, heads), vs])
+        return S
+
+    S = lax.fori_loop(0, NT, step, S)
+    h_s[...] = S  # no load is in flight: the last step issued none
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(h_s, ht_ref.at[bh, :, vs])
+    plgpu.wait_smem_to_gmem(0)
+
+
 def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_states=False, heads=None,
                  chunk_major=False, a_transposed=False, block_v=None, with_vn=False, w_negated=True):
     """Run the inter-chunk kernel.
@@ -203,33 +311,47 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
     BV = chunk_segments.block_v(block_v, programs64=BH * max(u.shape[-1] // 64, 1))  # read while tracing
     return _state_output(qg, wn, kg, u, a, d, h0, out_dtype=jnp.dtype(out_dtype), interpret=interpret,
                          with_states=with_states, heads=heads, chunk_major=chunk_major, a_transposed=a_transposed,
-                         BV=BV, with_vn=with_vn, w_negated=bool(w_negated))
+                         BV=BV, with_vn=with_vn, w_negated=bool(w_negated), single=buffers() == "single")
 
 
 @lowered_once("out_dtype", "interpret", "with_states", "heads", "chunk_major", "a_transposed", "BV", "with_vn",
-              "w_negated")
+              "w_negated", "single")
 def _state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret, with_states, heads, chunk_major, a_transposed,
-                  BV, with_vn, w_negated):
+                  BV, with_vn, w_negated, single):
     NT, BH, Cc, K = qg.shape if chunk_major else (qg.shape[1], qg.shape[0], *qg.shape[2:])
     V = u.shape[-1]
     if Cc != C or K % 64 or V % 64:
         raise ValueError(f"state_output needs C={C} and K, V multiples of 64; got C={Cc}, K={K}, V={V}")
     dt = qg.dtype
     _smem_ = functools.partial(_smem, BV=BV)
-    scratch = [
-        _smem_((2, C, K), dt),
-        _smem_((2, C, K), dt),
-        _smem_((2, C, K), dt),
-        _smem_((2, C, BV), dt),
-        _smem_((2, C, C), dt),
-        plgpu.SMEM((2, K), jnp.float32),
-        _smem_((K, BV), dt),
-        _smem_((C, BV), dt),
-        _smem_((C, BV), out_dtype),  # swizzled: the register stores of o and h are bank-conflict free
-        _smem_((K, BV), jnp.float32),
-        plgpu.Barrier(num_barriers=6 * 2, num_arrivals=1),
-        plgpu.Barrier(num_barriers=1),
-    ]
+    if single:  # wn, d double; (h | qg, kg), A, u single; S's operand copy; (v' | o)
+        scratch = [
+            _smem_((2, C, K), dt),
+            plgpu.SMEM((2, K), jnp.float32),
+            plgpu.RefUnion(_smem_((K, BV), jnp.float32), (_smem_((C, K), dt), _smem_((C, K), dt))),
+            _smem_((C, C), dt),
+            _smem_((C, BV), dt),
+            _smem_((K, BV), dt),
+            plgpu.RefUnion(_smem_((C, BV), dt), _smem_((C, BV), out_dtype)),
+            plgpu.Barrier(num_barriers=2 * 2, num_arrivals=1),
+            plgpu.Barrier(num_barriers=4, num_arrivals=1),
+            plgpu.Barrier(num_barriers=1),
+        ]
+    else:
+        scratch = [
+            _smem_((2, C, K), dt),
+            _smem_((2, C, K), dt),
+            _smem_((2, C, K), dt),
+            _smem_((2, C, BV), dt),
+            _smem_((2, C, C), dt),
+            plgpu.SMEM((2, K), jnp.float32),
+            _smem_((K, BV), dt),
+            _smem_((C, BV), dt),
+            _smem_((C, BV), out_dtype),  # swizzled: the register stores of o and h are bank-conflict free
+            _smem_((K, BV), jnp.float32),
+            plgpu.Barrier(num_barriers=6 * 2, num_arrivals=1),
+            plgpu.Barrier(num_barriers=1),
+        ]
     o_shape = (BH, NT, C, V) if heads is None else (BH // heads, NT * C, heads, V)
     out_type = (jax.ShapeDtypeStruct(o_shape, out_dtype), jax.ShapeDtypeStruct((BH, K, V), jnp.float32))
     if with_states:
@@ -238,5 +360,5 @@ def _state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret, with_states,
         out_type += (jax.ShapeDtypeStruct((NT, BH, C, V), dt),)
     body = functools.partial(_body, NT=NT, K=K, BV=BV, dt=dt, with_states=with_states, heads=heads,
                              chunk_major=chunk_major, a_transposed=a_transposed, with_vn=with_vn,
-                             w_negated=w_negated)
+                             w_negated=w_negated, single=single)
     return launch_bh_v(body, out_type, scratch, (qg, wn, kg, u, a, d, h0), BH=BH, V=V, BV=BV, interpret=interpret)

@@ -67,15 +67,44 @@ def test_state_output_writes_the_corrected_values(rng):
     assert vn.shape == (N, BH, 64, V) and vn.dtype == jnp.bfloat16
 
 
+@pytest.mark.parametrize("layout", [
+    dict(chunk_major=True, with_states=True, with_vn=True, w_negated=False),
+    dict(heads=2, a_transposed=True),
+    dict(chunk_major=True, heads=2, with_states=True),
+])
+def test_single_buffers_match_double(rng, layout):
+    """BUFFERS "single" (qg, kg, A, u single-buffered, the carried tile and o over other buffers)
+    runs the same products in the same order as "double": equal outputs, bit for bit."""
+    N, BH, K, V = 3, 4, 64, 128
+    f = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.bfloat16)  # noqa: E731
+    lead = (N, BH) if layout.get("chunk_major") else (BH, N)
+    qg, wn, kg, u, a = f(*lead, 64, K), f(*lead, 64, K), f(*lead, 64, K), f(*lead, 64, V), f(*lead, 64, 64)
+    d = jnp.asarray(rng.uniform(0.5, 1.0, (*lead, K)), jnp.float32)
+    h0 = jnp.asarray(rng.standard_normal((BH, K, V)), jnp.float32)
+    outs = {}
+    for buffers in mosaic_state.BUFFERS_CHOICES:
+        with chunk.settings(state_buffers=buffers):
+            outs[buffers] = mosaic_state.state_output(qg, wn, kg, u, a, d, h0, out_dtype=jnp.bfloat16,
+                                                      interpret=True, **layout)
+    assert len(outs["single"]) == 2 + layout.get("with_states", False) + layout.get("with_vn", False)
+    for x, y in zip(outs["double"], outs["single"]):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+def test_single_buffers_lower_for_cuda():
+    text = cuda_train_module(2, 256, 2, 128, forward_state="output", state_buffers="single")
+    assert text.count("mosaic_gpu") >= 2
+
+
 def test_output_pass_lowers_for_cuda():
     text = cuda_train_module(2, 256, 2, 128, forward_state="output")
     assert text.count("mosaic_gpu") >= 2
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seg", [None, "random"])
-def test_gpu_output_pass_matches_naive(rng, seg):
+@pytest.mark.parametrize("seg,buffers", [(None, "double"), ("random", "double"), (None, "single")])
+def test_gpu_output_pass_matches_naive(rng, seg, buffers):
     """Compiled kernels at a training shape: every output and gradient within the bf16 tolerances."""
     inputs = make_inputs(rng, 2, 4096, 16, 128, 128, "channel", lower=-5.0, seg=seg)
-    with chunk.settings(forward_state="output"):
+    with chunk.settings(forward_state="output", state_buffers=buffers):
         _compare(rng, inputs, BF16_TOL, -5.0, jnp.bfloat16)
