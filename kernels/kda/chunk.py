@@ -377,6 +377,7 @@ def _settings_table(keys=None):
              "scores": lambda: (sys.modules[__name__], "DEFAULT_SCORES", SCORES),
              "forward_only": _forward_only_setting,
              "segments": lambda: (chunk_segments, "SEGMENTS", chunk_segments.SEGMENT_CHOICES),
+             "forward_segments": lambda: (chunk_segments, "FORWARD_SEGMENTS", chunk_segments.SEGMENT_CHOICES),
              "block_v": lambda: (chunk_segments, "BLOCK_V", chunk_segments.BLOCK_V_CHOICES),
              "grad_issue": lambda: (chunk_segments, "GRAD_ISSUE", chunk_segments.GRAD_ISSUES),
              "grad_intra": lambda: (chunk_segments, "GRAD_INTRA", chunk_segments.GRAD_INTRAS),
@@ -401,7 +402,8 @@ def traced_key() -> tuple:
 
     ms = sys.modules.get("kernels.kda.mosaic_scan")  # "forward_only" exists once the kernels are imported
     mst = sys.modules.get("kernels.kda.mosaic_state")
-    return chunk_intra.traced_settings() + (DEFAULT_SCORES, chunk_segments.SEGMENTS, chunk_segments.BLOCK_V,
+    return chunk_intra.traced_settings() + (DEFAULT_SCORES, chunk_segments.SEGMENTS,
+                                            chunk_segments.forward_segments(), chunk_segments.BLOCK_V,
                                             chunk_segments.GRAD_ISSUE, chunk_segments.grad_intra(),
                                             chunk_segments.SCAN_FORM, COTANGENTS, RESIDUALS,
                                             chunk_output.FORWARD_STATE, ms.FORWARD_ONLY if ms else None,
@@ -421,7 +423,7 @@ def _forward_only_setting():
 
 SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse", "diag_stack", "offdiag_stack",
             "forward_only", "segments", "block_v", "grad_issue", "grad_intra", "scan_form", "cotangents",
-            "residuals", "forward_state", "wy_bwd", "wy_form", "wy_state", "state_buffers")
+            "residuals", "forward_state", "wy_bwd", "wy_form", "wy_state", "state_buffers", "forward_segments")
 
 
 def setting_values(key: str) -> tuple:
@@ -434,7 +436,8 @@ def settings(**values):
     """Within the block, trace with these module settings (diag=, rows=, scores=, cumsum=,
     scores_bwd=, inverse=, diag_stack=, offdiag_stack=, forward_only=, segments=, block_v=,
     grad_issue=, grad_intra=, scan_form=, cotangents=, residuals=, forward_state=, wy_bwd=,
-    wy_form=, wy_state=, state_buffers=; see SETTINGS), restored afterwards; an unknown key or value raises."""
+    wy_form=, wy_state=, state_buffers=, forward_segments=; see SETTINGS), restored afterwards; an
+    unknown key or value raises."""
     table = _settings_table(values)
     for key, value in values.items():
         if value not in table[key][2]:

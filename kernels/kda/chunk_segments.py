@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 # (23.99 against 23.24 ms forward+backward, kda-segments-h200-20261202T0222.json), so it stays 1.
 SEGMENT_CHOICES = (1, 2, 4, 8, 16, 32, 64, "auto")
 SEGMENTS = 1
+# Segments of the forward-only call's state pass (`pallas_gpu`: pass 1 `mosaic_scan.state_scan`
+# from [I | 0] on the intra kernel's operands, pass 3 `mosaic_state.state_output` forming o), the
+# same choices. Set with `chunk.settings(forward_segments=...)`; read while tracing.
+FORWARD_SEGMENTS = 1
 # V columns per program of the Mosaic GPU passes (`mosaic_scan`; the XLA passes ignore it): at
 # V = 128, 64 gives two chains per (batch * head), 32 four, 16 eight, each step a product of width
 # BV. The other way besides segments to put more programs on the GPU when B * H is small. Set with
@@ -88,6 +92,13 @@ def block_v(value=None, programs64: int | None = None) -> int:
             raise ValueError("block_v='auto' needs the pass's program count at 64 columns")
         return auto_block_v(programs64)
     return bv
+
+
+def forward_segments():
+    """FORWARD_SEGMENTS, checked (read while tracing)."""
+    if FORWARD_SEGMENTS not in SEGMENT_CHOICES:
+        raise ValueError(f"chunk_segments.FORWARD_SEGMENTS={FORWARD_SEGMENTS!r}; expected one of {SEGMENT_CHOICES}")
+    return FORWARD_SEGMENTS
 
 
 def grad_issue() -> str:
@@ -184,13 +195,28 @@ def _identity_start(carry):
     return jnp.concatenate([eye, jnp.zeros((B, H, K, V), carry.dtype)], axis=-1)
 
 
-def _widen(x, K: int):
+def widen(x, K: int):
     """Zeros before the last axis: the V-carrying inputs of the width-(K + V) pass."""
     return jnp.concatenate([jnp.zeros((*x.shape[:-1], K), x.dtype), x], axis=-1)
 
 
 def _apply(T, S):
     return jnp.einsum("bhkm,bhmv->bhkv", T, S, precision=jax.lax.Precision.HIGHEST)
+
+
+def segment_entries(pass1, h0, s: int):
+    """Passes 1 and 2 for s segments: `pass1(start)` runs every segment from `start` = [I | 0]
+    ([s * B, H, K, K + V], the V-carrying inputs widened by `widen`) and returns its final tiles
+    [T_j | S_j] (same shape); then the float32 scan over the segments. Returns (each segment's
+    true starting state [s * B, H, K, V], the final state [B, H, K, V])."""
+    B, H, K, V = h0.shape
+    ends = pass1(_identity_start(jnp.zeros((s * B, H, K, V), h0.dtype))).reshape(s, B, H, K, K + V)
+
+    def chain(S, seg):  # S: the state entering this segment
+        return _apply(seg[..., :K], S) + seg[..., K:], S
+
+    final, starts = jax.lax.scan(chain, h0, ends)
+    return starts.reshape(s * B, H, K, V), final
 
 
 def state_scan(scan, h0, w, u, kg, decay, segments: int):
@@ -203,15 +229,9 @@ def state_scan(scan, h0, w, u, kg, decay, segments: int):
     s = effective_segments(kg.shape[0], segments, pass_programs(B * H, V))
     if s == 1:
         return scan(h0, w, u, kg, decay)
-    _, _, ends = scan(_identity_start(jnp.zeros((s * B, H, K, V), h0.dtype)), w, _widen(u, K), kg, decay,
-                      final_only=True, segments=s)
-    ends = ends.reshape(s, B, H, K, K + V)
-
-    def chain(S, seg):  # S: the state entering this segment
-        return _apply(seg[..., :K], S) + seg[..., K:], S
-
-    final, starts = jax.lax.scan(chain, h0, ends)
-    states, vn, _ = scan(starts.reshape(s * B, H, K, V), w, u, kg, decay, segments=s)
+    starts, final = segment_entries(
+        lambda start: scan(start, w, widen(u, K), kg, decay, final_only=True, segments=s)[2], h0, s)
+    states, vn, _ = scan(starts, w, u, kg, decay, segments=s)
     return states, vn, final
 
 
@@ -226,7 +246,7 @@ def grad_scan(scan, dS_final, chunked, sources, segments: int):
     if s == 1:
         return scan(dS_final, chunked, sources)
     zero_end = jnp.zeros((s * B, H, K, V), dS_final.dtype)
-    _, _, begins = scan(_identity_start(zero_end), chunked, tuple(_widen(x, K) for x in sources), final_only=True,
+    _, _, begins = scan(_identity_start(zero_end), chunked, tuple(widen(x, K) for x in sources), final_only=True,
                         segments=s)
     begins = begins.reshape(s, B, H, K, K + V)
 

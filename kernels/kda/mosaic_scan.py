@@ -63,13 +63,15 @@ def _program(BH, NT):
     return p, lax.rem(p, BH), lax.div(p, BH) * NT
 
 
-def _loader(ins, bars, bh, vs, first):
-    """issue(n, slot): TMA every input's chunk first + n into its buffer `slot` (barrier 2 i + slot)."""
+def _loader(ins, bars, bh, vs, first, chunk_major=True):
+    """issue(n, slot): TMA every input's chunk first + n into its buffer `slot` (barrier 2 i + slot);
+    inputs [N, BH, ...], or [BH, N, ...] without `chunk_major`."""
 
     def issue(n, slot):
         n = first + n
         for i, (src, dst, by_v) in enumerate(ins):
-            src = src.at[n, bh, :, vs] if by_v else src.at[n, bh]
+            src = src.at[n, bh] if chunk_major else src.at[bh, n]
+            src = src.at[:, vs] if by_v else src
             plgpu.copy_gmem_to_smem(src, dst.at[slot], bars.at[2 * i + slot])
 
     def wait(slot):
@@ -79,14 +81,15 @@ def _loader(ins, bars, bh, vs, first):
     return issue, wait
 
 
-def walk_chunks(ins, bars, h_bar, carried, smem, *, BH, NT, BV, reverse, step):
+def walk_chunks(ins, bars, h_bar, carried, smem, *, BH, NT, BV, reverse, step, chunk_major=True):
     """The chunk loop of one (segment, batch * head, V block) program: `ins` (src, SMEM buffer, by V)
     double-buffered by TMA, the carried [K, BV] float32 tile `carried(p, vs)` (HBM) loaded through
     `smem`, then x <- step(n, slot, x, at) for the NT chunks in order (`reverse`: last first), where
-    `at` = (p, bh, first, vs) locates this program's tiles. Returns (final x, at)."""
+    `at` = (p, bh, first, vs) locates this program's tiles (`chunk_major`: see `_loader`). Returns
+    (final x, at)."""
     p, bh, first = _program(BH, NT)
     vs = pl.ds(pl.multiple_of(lax.axis_index("v") * BV, BV), BV)
-    issue, wait = _loader(ins, bars, bh, vs, first)
+    issue, wait = _loader(ins, bars, bh, vs, first, chunk_major)
     x = load_carried(NT - 1 if reverse else 0, issue, carried(p, vs), smem, h_bar.at[0])
     at = (p, bh, first, vs)
 
@@ -112,7 +115,7 @@ def _outputs(refs, n_in, final_only):
     return ins, ((None, None, outs[0]) if final_only else outs), scratch
 
 
-def _fwd_body(*refs, NT, BH, K, BV, dt, delta, final_only):
+def _fwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, chunk_major=True, w_negated=False):
     ins_refs, (st_ref, vn_ref, ht_ref), scratch = _outputs(refs, 5 if delta else 4, final_only)
     if delta:
         w_ref, u_ref, kg_ref, d_ref, h0_ref = ins_refs
@@ -137,7 +140,8 @@ def _fwd_body(*refs, NT, BH, K, BV, dt, delta, final_only):
                 plgpu.wgmma(acc, w_s.at[slot], s_s)
                 return acc[...]
 
-            vn = (u.astype(jnp.float32) - _mm(wS, (C, BV))).astype(dt)
+            prod = _mm(wS, (C, BV))
+            vn = (u.astype(jnp.float32) + prod if w_negated else u.astype(jnp.float32) - prod).astype(dt)
         else:
             vn = u
         vn_s[...] = vn
@@ -153,7 +157,7 @@ def _fwd_body(*refs, NT, BH, K, BV, dt, delta, final_only):
         return S * lax.broadcast_in_dim(d, S.shape, [0]) + _mm(kv, (K, BV))
 
     S, (p, _, _, vs) = walk_chunks(ins, bars, h_bar, lambda p, vs: h0_ref.at[p, :, vs], h_s, BH=BH, NT=NT, BV=BV,
-                                   reverse=False, step=step)
+                                   reverse=False, step=step, chunk_major=chunk_major)
     _store_last(S, h_s, ht_ref.at[p, :, vs])
 
 
@@ -171,19 +175,24 @@ def _check_segments(N, segments, carried, BH):
                          f"and batch * head: [{segments * BH}, K, V], got {carried.shape}")
 
 
-def state_scan(w, u, kg, decay, h0, *, interpret=False, final_only=False, segments=1):
+def state_scan(w, u, kg, decay, h0, *, interpret=False, final_only=False, segments=1, chunk_major=True,
+               w_negated=False):
     """Forward pass. w, kg [N, BH, C, K] (w None: linear attention, v' = u); u [N, BH, C, V]
     (one compute dtype); decay [N, BH, K] f32; h0 [segments * BH, K, V] f32: with segments > 1 every
     run of N / segments chunks starts from its own h0 (segment-major rows; `chunk_segments`).
     Returns (states [N, BH, K, V] compute dtype, v' [N, BH, C, V] compute dtype, final
-    [segments * BH, K, V] f32); `final_only`: (None, None, final), the per-chunk outputs never written."""
-    BV = chunk_segments.block_v(programs64=segments * kg.shape[1] * max(u.shape[-1] // 64, 1))  # read while tracing
-    return _state_scan(w, u, kg, decay, h0, BV=BV, interpret=interpret, final_only=final_only, segments=segments)
+    [segments * BH, K, V] f32); `final_only`: (None, None, final), the per-chunk outputs never written.
+    Without `chunk_major` the inputs are [BH, N, ...] (the per-chunk outputs keep [N, BH, ...]);
+    `w_negated`: w holds -w (as `pallas_gpu`'s intra kernels write it)."""
+    BH = kg.shape[1] if chunk_major else kg.shape[0]
+    BV = chunk_segments.block_v(programs64=segments * BH * max(u.shape[-1] // 64, 1))  # read while tracing
+    return _state_scan(w, u, kg, decay, h0, BV=BV, interpret=interpret, final_only=final_only, segments=segments,
+                       chunk_major=bool(chunk_major), w_negated=bool(w_negated))
 
 
-@lowered_once("BV", "interpret", "final_only", "segments")
-def _state_scan(w, u, kg, decay, h0, *, BV, interpret, final_only, segments):
-    N, BH, Cc, K = kg.shape
+@lowered_once("BV", "interpret", "final_only", "segments", "chunk_major", "w_negated")
+def _state_scan(w, u, kg, decay, h0, *, BV, interpret, final_only, segments, chunk_major=True, w_negated=False):
+    N, BH, Cc, K = kg.shape if chunk_major else (kg.shape[1], kg.shape[0], *kg.shape[2:])
     _check_segments(N, segments, h0, BH)
     V = u.shape[-1]
     dt = kg.dtype
@@ -205,7 +214,7 @@ def _state_scan(w, u, kg, decay, h0, *, BV, interpret, final_only, segments):
         jax.ShapeDtypeStruct((N, BH, K, V), dt), jax.ShapeDtypeStruct((N, BH, C, V), dt), final)
     args = ((w,) if delta else ()) + (u, kg, decay, h0)
     body = functools.partial(_fwd_body, NT=N // segments, BH=BH, K=K, BV=BV, dt=dt, delta=delta,
-                             final_only=final_only)
+                             final_only=final_only, chunk_major=chunk_major, w_negated=w_negated)
     out = launch_bh_v(body, out_type, scratch, args, BH=segments * BH, V=V, BV=BV, interpret=interpret)
     return (None, None, out[0]) if final_only else out
 

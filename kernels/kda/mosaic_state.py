@@ -127,25 +127,26 @@ def _mm(fn, shape):
 
 
 def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *rest, NT, K, BV, dt, with_states, heads,
-          chunk_major, a_transposed, with_vn=False, w_negated=True, single=False):
+          chunk_major, a_transposed, with_vn=False, w_negated=True, single=False, BH=None):
     st_ref, rest = (rest[0], rest[1:]) if with_states else (None, rest)
     vn_ref, rest = (rest[0], rest[1:]) if with_vn else (None, rest)
     if single:
         return _body_single(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, st_ref, vn_ref, *rest,
                             NT=NT, K=K, BV=BV, dt=dt, heads=heads, chunk_major=chunk_major,
-                            a_transposed=a_transposed, w_negated=w_negated)
+                            a_transposed=a_transposed, w_negated=w_negated, BH=BH)
     (qg_s, wn_s, kg_s, u_s, a_s, d_s, s_s, vn_s, o_s, h_s, bars, h_bar) = rest
-    bh = lax.axis_index("bh")
+    p = lax.axis_index("bh")  # (segment, batch * head): segment p // BH runs chunks first .. first + NT - 1
+    bh, first = lax.rem(p, BH), lax.div(p, BH) * NT
     vs = pl.ds(pl.multiple_of(lax.axis_index("v") * BV, BV), BV)
     ins = ((qg_ref, qg_s, None), (wn_ref, wn_s, None), (kg_ref, kg_s, None), (u_ref, u_s, vs), (a_ref, a_s, None), (d_ref, d_s, None))
 
     def issue(n, slot):
         for i, (src, dst, cols) in enumerate(ins):
-            src = src.at[n, bh] if chunk_major else src.at[bh, n]
+            src = src.at[first + n, bh] if chunk_major else src.at[bh, first + n]
             src = src if cols is None else src.at[:, cols]
             plgpu.copy_gmem_to_smem(src, dst.at[slot], bars.at[2 * i + slot])
 
-    S = load_carried(0, issue, h0_ref.at[bh, :, vs], h_s, h_bar.at[0])
+    S = load_carried(0, issue, h0_ref.at[p, :, vs], h_s, h_bar.at[0])
 
     def step(n, S):
         slot = lax.rem(n, 2)
@@ -159,7 +160,7 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *r
         s_s[...] = S.astype(dt)
         plgpu.commit_smem()
         if with_states:  # read by TMA before the next step rewrites s_s (the wait below covers it)
-            plgpu.copy_smem_to_gmem(s_s, st_ref.at[n, bh, :, vs])
+            plgpu.copy_smem_to_gmem(s_s, st_ref.at[first + n, bh, :, vs])
 
         u = plgpu.load(u_s.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
 
@@ -172,7 +173,7 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *r
         vn_s[...] = vnew.astype(dt)
         plgpu.commit_smem()
         if with_vn:  # like the states: read by TMA before the wait below, so before the next step's write
-            plgpu.copy_smem_to_gmem(vn_s, vn_ref.at[n, bh, :, vs])
+            plgpu.copy_smem_to_gmem(vn_s, vn_ref.at[first + n, bh, :, vs])
 
         def out_state_mm(acc_o, acc_s):
             # Both products are issued before either is read, so they overlap on the tensor cores.
@@ -189,28 +190,30 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *r
         o_s[...] = o.astype(o_s.dtype)
         plgpu.commit_smem()
         if heads is None:
-            plgpu.copy_smem_to_gmem(o_s, o_ref.at[bh, n, :, vs])
+            plgpu.copy_smem_to_gmem(o_s, o_ref.at[bh, first + n, :, vs])
         else:  # straight into [B, T, H, V]: no transpose afterwards
-            o_dst = o_ref.at[lax.div(bh, heads), pl.ds(n * C, C), lax.rem(bh, heads), vs]
+            o_dst = o_ref.at[lax.div(bh, heads), pl.ds((first + n) * C, C), lax.rem(bh, heads), vs]
             plgpu.copy_smem_to_gmem(o_s, o_dst)
         return S
 
     S = lax.fori_loop(0, NT, step, S)
     h_s[...] = S
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(h_s, ht_ref.at[bh, :, vs])
+    plgpu.copy_smem_to_gmem(h_s, ht_ref.at[p, :, vs])
     plgpu.wait_smem_to_gmem(0)
 
 
 def _body_single(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, st_ref, vn_ref, wn_s, d_s, hqk,
-                 a_s, u_s, s_s, vo, bars, sbars, h_bar, *, NT, K, BV, dt, heads, chunk_major, a_transposed, w_negated):
+                 a_s, u_s, s_s, vo, bars, sbars, h_bar, *, NT, K, BV, dt, heads, chunk_major, a_transposed, w_negated,
+                 BH):
     """`_body` with BUFFERS "single": the same products and outputs in 105 KiB of SMEM (K = 128,
     BV = 64, bf16), so two programs share an SM."""
     h_s, (qg_s, kg_s) = hqk  # the carried tile's float32 [K, BV] over qg's and kg's buffers
     vn_s, o_s = vo  # o is formed after the step's last read of v'
-    bh = lax.axis_index("bh")
+    p = lax.axis_index("bh")  # (segment, batch * head): segment p // BH runs chunks first .. first + NT - 1
+    bh, first = lax.rem(p, BH), lax.div(p, BH) * NT
     vs = pl.ds(pl.multiple_of(lax.axis_index("v") * BV, BV), BV)
-    chunk = lambda src, n: src.at[n, bh] if chunk_major else src.at[bh, n]  # noqa: E731
+    chunk = lambda src, n: src.at[first + n, bh] if chunk_major else src.at[bh, first + n]  # noqa: E731
     dbl = ((wn_ref, wn_s), (d_ref, d_s))
     sgl = ((qg_ref, qg_s, None), (kg_ref, kg_s, None), (a_ref, a_s, None), (u_ref, u_s, vs))
 
@@ -224,7 +227,7 @@ def _body_single(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_
             plgpu.copy_gmem_to_smem(src if cols is None else src.at[:, cols], dst, sbars.at[i])
 
     # The carried tile first: its buffer is qg's and kg's.
-    plgpu.copy_gmem_to_smem(h0_ref.at[bh, :, vs], h_s, h_bar.at[0])
+    plgpu.copy_gmem_to_smem(h0_ref.at[p, :, vs], h_s, h_bar.at[0])
     plgpu.barrier_wait(h_bar.at[0])
     S = plgpu.load(h_s, layout=plgpu.Layout.WGMMA)
     plgpu.commit_smem()  # every warp has read h_s before TMA writes qg, kg over it
@@ -245,7 +248,7 @@ def _body_single(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_
         s_s[...] = S.astype(dt)
         plgpu.commit_smem()
         if st_ref is not None:
-            plgpu.copy_smem_to_gmem(s_s, st_ref.at[n, bh, :, vs])
+            plgpu.copy_smem_to_gmem(s_s, st_ref.at[first + n, bh, :, vs])
         u = plgpu.load(u_s, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
 
         def vnew_mm(acc):
@@ -257,7 +260,7 @@ def _body_single(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_
         vn_s[...] = vnew.astype(dt)
         plgpu.commit_smem()
         if vn_ref is not None:
-            plgpu.copy_smem_to_gmem(vn_s, vn_ref.at[n, bh, :, vs])
+            plgpu.copy_smem_to_gmem(vn_s, vn_ref.at[first + n, bh, :, vs])
 
         def out_state_mm(acc_o, acc_s):
             plgpu.wgmma(acc_o, qg_s, s_s)
@@ -278,20 +281,20 @@ def _body_single(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_
         o_s[...] = o.astype(o_s.dtype)
         plgpu.commit_smem()
         if heads is None:
-            plgpu.copy_smem_to_gmem(o_s, o_ref.at[bh, n, :, vs])
+            plgpu.copy_smem_to_gmem(o_s, o_ref.at[bh, first + n, :, vs])
         else:
-            plgpu.copy_smem_to_gmem(o_s, o_ref.at[lax.div(bh, heads), pl.ds(n * C, C), lax.rem(bh, heads), vs])
+            plgpu.copy_smem_to_gmem(o_s, o_ref.at[lax.div(bh, heads), pl.ds((first + n) * C, C), lax.rem(bh, heads), vs])
         return S
 
     S = lax.fori_loop(0, NT, step, S)
     h_s[...] = S  # no load is in flight: the last step issued none
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(h_s, ht_ref.at[bh, :, vs])
+    plgpu.copy_smem_to_gmem(h_s, ht_ref.at[p, :, vs])
     plgpu.wait_smem_to_gmem(0)
 
 
 def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_states=False, heads=None,
-                 chunk_major=False, a_transposed=False, block_v=None, with_vn=False, w_negated=True):
+                 chunk_major=False, a_transposed=False, block_v=None, with_vn=False, w_negated=True, segments=1):
     """Run the inter-chunk kernel.
 
     qg, wn, kg [BH, NT, C, K]; u [BH, NT, C, V]; a [BH, NT, C, C] (one operand
@@ -306,18 +309,26 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
     `a_transposed`: a holds A^T (as `mosaic_intra_bf16` writes it).
     `interpret`: run under the Mosaic GPU interpreter (CPU tests). `block_v`: V columns per
     program, 64, 32, 16 or "auto" (None: `chunk_segments.BLOCK_V`, read while tracing).
+    `segments` = s > 1: the NT chunks run as s segments of NT / s side by side, segment j from
+    h0[j * BH + bh] (h0 is [s * BH, K, V], its starting states, as `chunk_segments` forms them),
+    and the final states are each segment's, [s * BH, K, V].
     """
     BH = qg.shape[1] if chunk_major else qg.shape[0]
-    BV = chunk_segments.block_v(block_v, programs64=BH * max(u.shape[-1] // 64, 1))  # read while tracing
+    NT = qg.shape[0] if chunk_major else qg.shape[1]
+    if segments < 1 or NT % segments or h0.shape[0] != segments * BH:
+        raise ValueError(f"{segments} segments need {NT} chunks divisible by them and a starting state per segment "
+                         f"and batch * head ([{segments * BH}, K, V]); got h0 {h0.shape}")
+    BV = chunk_segments.block_v(block_v, programs64=segments * BH * max(u.shape[-1] // 64, 1))  # read while tracing
     return _state_output(qg, wn, kg, u, a, d, h0, out_dtype=jnp.dtype(out_dtype), interpret=interpret,
                          with_states=with_states, heads=heads, chunk_major=chunk_major, a_transposed=a_transposed,
-                         BV=BV, with_vn=with_vn, w_negated=bool(w_negated), single=buffers() == "single")
+                         BV=BV, with_vn=with_vn, w_negated=bool(w_negated), single=buffers() == "single",
+                         segments=int(segments))
 
 
 @lowered_once("out_dtype", "interpret", "with_states", "heads", "chunk_major", "a_transposed", "BV", "with_vn",
-              "w_negated", "single")
+              "w_negated", "single", "segments")
 def _state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret, with_states, heads, chunk_major, a_transposed,
-                  BV, with_vn, w_negated, single):
+                  BV, with_vn, w_negated, single, segments):
     NT, BH, Cc, K = qg.shape if chunk_major else (qg.shape[1], qg.shape[0], *qg.shape[2:])
     V = u.shape[-1]
     if Cc != C or K % 64 or V % 64:
@@ -353,12 +364,13 @@ def _state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret, with_states,
             plgpu.Barrier(num_barriers=1),
         ]
     o_shape = (BH, NT, C, V) if heads is None else (BH // heads, NT * C, heads, V)
-    out_type = (jax.ShapeDtypeStruct(o_shape, out_dtype), jax.ShapeDtypeStruct((BH, K, V), jnp.float32))
+    out_type = (jax.ShapeDtypeStruct(o_shape, out_dtype), jax.ShapeDtypeStruct((segments * BH, K, V), jnp.float32))
     if with_states:
         out_type += (jax.ShapeDtypeStruct((NT, BH, K, V), dt),)
     if with_vn:
         out_type += (jax.ShapeDtypeStruct((NT, BH, C, V), dt),)
-    body = functools.partial(_body, NT=NT, K=K, BV=BV, dt=dt, with_states=with_states, heads=heads,
+    body = functools.partial(_body, NT=NT // segments, K=K, BV=BV, dt=dt, with_states=with_states, heads=heads,
                              chunk_major=chunk_major, a_transposed=a_transposed, with_vn=with_vn,
-                             w_negated=w_negated, single=single)
-    return launch_bh_v(body, out_type, scratch, (qg, wn, kg, u, a, d, h0), BH=BH, V=V, BV=BV, interpret=interpret)
+                             w_negated=w_negated, single=single, BH=BH)
+    return launch_bh_v(body, out_type, scratch, (qg, wn, kg, u, a, d, h0), BH=segments * BH, V=V, BV=BV,
+                       interpret=interpret)

@@ -48,7 +48,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from kernels.kda import hopper, mosaic_decode, mosaic_intra, mosaic_intra_bf16, mosaic_state
+from kernels.kda import chunk_segments, hopper, mosaic_decode, mosaic_intra, mosaic_intra_bf16, mosaic_state
 from kernels.kda.hopper import device_kind as _device_kind, per_shard
 from kernels.kda.pallas_gpu_prep import chunked_reference, prepare
 
@@ -186,11 +186,28 @@ def _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, inte
     else:
         ops = _exact_operands(q, k, v, g, beta, seg, scale, dt)
     chunk_major = intra == "chunk"
-    out = mosaic_state.state_output(*ops, h0.reshape(B * H, K, V), out_dtype=v.dtype, interpret=interpret,
-                                    with_states=with_states, heads=H, chunk_major=chunk_major,
-                                    a_transposed=intra == "mosaic_bf16", w_negated=intra != "chunk")
-    o, S = out[:2]
     NT = ops[0].shape[0 if chunk_major else 1]
+    h0 = h0.reshape(B * H, K, V)
+    segments = chunk_segments.effective_segments(NT, chunk_segments.forward_segments(),
+                                                 chunk_segments.pass_programs(B * H, V))
+    if segments > 1:  # each segment's starting state first (`chunk_segments`), then o from it
+        from kernels.kda import mosaic_scan
+
+        qg, wn, kg, u, _, d = ops
+
+        def pass1(start):
+            return mosaic_scan.state_scan(wn, chunk_segments.widen(u, K), kg, d, start.reshape(segments * B * H, K, -1),
+                                          interpret=interpret, final_only=True, segments=segments,
+                                          chunk_major=chunk_major, w_negated=intra != "chunk")[2].reshape(start.shape)
+
+        h0, final = chunk_segments.segment_entries(pass1, h0[:, None], segments)
+        h0 = h0.reshape(segments * B * H, K, V)
+    out = mosaic_state.state_output(*ops, h0, out_dtype=v.dtype, interpret=interpret,
+                                    with_states=with_states, heads=H, chunk_major=chunk_major,
+                                    a_transposed=intra == "mosaic_bf16", w_negated=intra != "chunk",
+                                    segments=segments)
+    o, S = out[:2]
+    S = final if segments > 1 else S
     res = (o[:, :T], S.reshape(B, H, K, V))
     return res + ((out[2].reshape(NT, B, H, K, V),) if with_states else ())
 

@@ -253,10 +253,11 @@ def cuda_train_module(B, T, H, K, **settings) -> str:
         return jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
 
 
-@pytest.mark.parametrize("block_v", [64, 16])
-def test_forward_only_lowers_for_cuda(monkeypatch, block_v):
+@pytest.mark.parametrize("block_v, extra", [(64, {}), (16, {}), (64, dict(forward_segments=2, state_buffers="single"))])
+def test_forward_only_lowers_for_cuda(monkeypatch, block_v, extra):
     """A forward-only bounded bf16 chunk_mosaic call, as on a Hopper GPU, lowers for CUDA with
-    pallas_gpu's intra and state kernels (the state kernel at block_v columns per program)."""
+    pallas_gpu's intra and state kernels (the state kernel at block_v columns per program; with
+    segments, the segments' pass 1 too)."""
     from kernels.kda import hopper, kda
 
     monkeypatch.setattr(mosaic_scan, "_device_kind", lambda: "hopper")
@@ -265,9 +266,9 @@ def test_forward_only_lowers_for_cuda(monkeypatch, block_v):
     sd = jax.ShapeDtypeStruct
     args = [sd((B, T, H, K), jnp.bfloat16)] * 3 + [sd((B, T, H, K), jnp.float32), sd((B, T, H), jnp.float32)]
     fn = jax.jit(lambda *a: kda(*a, lower_bound=-5.0, impl="chunk_mosaic")[0])
-    with chunk.settings(block_v=block_v):
+    with chunk.settings(block_v=block_v, **extra):
         module = jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
-    assert module.count("mosaic_gpu") >= 2
+    assert module.count("mosaic_gpu") >= 2 + ("forward_segments" in extra)
 
 
 @pytest.mark.gpu
