@@ -65,13 +65,14 @@ def _program(BH, NT):
 
 def _loader(ins, bars, bh, vs, first, chunk_major=True):
     """issue(n, slot): TMA every input's chunk first + n into its buffer `slot` (barrier 2 i + slot);
-    inputs [N, BH, ...], or [BH, N, ...] without `chunk_major`."""
+    inputs [N, BH, ...], or [BH, N, ...] without `chunk_major`. An input's `by_v`: False (all of
+    it), True (the program's V columns `vs`) or its own column slice."""
 
     def issue(n, slot):
         n = first + n
         for i, (src, dst, by_v) in enumerate(ins):
             src = src.at[n, bh] if chunk_major else src.at[bh, n]
-            src = src.at[:, vs] if by_v else src
+            src = src.at[:, by_v if isinstance(by_v, pl.Slice) else vs] if by_v is not False else src
             plgpu.copy_gmem_to_smem(src, dst.at[slot], bars.at[2 * i + slot])
 
     def wait(slot):
@@ -115,16 +116,20 @@ def _outputs(refs, n_in, final_only):
     return ins, ((None, None, outs[0]) if final_only else outs), scratch
 
 
-def _fwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, chunk_major=True, w_negated=False):
+def _fwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, chunk_major=True, w_negated=False, u_shift=0):
     ins_refs, (st_ref, vn_ref, ht_ref), scratch = _outputs(refs, 5 if delta else 4, final_only)
+    col0 = lax.axis_index("v") * BV
+    # u_shift: the pass runs u_shift zero columns before u's (a segmented pass 1 without a widened
+    # copy of u); those programs load u's first block, a valid address, and use zeros
+    u_cols = pl.ds(pl.multiple_of(lax.max(col0 - u_shift, 0), BV), BV) if u_shift else True
     if delta:
         w_ref, u_ref, kg_ref, d_ref, h0_ref = ins_refs
         w_s, u_s, kg_s, d_s, s_s, vn_s, h_s, bars, h_bar = scratch
-        ins = ((w_ref, w_s, False), (u_ref, u_s, True), (kg_ref, kg_s, False), (d_ref, d_s, False))
+        ins = ((w_ref, w_s, False), (u_ref, u_s, u_cols), (kg_ref, kg_s, False), (d_ref, d_s, False))
     else:
         u_ref, kg_ref, d_ref, h0_ref = ins_refs
         u_s, kg_s, d_s, s_s, vn_s, h_s, bars, h_bar = scratch
-        ins = ((u_ref, u_s, True), (kg_ref, kg_s, False), (d_ref, d_s, False))
+        ins = ((u_ref, u_s, u_cols), (kg_ref, kg_s, False), (d_ref, d_s, False))
 
     def step(n, slot, S, at):
         _, bh, first, vs = at
@@ -134,6 +139,8 @@ def _fwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, chunk_major=True, w_n
         if st_ref is not None:
             plgpu.copy_smem_to_gmem(s_s, st_ref.at[first + n, bh, :, vs])
         u = plgpu.load(u_s.at[slot], layout=plgpu.Layout.WGMMA)
+        if u_shift:  # zeros in the shifted-in columns (a 0/1 factor: a select takes no scalar predicate here)
+            u = (u.astype(jnp.float32) * (col0 >= u_shift).astype(jnp.float32)).astype(u.dtype)
         if delta:
 
             def wS(acc):
@@ -176,25 +183,31 @@ def _check_segments(N, segments, carried, BH):
 
 
 def state_scan(w, u, kg, decay, h0, *, interpret=False, final_only=False, segments=1, chunk_major=True,
-               w_negated=False):
+               w_negated=False, u_shift=0):
     """Forward pass. w, kg [N, BH, C, K] (w None: linear attention, v' = u); u [N, BH, C, V]
     (one compute dtype); decay [N, BH, K] f32; h0 [segments * BH, K, V] f32: with segments > 1 every
     run of N / segments chunks starts from its own h0 (segment-major rows; `chunk_segments`).
     Returns (states [N, BH, K, V] compute dtype, v' [N, BH, C, V] compute dtype, final
     [segments * BH, K, V] f32); `final_only`: (None, None, final), the per-chunk outputs never written.
     Without `chunk_major` the inputs are [BH, N, ...] (the per-chunk outputs keep [N, BH, ...]);
-    `w_negated`: w holds -w (as `pallas_gpu`'s intra kernels write it)."""
+    `w_negated`: w holds -w (as `pallas_gpu`'s intra kernels write it). `u_shift`: the pass runs
+    as if u had that many zero columns first (a multiple of 64: h0 and the outputs are
+    u_shift + V wide), the width-(K + V) pass 1 of `chunk_segments` without a widened copy of u."""
     BH = kg.shape[1] if chunk_major else kg.shape[0]
-    BV = chunk_segments.block_v(programs64=segments * BH * max(u.shape[-1] // 64, 1))  # read while tracing
+    width = u.shape[-1] + u_shift
+    BV = chunk_segments.block_v(programs64=segments * BH * max(width // 64, 1))  # read while tracing
+    if u_shift % 64 or u_shift < 0:
+        raise ValueError(f"u_shift={u_shift} must be a non-negative multiple of 64")
     return _state_scan(w, u, kg, decay, h0, BV=BV, interpret=interpret, final_only=final_only, segments=segments,
-                       chunk_major=bool(chunk_major), w_negated=bool(w_negated))
+                       chunk_major=bool(chunk_major), w_negated=bool(w_negated), u_shift=int(u_shift))
 
 
-@lowered_once("BV", "interpret", "final_only", "segments", "chunk_major", "w_negated")
-def _state_scan(w, u, kg, decay, h0, *, BV, interpret, final_only, segments, chunk_major=True, w_negated=False):
+@lowered_once("BV", "interpret", "final_only", "segments", "chunk_major", "w_negated", "u_shift")
+def _state_scan(w, u, kg, decay, h0, *, BV, interpret, final_only, segments, chunk_major=True, w_negated=False,
+                u_shift=0):
     N, BH, Cc, K = kg.shape if chunk_major else (kg.shape[1], kg.shape[0], *kg.shape[2:])
     _check_segments(N, segments, h0, BH)
-    V = u.shape[-1]
+    V = u.shape[-1] + u_shift
     dt = kg.dtype
     _check_dims("state_scan", Cc, K, V, BV)
     _smem_ = functools.partial(_smem, BV=BV)
@@ -214,7 +227,7 @@ def _state_scan(w, u, kg, decay, h0, *, BV, interpret, final_only, segments, chu
         jax.ShapeDtypeStruct((N, BH, K, V), dt), jax.ShapeDtypeStruct((N, BH, C, V), dt), final)
     args = ((w,) if delta else ()) + (u, kg, decay, h0)
     body = functools.partial(_fwd_body, NT=N // segments, BH=BH, K=K, BV=BV, dt=dt, delta=delta,
-                             final_only=final_only, chunk_major=chunk_major, w_negated=w_negated)
+                             final_only=final_only, chunk_major=chunk_major, w_negated=w_negated, u_shift=u_shift)
     out = launch_bh_v(body, out_type, scratch, args, BH=segments * BH, V=V, BV=BV, interpret=interpret)
     return (None, None, out[0]) if final_only else out
 

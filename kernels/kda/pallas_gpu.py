@@ -196,9 +196,9 @@ def _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, inte
         qg, wn, kg, u, _, d = ops
 
         def pass1(start):
-            return mosaic_scan.state_scan(wn, chunk_segments.widen(u, K), kg, d, start.reshape(segments * B * H, K, -1),
-                                          interpret=interpret, final_only=True, segments=segments,
-                                          chunk_major=chunk_major, w_negated=intra != "chunk")[2].reshape(start.shape)
+            return mosaic_scan.state_scan(wn, u, kg, d, start.reshape(segments * B * H, K, -1), interpret=interpret,
+                                          final_only=True, segments=segments, chunk_major=chunk_major,
+                                          w_negated=intra != "chunk", u_shift=K)[2].reshape(start.shape)
 
         h0, final = chunk_segments.segment_entries(pass1, h0[:, None], segments)
         h0 = h0.reshape(segments * B * H, K, V)
