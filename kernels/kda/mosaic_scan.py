@@ -82,16 +82,24 @@ def _loader(ins, bars, bh, vs, first, chunk_major=True):
     return issue, wait
 
 
-def walk_chunks(ins, bars, h_bar, carried, smem, *, BH, NT, BV, reverse, step, chunk_major=True):
+def walk_chunks(ins, bars, h_bar, carried, smem, *, BH, NT, BV, reverse, step, chunk_major=True, carried_first=False):
     """The chunk loop of one (segment, batch * head, V block) program: `ins` (src, SMEM buffer, by V)
     double-buffered by TMA, the carried [K, BV] float32 tile `carried(p, vs)` (HBM) loaded through
     `smem`, then x <- step(n, slot, x, at) for the NT chunks in order (`reverse`: last first), where
-    `at` = (p, bh, first, vs) locates this program's tiles (`chunk_major`: see `_loader`). Returns
-    (final x, at)."""
+    `at` = (p, bh, first, vs) locates this program's tiles (`chunk_major`: see `_loader`).
+    `carried_first`: the carried tile is read before the first chunk's loads are issued (`smem`
+    may then share memory with an input's buffers). Returns (final x, at)."""
     p, bh, first = _program(BH, NT)
     vs = pl.ds(pl.multiple_of(lax.axis_index("v") * BV, BV), BV)
     issue, wait = _loader(ins, bars, bh, vs, first, chunk_major)
-    x = load_carried(NT - 1 if reverse else 0, issue, carried(p, vs), smem, h_bar.at[0])
+    if carried_first:
+        plgpu.copy_gmem_to_smem(carried(p, vs), smem, h_bar.at[0])
+        plgpu.barrier_wait(h_bar.at[0])
+        x = plgpu.load(smem, layout=plgpu.Layout.WGMMA)
+        plgpu.commit_smem()  # every warp has read smem before TMA writes over it
+        issue(NT - 1 if reverse else 0, 0)
+    else:
+        x = load_carried(NT - 1 if reverse else 0, issue, carried(p, vs), smem, h_bar.at[0])
     at = (p, bh, first, vs)
 
     def body(i, x):
@@ -124,11 +132,11 @@ def _fwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, chunk_major=True, w_n
     u_cols = pl.ds(pl.multiple_of(lax.max(col0 - u_shift, 0), BV), BV) if u_shift else True
     if delta:
         w_ref, u_ref, kg_ref, d_ref, h0_ref = ins_refs
-        w_s, u_s, kg_s, d_s, s_s, vn_s, h_s, bars, h_bar = scratch
+        w_s, u_s, (kg_s, h_s), d_s, s_s, vn_s, bars, h_bar = scratch
         ins = ((w_ref, w_s, False), (u_ref, u_s, u_cols), (kg_ref, kg_s, False), (d_ref, d_s, False))
     else:
         u_ref, kg_ref, d_ref, h0_ref = ins_refs
-        u_s, kg_s, d_s, s_s, vn_s, h_s, bars, h_bar = scratch
+        u_s, (kg_s, h_s), d_s, s_s, vn_s, bars, h_bar = scratch
         ins = ((u_ref, u_s, u_cols), (kg_ref, kg_s, False), (d_ref, d_s, False))
 
     def step(n, slot, S, at):
@@ -164,8 +172,8 @@ def _fwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, chunk_major=True, w_n
         return S * lax.broadcast_in_dim(d, S.shape, [0]) + _mm(kv, (K, BV))
 
     S, (p, _, _, vs) = walk_chunks(ins, bars, h_bar, lambda p, vs: h0_ref.at[p, :, vs], h_s, BH=BH, NT=NT, BV=BV,
-                                   reverse=False, step=step, chunk_major=chunk_major)
-    _store_last(S, h_s, ht_ref.at[p, :, vs])
+                                   reverse=False, step=step, chunk_major=chunk_major, carried_first=True)
+    _store_last(S, h_s, ht_ref.at[p, :, vs])  # the last step loaded nothing into kg's buffers
 
 
 def _check_dims(name, Cc, K, V, BV):
@@ -212,13 +220,15 @@ def _state_scan(w, u, kg, decay, h0, *, BV, interpret, final_only, segments, chu
     _check_dims("state_scan", Cc, K, V, BV)
     _smem_ = functools.partial(_smem, BV=BV)
     delta = w is not None
-    ins = [_smem_((2, C, BV), dt), _smem_((2, C, K), dt), plgpu.SMEM((2, K), jnp.float32)]
+    # The carried tile's float32 [K, BV] shares kg's two buffers (read before the first load, written
+    # after the last): 105 KiB at K = 128, BV = 64 in bf16, two programs per SM (137 KiB apart).
+    kg_h = plgpu.RefUnion(_smem_((2, C, K), dt), plgpu.SMEM((K, BV), jnp.float32))
+    ins = [_smem_((2, C, BV), dt), kg_h, plgpu.SMEM((2, K), jnp.float32)]
     if delta:
         ins = [_smem_((2, C, K), dt)] + ins
     scratch = ins + [
         _smem_((K, BV), dt),
         _smem_((C, BV), dt),
-        plgpu.SMEM((K, BV), jnp.float32),
         plgpu.Barrier(num_barriers=2 * (4 if delta else 3)),
         plgpu.Barrier(num_barriers=1),
     ]
