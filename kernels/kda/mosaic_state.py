@@ -130,23 +130,43 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *r
           chunk_major, a_transposed, with_vn=False, w_negated=True, single=False, BH=None):
     st_ref, rest = (rest[0], rest[1:]) if with_states else (None, rest)
     vn_ref, rest = (rest[0], rest[1:]) if with_vn else (None, rest)
-    if single:
-        return _body_single(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, st_ref, vn_ref, *rest,
-                            NT=NT, K=K, BV=BV, dt=dt, heads=heads, chunk_major=chunk_major,
-                            a_transposed=a_transposed, w_negated=w_negated, BH=BH)
-    (qg_s, wn_s, kg_s, u_s, a_s, d_s, s_s, vn_s, o_s, h_s, bars, h_bar) = rest
+    if single:  # BUFFERS "single": the scratch `_state_output` lays out
+        wn_s, d_s, (h_s, (qg_s, kg_s)), a_s, u_s, s_s, (vn_s, o_s), bars, sbars, h_bar = rest
+    else:
+        qg_s, wn_s, kg_s, u_s, a_s, d_s, s_s, vn_s, o_s, h_s, bars, h_bar = rest
     p = lax.axis_index("bh")  # (segment, batch * head): segment p // BH runs chunks first .. first + NT - 1
     bh, first = lax.rem(p, BH), lax.div(p, BH) * NT
     vs = pl.ds(pl.multiple_of(lax.axis_index("v") * BV, BV), BV)
-    ins = ((qg_ref, qg_s, None), (wn_ref, wn_s, None), (kg_ref, kg_s, None), (u_ref, u_s, vs), (a_ref, a_s, None), (d_ref, d_s, None))
+    ops = dict(qg=(qg_ref, qg_s, None), wn=(wn_ref, wn_s, None), kg=(kg_ref, kg_s, None), u=(u_ref, u_s, vs),
+               a=(a_ref, a_s, None), d=(d_ref, d_s, None))
+    # double-buffered: every operand, or with `single` the two a step reads first; the others are
+    # loaded once this step's products have read them
+    dbl = ("wn", "d") if single else tuple(ops)
+    sgl = tuple(x for x in ops if x not in dbl)
+    buf = lambda x, slot: ops[x][1] if x in sgl else ops[x][1].at[slot]  # noqa: E731
+
+    def chunk_src(x, n):
+        src, _, cols = ops[x]
+        src = src.at[first + n, bh] if chunk_major else src.at[bh, first + n]
+        return src if cols is None else src.at[:, cols]
 
     def issue(n, slot):
-        for i, (src, dst, cols) in enumerate(ins):
-            src = src.at[first + n, bh] if chunk_major else src.at[bh, first + n]
-            src = src if cols is None else src.at[:, cols]
-            plgpu.copy_gmem_to_smem(src, dst.at[slot], bars.at[2 * i + slot])
+        for i, x in enumerate(dbl):
+            plgpu.copy_gmem_to_smem(chunk_src(x, n), ops[x][1].at[slot], bars.at[2 * i + slot])
 
-    S = load_carried(0, issue, h0_ref.at[p, :, vs], h_s, h_bar.at[0])
+    def issue_sgl(n):
+        for i, x in enumerate(sgl):
+            plgpu.copy_gmem_to_smem(chunk_src(x, n), ops[x][1], sbars.at[i])
+
+    if single:  # the carried tile first: its buffer is qg's and kg's
+        plgpu.copy_gmem_to_smem(h0_ref.at[p, :, vs], h_s, h_bar.at[0])
+        plgpu.barrier_wait(h_bar.at[0])
+        S = plgpu.load(h_s, layout=plgpu.Layout.WGMMA)
+        plgpu.commit_smem()  # every warp has read h_s before TMA writes qg, kg over it
+        issue(0, 0)
+        issue_sgl(0)
+    else:
+        S = load_carried(0, issue, h0_ref.at[p, :, vs], h_s, h_bar.at[0])
 
     def step(n, S):
         slot = lax.rem(n, 2)
@@ -155,14 +175,16 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *r
         def _prefetch():
             issue(n + 1, 1 - slot)
 
-        for i in range(len(ins)):
+        for i in range(len(dbl)):
             plgpu.barrier_wait(bars.at[2 * i + slot])
+        for i in range(len(sgl)):
+            plgpu.barrier_wait(sbars.at[i])
         s_s[...] = S.astype(dt)
         plgpu.commit_smem()
         if with_states:  # read by TMA before the next step rewrites s_s (the wait below covers it)
             plgpu.copy_smem_to_gmem(s_s, st_ref.at[first + n, bh, :, vs])
 
-        u = plgpu.load(u_s.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+        u = plgpu.load(buf("u", slot), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
 
         def vnew_mm(acc):
             plgpu.wgmma(acc, wn_s.at[slot], s_s)
@@ -170,6 +192,8 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *r
 
         # A negated W costs XLA a pass over it; a subtraction here costs nothing
         vnew = u + _mm(vnew_mm, (C, BV)) if w_negated else u - _mm(vnew_mm, (C, BV))
+        if single:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's o (over v') is read
         vn_s[...] = vnew.astype(dt)
         plgpu.commit_smem()
         if with_vn:  # like the states: read by TMA before the wait below, so before the next step's write
@@ -177,16 +201,22 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *r
 
         def out_state_mm(acc_o, acc_s):
             # Both products are issued before either is read, so they overlap on the tensor cores.
-            plgpu.wgmma(acc_o, qg_s.at[slot], s_s)
-            plgpu.wgmma(acc_o, a_s.at[slot].transpose((1, 0)) if a_transposed else a_s.at[slot], vn_s)
-            plgpu.wgmma(acc_s, kg_s.at[slot].transpose((1, 0)), vn_s)
+            a_op = buf("a", slot)
+            plgpu.wgmma(acc_o, buf("qg", slot), s_s)
+            plgpu.wgmma(acc_o, a_op.transpose((1, 0)) if a_transposed else a_op, vn_s)
+            plgpu.wgmma(acc_s, buf("kg", slot).transpose((1, 0)), vn_s)
             return acc_o[...], acc_s[...]
 
         d = plgpu.load(d_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
         S = S * lax.broadcast_in_dim(d, S.shape, [0])
         o, dS = pl.run_scoped(out_state_mm, plgpu.ACC((C, BV), jnp.float32), plgpu.ACC((K, BV), jnp.float32))
+        if single:
+            @pl.when(n + 1 < NT)
+            def _load_next():  # the products have read qg, kg, A; u went to registers before a commit
+                issue_sgl(n + 1)
+
         S = S + dS
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_s free again
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_s (with `single` v') free again
         o_s[...] = o.astype(o_s.dtype)
         plgpu.commit_smem()
         if heads is None:
@@ -197,97 +227,7 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *r
         return S
 
     S = lax.fori_loop(0, NT, step, S)
-    h_s[...] = S
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(h_s, ht_ref.at[p, :, vs])
-    plgpu.wait_smem_to_gmem(0)
-
-
-def _body_single(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, st_ref, vn_ref, wn_s, d_s, hqk,
-                 a_s, u_s, s_s, vo, bars, sbars, h_bar, *, NT, K, BV, dt, heads, chunk_major, a_transposed, w_negated,
-                 BH):
-    """`_body` with BUFFERS "single": the same products and outputs in 105 KiB of SMEM (K = 128,
-    BV = 64, bf16), so two programs share an SM."""
-    h_s, (qg_s, kg_s) = hqk  # the carried tile's float32 [K, BV] over qg's and kg's buffers
-    vn_s, o_s = vo  # o is formed after the step's last read of v'
-    p = lax.axis_index("bh")  # (segment, batch * head): segment p // BH runs chunks first .. first + NT - 1
-    bh, first = lax.rem(p, BH), lax.div(p, BH) * NT
-    vs = pl.ds(pl.multiple_of(lax.axis_index("v") * BV, BV), BV)
-    chunk = lambda src, n: src.at[first + n, bh] if chunk_major else src.at[bh, first + n]  # noqa: E731
-    dbl = ((wn_ref, wn_s), (d_ref, d_s))
-    sgl = ((qg_ref, qg_s, None), (kg_ref, kg_s, None), (a_ref, a_s, None), (u_ref, u_s, vs))
-
-    def issue_dbl(n, slot):
-        for i, (src, dst) in enumerate(dbl):
-            plgpu.copy_gmem_to_smem(chunk(src, n), dst.at[slot], bars.at[2 * i + slot])
-
-    def issue_sgl(n):
-        for i, (src, dst, cols) in enumerate(sgl):
-            src = chunk(src, n)
-            plgpu.copy_gmem_to_smem(src if cols is None else src.at[:, cols], dst, sbars.at[i])
-
-    # The carried tile first: its buffer is qg's and kg's.
-    plgpu.copy_gmem_to_smem(h0_ref.at[p, :, vs], h_s, h_bar.at[0])
-    plgpu.barrier_wait(h_bar.at[0])
-    S = plgpu.load(h_s, layout=plgpu.Layout.WGMMA)
-    plgpu.commit_smem()  # every warp has read h_s before TMA writes qg, kg over it
-    issue_dbl(0, 0)
-    issue_sgl(0)
-
-    def step(n, S):
-        slot = lax.rem(n, 2)
-
-        @pl.when(n + 1 < NT)
-        def _prefetch():
-            issue_dbl(n + 1, 1 - slot)
-
-        for i in range(len(dbl)):
-            plgpu.barrier_wait(bars.at[2 * i + slot])
-        for i in range(len(sgl)):
-            plgpu.barrier_wait(sbars.at[i])
-        s_s[...] = S.astype(dt)
-        plgpu.commit_smem()
-        if st_ref is not None:
-            plgpu.copy_smem_to_gmem(s_s, st_ref.at[first + n, bh, :, vs])
-        u = plgpu.load(u_s, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-
-        def vnew_mm(acc):
-            plgpu.wgmma(acc, wn_s.at[slot], s_s)
-            return acc[...]
-
-        vnew = u + _mm(vnew_mm, (C, BV)) if w_negated else u - _mm(vnew_mm, (C, BV))
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's o (over v') is read
-        vn_s[...] = vnew.astype(dt)
-        plgpu.commit_smem()
-        if vn_ref is not None:
-            plgpu.copy_smem_to_gmem(vn_s, vn_ref.at[first + n, bh, :, vs])
-
-        def out_state_mm(acc_o, acc_s):
-            plgpu.wgmma(acc_o, qg_s, s_s)
-            plgpu.wgmma(acc_o, a_s.transpose((1, 0)) if a_transposed else a_s, vn_s)
-            plgpu.wgmma(acc_s, kg_s.transpose((1, 0)), vn_s)
-            return acc_o[...], acc_s[...]
-
-        d = plgpu.load(d_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
-        S = S * lax.broadcast_in_dim(d, S.shape, [0])
-        o, dS = pl.run_scoped(out_state_mm, plgpu.ACC((C, BV), jnp.float32), plgpu.ACC((K, BV), jnp.float32))
-
-        @pl.when(n + 1 < NT)
-        def _load_next():  # the products have read qg, kg, A and v'; u went to registers before a commit
-            issue_sgl(n + 1)
-
-        S = S + dS
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # v' (o's buffer) is read
-        o_s[...] = o.astype(o_s.dtype)
-        plgpu.commit_smem()
-        if heads is None:
-            plgpu.copy_smem_to_gmem(o_s, o_ref.at[bh, first + n, :, vs])
-        else:
-            plgpu.copy_smem_to_gmem(o_s, o_ref.at[lax.div(bh, heads), pl.ds((first + n) * C, C), lax.rem(bh, heads), vs])
-        return S
-
-    S = lax.fori_loop(0, NT, step, S)
-    h_s[...] = S  # no load is in flight: the last step issued none
+    h_s[...] = S  # with `single`, no load is in flight: the last step issued none
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(h_s, ht_ref.at[p, :, vs])
     plgpu.wait_smem_to_gmem(0)
