@@ -150,7 +150,7 @@ def _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass, sc
         _, w, u = _wy(nm, P)
     else:
         w, u = None, v.astype(nm.cd)
-    if chunk_output.output_pass(state_pass, delta, P["kg"].shape[0], h0):
+    if chunk_output.output_pass(state_pass, delta):
         return chunk_output.kernel_output(nm, P, w, u, h0, interpret=state_pass == "mosaic_interpret")
     scan = lambda *a, **kw: _state_scan(nm, *a, state_pass, **kw)  # noqa: E731
     states, vn, S = chunk_segments.state_scan(scan, h0, w, u, P["kg"], P["decay"], chunk_segments.SEGMENTS)
@@ -234,9 +234,8 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
     if delta:  # bv, kgam, L; with the WY kernel's state products (`chunk_wy.WY_STATE`) qg, kg, decay too
         ct.update(chunk_wy.pull_back(nm, dvn, states, Ai, v, beta, P["kgam"], compact, state_pass, do=do, vn=vn,
                                      dhs=dhs))
-    if "qg" not in ct:  # o = qg S_n + ..., S_{n+1} = decay S_n + kg^T v'
-        ct.update(qg=nm.mm("nbhcv,nbhkv->nbhck", do, states), kg=nm.mm("nbhcv,nbhkv->nbhck", vn, dhs),
-                  decay=jnp.sum(states.astype(nm.sdt) * dhs, axis=-1))
+    if "qg" not in ct:
+        ct.update(state_products(nm, do, states, vn, dhs))
     if compact:
         # Each of these pieces is only ever a matmul operand in the compute dtype, so its
         # cotangent is rounded there too: the products write half the bytes and the pull-back
@@ -246,6 +245,14 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
     if not delta:
         dv = dv + dvn.astype(dv.dtype)
     return dq, dk, dv, dg, dbeta, dh0, None
+
+
+def state_products(nm, do, states, vn, dhs):
+    """The cotangents of qg, kg and decay that the chunk states carry (o = qg S_n + ..., S_{n+1} =
+    decay S_n + kg^T v'), by piece name, from do, v' [N, B, H, C, V], the states S_n and their
+    gradients dhs [N, B, H, K, V] (`mosaic_wy_bwd` forms them itself with `chunk_wy.WY_STATE`)."""
+    return dict(qg=nm.mm("nbhcv,nbhkv->nbhck", do, states), kg=nm.mm("nbhcv,nbhkv->nbhck", vn, dhs),
+                decay=jnp.sum(states.astype(nm.sdt) * dhs, axis=-1))
 
 
 # The cotangents of `prep`'s pieces that reach its pull-back (`chunk.settings(cotangents=...)`):

@@ -4,8 +4,9 @@
 forms o = qg S_n + Aqk v' as two XLA products whose float32 results XLA adds and transposes.
 "output": `mosaic_state.state_output` (pallas_gpu's state kernel, which also writes S_n and v' for
 the backward) forms o itself from qg and Aqk, one float32 accumulator per chunk rounded once to
-the compute dtype. "output" applies to the delta rule's WY pass without segments (elsewhere "scan"
-runs). XLA ops of a forward+backward (`benchmarks/xla_bytes.py --deviceless`): 53.47 -> 50.92 GB
+the compute dtype. "output" applies to the delta rule's WY pass (elsewhere "scan" runs); with
+segments (`chunk_segments.SEGMENTS`) the segments' pass 1 runs first and the kernel walks each
+segment from its start. XLA ops of a forward+backward (`benchmarks/xla_bytes.py --deviceless`): 53.47 -> 50.92 GB
 at 1,65536,16,128 and 29.58 -> 28.31 at 8,4096,16,128, the forward kernel's operands 1.62 -> 2.28
 and 0.83 -> 1.16 GB (it reads qg and Aqk and writes o;
 xla-bytes-deviceless-forward-state-{t65536,8x4096}-20261205.json). Its chunk step runs three
@@ -27,35 +28,44 @@ FORWARD_STATE_CHOICES = ("scan", "output")
 FORWARD_STATE = "output"
 
 
-def output_pass(state_pass: str, delta: bool, num_chunks: int, h0) -> bool:
+def output_pass(state_pass: str, delta: bool) -> bool:
     """Whether this forward runs `kernel_output` (an unknown FORWARD_STATE raises)."""
     if FORWARD_STATE not in FORWARD_STATE_CHOICES:
         raise ValueError(f"chunk_output.FORWARD_STATE={FORWARD_STATE!r}; expected one of {FORWARD_STATE_CHOICES}")
-    if FORWARD_STATE != "output" or state_pass == "xla" or not delta or chunk_segments.scan_form() != "wy":
-        return False
-    B, H, K, V = h0.shape
-    programs = chunk_segments.pass_programs(B * H, V)
-    return chunk_segments.effective_segments(num_chunks, chunk_segments.SEGMENTS, programs) == 1
+    return FORWARD_STATE == "output" and state_pass != "xla" and delta and chunk_segments.scan_form() == "wy"
 
 
 def kernel_output(nm, P, w, u, h0, *, interpret: bool):
     """The forward's (o [N, B, H, C, V] state dtype, final state [B, H, K, V], states
     [N, B, H, K, V], v' [N, B, H, C, V] compute dtype) from `mosaic_state.state_output` on
     `chunk.py`'s pieces P (qg, kg, Aqk, decay), w, u [N, B, H, C, *] and h0 [B, H, K, V]; `nm`
-    its numerics (`chunk._Numerics`)."""
+    its numerics (`chunk._Numerics`). With `chunk_segments.SEGMENTS` > 1 the segments' starting
+    states come first (pass 1 `mosaic_scan.state_scan`, `chunk_segments.segment_entries`)."""
     from kernels.kda import mosaic_state  # Mosaic GPU is only imported when a kernel pass is asked for
 
     N, B, H, C, K = P["qg"].shape
     V = u.shape[-1]
     flat = lambda x: x.reshape(N, B * H, *x.shape[3:]).astype(nm.cd)  # noqa: E731
+    decay = P["decay"].reshape(N, B * H, K).astype(jnp.float32)
+    h0f = h0.reshape(B * H, K, V).astype(jnp.float32)
+    s = chunk_segments.effective_segments(N, chunk_segments.SEGMENTS, chunk_segments.pass_programs(B * H, V))
+    if s > 1:
+        from kernels.kda import mosaic_scan
+
+        def pass1(start):
+            return mosaic_scan.state_scan(flat(w), flat(u), flat(P["kg"]), decay, start.reshape(s * B * H, K, -1),
+                                          interpret=interpret, final_only=True, segments=s,
+                                          u_shift=K)[2].reshape(start.shape)
+
+        h0f, final = chunk_segments.segment_entries(pass1, h0f[:, None], s)
+        h0f = h0f.reshape(s * B * H, K, V)
     # W as it is (the kernel subtracts W S: no XLA pass negating it) and o straight into the
     # inputs' [B, T, H, V] layout: chunked below as the caller's un-chunking transposes it back,
     # XLA cancels the two transposes (one pass over o fewer than a chunk-major o).
     o, S, states, vn = mosaic_state.state_output(
-        flat(P["qg"]), flat(w), flat(P["kg"]), flat(u), flat(P["Aqk"]),
-        P["decay"].reshape(N, B * H, K).astype(jnp.float32), h0.reshape(B * H, K, V).astype(jnp.float32),
-        out_dtype=nm.cd, interpret=interpret, with_states=True, with_vn=True, chunk_major=True, heads=H,
-        w_negated=False)
+        flat(P["qg"]), flat(w), flat(P["kg"]), flat(u), flat(P["Aqk"]), decay, h0f, out_dtype=nm.cd,
+        interpret=interpret, with_states=True, with_vn=True, chunk_major=True, heads=H, w_negated=False, segments=s)
     o = to_chunks(o).astype(nm.sdt)  # [B, N C, H, V] -> [N, B, H, C, V]
+    S = final.reshape(B * H, K, V) if s > 1 else S
     unflat = lambda x: x.reshape(N, B, H, *x.shape[2:])  # noqa: E731
     return o, S.reshape(B, H, K, V).astype(h0.dtype), unflat(states), unflat(vn)

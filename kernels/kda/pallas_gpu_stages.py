@@ -237,12 +237,11 @@ def _chunk_stages(rec, q, k, v, g, beta, scale):
         rec(f"chunk.bwd piece: WY pull-back (mosaic_wy_bwd kernel, {form})",
             lambda *a, f=form: mosaic_wy_bwd.wy_bwd(*a, interpret=kernel_mode == "interpret", form=f), *wy_args)
     # With the state products dqg = do S^T, dkg = v' dhs^T, d decay = sum_v S dhs (stand-ins of
-    # their shapes and dtypes for do, v', dhs): XLA's three ops beside the WY ones, then the kernel.
+    # their shapes and dtypes for do, v', dhs): chunk's three XLA ops beside the WY ones, then the kernel.
     state_args = wy_args + (cv.astype(nm.cd), vn.astype(nm.cd), states.astype(nm.cd))
 
     def wy_and_state_xla(dvn, S, Ai, v, beta, kgam, do, vn_, dhs):
-        products = (nm.mm("nbhcv,nbhkv->nbhck", do, S), nm.mm("nbhcv,nbhkv->nbhck", vn_, dhs),
-                    jnp.sum(S.astype(nm.sdt) * dhs, axis=-1))
+        products = tuple(chunk.state_products(nm, do, S, vn_, dhs).values())
         return chunk_wy.wy_bwd_reference(nm, dvn, S, Ai, v, beta, kgam, compact=True) + products
 
     rec("chunk.bwd piece: WY pull-back + state products (XLA)", wy_and_state_xla, *state_args)
