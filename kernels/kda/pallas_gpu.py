@@ -190,6 +190,12 @@ def _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, inte
     h0 = h0.reshape(B * H, K, V)
     segments = chunk_segments.effective_segments(NT, chunk_segments.forward_segments(),
                                                  chunk_segments.pass_programs(B * H, V))
+    if segments > 1 and jnp.dtype(dt).itemsize != 2 and not interpret:  # pass 1's kernel takes bf16 / fp16
+        if "forward_segments" not in _warned:
+            _warned.add("forward_segments")
+            log.warning("KDA forward segments: pass 1 takes bf16 / fp16 operands, not %s; one segment",
+                        jnp.dtype(dt).name)
+        segments = 1
     if segments > 1:  # each segment's starting state first (`chunk_segments`), then o from it
         from kernels.kda import mosaic_scan
 
