@@ -51,7 +51,6 @@ over calls dispatched without waiting: the device time, which the bandwidth colu
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 
@@ -71,9 +70,7 @@ from benchmarks.common import (  # noqa: E402
     markdown_table,
     roofline,
     time_jax,
-    time_jax_stream,
     time_torch,
-    time_torch_stream,
     write_json,
 )
 from kernels.kda import kda  # noqa: E402
