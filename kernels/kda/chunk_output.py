@@ -6,8 +6,8 @@ forms o = qg S_n + Aqk v' as two XLA products whose float32 results XLA adds and
 the backward) forms o itself from qg and Aqk, one float32 accumulator per chunk rounded once to
 the compute dtype. "output" applies to the delta rule's WY pass (elsewhere "scan" runs); with
 segments (`chunk_segments.SEGMENTS`) the segments' pass 1 runs first and the kernel walks each
-segment from its start. XLA ops of a forward+backward (`benchmarks/xla_bytes.py --deviceless`): 53.47 -> 50.92 GB
-at 1,65536,16,128 and 29.58 -> 28.31 at 8,4096,16,128, the forward kernel's operands 1.62 -> 2.28
+segment from its start. XLA ops of a forward+backward (`benchmarks/xla_bytes.py --deviceless`):
+53.47 -> 50.92 GB at 1,65536,16,128 and 29.58 -> 28.31 at 8,4096,16,128, the forward kernel's operands 1.62 -> 2.28
 and 0.83 -> 1.16 GB (it reads qg and Aqk and writes o;
 xla-bytes-deviceless-forward-state-{t65536,8x4096}-20261205.json). Its chunk step runs three
 products instead of two on the chain that bounds the pass. Timed at 1,65536,16,128 on an H100
@@ -40,7 +40,7 @@ def kernel_output(nm, P, w, u, h0, *, interpret: bool):
     [N, B, H, K, V], v' [N, B, H, C, V] compute dtype) from `mosaic_state.state_output` on
     `chunk.py`'s pieces P (qg, kg, Aqk, decay), w, u [N, B, H, C, *] and h0 [B, H, K, V]; `nm`
     its numerics (`chunk._Numerics`). With `chunk_segments.SEGMENTS` > 1 the segments' starting
-    states come first (pass 1 `mosaic_scan.state_scan`, `chunk_segments.segment_entries`)."""
+    states come first (`mosaic_scan.segment_starts`)."""
     from kernels.kda import mosaic_state  # Mosaic GPU is only imported when a kernel pass is asked for
 
     N, B, H, C, K = P["qg"].shape
@@ -52,13 +52,7 @@ def kernel_output(nm, P, w, u, h0, *, interpret: bool):
     if s > 1:
         from kernels.kda import mosaic_scan
 
-        def pass1(start):
-            return mosaic_scan.state_scan(flat(w), flat(u), flat(P["kg"]), decay, start.reshape(s * B * H, K, -1),
-                                          interpret=interpret, final_only=True, segments=s,
-                                          u_shift=K)[2].reshape(start.shape)
-
-        h0f, final = chunk_segments.segment_entries(pass1, h0f[:, None], s)
-        h0f = h0f.reshape(s * B * H, K, V)
+        h0f, final = mosaic_scan.segment_starts(flat(w), flat(u), flat(P["kg"]), decay, h0f, s, interpret=interpret)
     # W as it is (the kernel subtracts W S: no XLA pass negating it) and o straight into the
     # inputs' [B, T, H, V] layout: chunked below as the caller's un-chunking transposes it back,
     # XLA cancels the two transposes (one pass over o fewer than a chunk-major o).
@@ -66,6 +60,6 @@ def kernel_output(nm, P, w, u, h0, *, interpret: bool):
         flat(P["qg"]), flat(w), flat(P["kg"]), flat(u), flat(P["Aqk"]), decay, h0f, out_dtype=nm.cd,
         interpret=interpret, with_states=True, with_vn=True, chunk_major=True, heads=H, w_negated=False, segments=s)
     o = to_chunks(o).astype(nm.sdt)  # [B, N C, H, V] -> [N, B, H, C, V]
-    S = final.reshape(B * H, K, V) if s > 1 else S
+    S = final if s > 1 else S
     unflat = lambda x: x.reshape(N, B, H, *x.shape[2:])  # noqa: E731
     return o, S.reshape(B, H, K, V).astype(h0.dtype), unflat(states), unflat(vn)

@@ -242,6 +242,22 @@ def _state_scan(w, u, kg, decay, h0, *, BV, interpret, final_only, segments, chu
     return (None, None, out[0]) if final_only else out
 
 
+def segment_starts(w, u, kg, decay, h0, segments, *, interpret=False, chunk_major=True, w_negated=False):
+    """Each segment's starting state for a pass in `segments` segments: pass 1 (`state_scan` from
+    [I | 0], u read in place through `u_shift`) and the scan over segments
+    (`chunk_segments.segment_entries`). Operands as `state_scan` takes them; h0 [BH, K, V] f32.
+    Returns (starts [segments * BH, K, V], final state [BH, K, V]), both float32."""
+    BH, K, V = h0.shape
+
+    def pass1(start):
+        return state_scan(w, u, kg, decay, start.reshape(segments * BH, K, K + V), interpret=interpret,
+                          final_only=True, segments=segments, chunk_major=chunk_major, w_negated=w_negated,
+                          u_shift=K)[2].reshape(start.shape)
+
+    starts, final = chunk_segments.segment_entries(pass1, h0[:, None], segments)
+    return starts.reshape(segments * BH, K, V), final.reshape(BH, K, V)
+
+
 def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact, aqk_in=False):
     ins_refs, (dhs_ref, dvn_ref, dh0_ref), scratch = _outputs(refs, 7 if delta else 6, final_only)
     if delta:

@@ -196,18 +196,12 @@ def _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, inte
             log.warning("KDA forward segments: pass 1 takes bf16 / fp16 operands, not %s; one segment",
                         jnp.dtype(dt).name)
         segments = 1
-    if segments > 1:  # each segment's starting state first (`chunk_segments`), then o from it
+    if segments > 1:  # each segment's starting state first, then o from it
         from kernels.kda import mosaic_scan
 
-        qg, wn, kg, u, _, d = ops
-
-        def pass1(start):
-            return mosaic_scan.state_scan(wn, u, kg, d, start.reshape(segments * B * H, K, -1), interpret=interpret,
-                                          final_only=True, segments=segments, chunk_major=chunk_major,
-                                          w_negated=intra != "chunk", u_shift=K)[2].reshape(start.shape)
-
-        h0, final = chunk_segments.segment_entries(pass1, h0[:, None], segments)
-        h0 = h0.reshape(segments * B * H, K, V)
+        _, wn, kg, u, _, d = ops
+        h0, final = mosaic_scan.segment_starts(wn, u, kg, d, h0, segments, interpret=interpret,
+                                               chunk_major=chunk_major, w_negated=intra != "chunk")
     out = mosaic_state.state_output(*ops, h0, out_dtype=v.dtype, interpret=interpret,
                                     with_states=with_states, heads=H, chunk_major=chunk_major,
                                     a_transposed=intra == "mosaic_bf16", w_negated=intra != "chunk",
