@@ -195,7 +195,7 @@ def _identity_start(carry):
     return jnp.concatenate([eye, jnp.zeros((B, H, K, V), carry.dtype)], axis=-1)
 
 
-def widen(x, K: int):
+def _widen(x, K: int):
     """Zeros before the last axis: the V-carrying inputs of the width-(K + V) pass."""
     return jnp.concatenate([jnp.zeros((*x.shape[:-1], K), x.dtype), x], axis=-1)
 
@@ -206,7 +206,7 @@ def _apply(T, S):
 
 def segment_entries(pass1, h0, s: int):
     """Passes 1 and 2 for s segments: `pass1(start)` runs every segment from `start` = [I | 0]
-    ([s * B, H, K, K + V], the V-carrying inputs widened by `widen`) and returns its final tiles
+    ([s * B, H, K, K + V], the V-carrying inputs widened by `_widen`) and returns its final tiles
     [T_j | S_j] (same shape); then the float32 scan over the segments. Returns (each segment's
     true starting state [s * B, H, K, V], the final state [B, H, K, V])."""
     B, H, K, V = h0.shape
@@ -230,7 +230,7 @@ def state_scan(scan, h0, w, u, kg, decay, segments: int):
     if s == 1:
         return scan(h0, w, u, kg, decay)
     starts, final = segment_entries(
-        lambda start: scan(start, w, widen(u, K), kg, decay, final_only=True, segments=s)[2], h0, s)
+        lambda start: scan(start, w, _widen(u, K), kg, decay, final_only=True, segments=s)[2], h0, s)
     states, vn, _ = scan(starts, w, u, kg, decay, segments=s)
     return states, vn, final
 
@@ -246,7 +246,7 @@ def grad_scan(scan, dS_final, chunked, sources, segments: int):
     if s == 1:
         return scan(dS_final, chunked, sources)
     zero_end = jnp.zeros((s * B, H, K, V), dS_final.dtype)
-    _, _, begins = scan(_identity_start(zero_end), chunked, tuple(widen(x, K) for x in sources), final_only=True,
+    _, _, begins = scan(_identity_start(zero_end), chunked, tuple(_widen(x, K) for x in sources), final_only=True,
                         segments=s)
     begins = begins.reshape(s, B, H, K, K + V)
 

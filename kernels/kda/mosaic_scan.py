@@ -32,7 +32,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels.kda import chunk, chunk_segments
 from kernels.kda.hopper import SUPPORTED_DIMS, per_shard, unsupported_reason
 from kernels.kda.hopper import device_kind as _device_kind
-from kernels.kda.mosaic_state import _smem, launch_bh_v, load_carried
+from kernels.kda.mosaic_state import _smem, check_segments, launch_bh_v, load_carried
 from kernels.lowering import lowered_once
 
 log = logging.getLogger(__name__)
@@ -92,14 +92,7 @@ def walk_chunks(ins, bars, h_bar, carried, smem, *, BH, NT, BV, reverse, step, c
     p, bh, first = _program(BH, NT)
     vs = pl.ds(pl.multiple_of(lax.axis_index("v") * BV, BV), BV)
     issue, wait = _loader(ins, bars, bh, vs, first, chunk_major)
-    if carried_first:
-        plgpu.copy_gmem_to_smem(carried(p, vs), smem, h_bar.at[0])
-        plgpu.barrier_wait(h_bar.at[0])
-        x = plgpu.load(smem, layout=plgpu.Layout.WGMMA)
-        plgpu.commit_smem()  # every warp has read smem before TMA writes over it
-        issue(NT - 1 if reverse else 0, 0)
-    else:
-        x = load_carried(NT - 1 if reverse else 0, issue, carried(p, vs), smem, h_bar.at[0])
+    x = load_carried(NT - 1 if reverse else 0, issue, carried(p, vs), smem, h_bar.at[0], carried_first=carried_first)
     at = (p, bh, first, vs)
 
     def body(i, x):
@@ -184,12 +177,6 @@ def _check_dims(name, Cc, K, V, BV):
                          f"got C={Cc}, K={K}, V={V}")
 
 
-def _check_segments(N, segments, carried, BH):
-    if segments < 1 or N % segments or carried.shape[0] != segments * BH:
-        raise ValueError(f"{segments} segments need N={N} divisible by them and a carried tile per segment "
-                         f"and batch * head: [{segments * BH}, K, V], got {carried.shape}")
-
-
 def state_scan(w, u, kg, decay, h0, *, interpret=False, final_only=False, segments=1, chunk_major=True,
                w_negated=False, u_shift=0):
     """Forward pass. w, kg [N, BH, C, K] (w None: linear attention, v' = u); u [N, BH, C, V]
@@ -214,7 +201,7 @@ def state_scan(w, u, kg, decay, h0, *, interpret=False, final_only=False, segmen
 def _state_scan(w, u, kg, decay, h0, *, BV, interpret, final_only, segments, chunk_major=True, w_negated=False,
                 u_shift=0):
     N, BH, Cc, K = kg.shape if chunk_major else (kg.shape[1], kg.shape[0], *kg.shape[2:])
-    _check_segments(N, segments, h0, BH)
+    check_segments(N, segments, h0, BH)
     V = u.shape[-1] + u_shift
     dt = kg.dtype
     _check_dims("state_scan", Cc, K, V, BV)
@@ -387,7 +374,7 @@ def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, fin
 def _grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, BV, early, interpret, final_only, segments, dhs_dtype,
                aqk_in=False):
     N, BH, Cc, K = kg.shape
-    _check_segments(N, segments, dS_final, BH)
+    check_segments(N, segments, dS_final, BH)
     V = do.shape[-1]
     dt = kg.dtype
     for name, x in (("dhs_dtype", jnp.dtype(dhs_dtype)), ("dvn_intra's dtype", dvn_intra.dtype)):

@@ -99,13 +99,28 @@ def grid_indices(sizes: tuple[int, ...]) -> tuple:
     return (t, *reversed(out))
 
 
-def load_carried(first, issue, src, smem, bar):
+def load_carried(first, issue, src, smem, bar, carried_first=False):
     """Start a double-buffered chunk loop: issue chunk `first`'s loads into slot 0, then bring the
-    carried [K, BV] float32 tile `src` (HBM) into registers through `smem`."""
-    issue(first, 0)
+    carried [K, BV] float32 tile `src` (HBM) into registers through `smem`. `carried_first`: the
+    tile is read (by every warp) before the loads are issued, so `smem` may share memory with an
+    input's buffers."""
+    if not carried_first:
+        issue(first, 0)
     plgpu.copy_gmem_to_smem(src, smem, bar)
     plgpu.barrier_wait(bar)
-    return plgpu.load(smem, layout=plgpu.Layout.WGMMA)
+    x = plgpu.load(smem, layout=plgpu.Layout.WGMMA)
+    if carried_first:
+        plgpu.commit_smem()  # every warp has read smem before TMA writes over it
+        issue(first, 0)
+    return x
+
+
+def check_segments(N, segments, carried, BH):
+    """A pass over N chunks in `segments` runs needs N divisible by them and a carried tile per
+    segment and batch * head ([segments * BH, K, V])."""
+    if segments < 1 or N % segments or carried.shape[0] != segments * BH:
+        raise ValueError(f"{segments} segments need N={N} divisible by them and a carried tile per segment "
+                         f"and batch * head: [{segments * BH}, K, V], got {carried.shape}")
 
 
 def smem_transforms(minor: int, dtype) -> tuple:
@@ -158,15 +173,10 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *r
         for i, x in enumerate(sgl):
             plgpu.copy_gmem_to_smem(chunk_src(x, n), ops[x][1], sbars.at[i])
 
-    if single:  # the carried tile first: its buffer is qg's and kg's
-        plgpu.copy_gmem_to_smem(h0_ref.at[p, :, vs], h_s, h_bar.at[0])
-        plgpu.barrier_wait(h_bar.at[0])
-        S = plgpu.load(h_s, layout=plgpu.Layout.WGMMA)
-        plgpu.commit_smem()  # every warp has read h_s before TMA writes qg, kg over it
-        issue(0, 0)
+    # with `single` the carried tile first: its buffer is qg's and kg's
+    S = load_carried(0, issue, h0_ref.at[p, :, vs], h_s, h_bar.at[0], carried_first=single)
+    if single:
         issue_sgl(0)
-    else:
-        S = load_carried(0, issue, h0_ref.at[p, :, vs], h_s, h_bar.at[0])
 
     def step(n, S):
         slot = lax.rem(n, 2)
@@ -255,9 +265,7 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
     """
     BH = qg.shape[1] if chunk_major else qg.shape[0]
     NT = qg.shape[0] if chunk_major else qg.shape[1]
-    if segments < 1 or NT % segments or h0.shape[0] != segments * BH:
-        raise ValueError(f"{segments} segments need {NT} chunks divisible by them and a starting state per segment "
-                         f"and batch * head ([{segments * BH}, K, V]); got h0 {h0.shape}")
+    check_segments(NT, segments, h0, BH)
     BV = chunk_segments.block_v(block_v, programs64=segments * BH * max(u.shape[-1] // 64, 1))  # read while tracing
     return _state_output(qg, wn, kg, u, a, d, h0, out_dtype=jnp.dtype(out_dtype), interpret=interpret,
                          with_states=with_states, heads=heads, chunk_major=chunk_major, a_transposed=a_transposed,
