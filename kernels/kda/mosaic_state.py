@@ -39,7 +39,9 @@ MAX_Y = 65535
 # of SMEM at K = 128, BV = 64 in bf16, one program per SM) or "single" (only W and the decay
 # double-buffered, the first operands a step reads; qg, kg, A and u single-buffered and loaded once
 # the step's products have read them, the final state's tile over qg and kg, o's over v': 105 KiB,
-# two programs per SM, so 256 programs run as one wave instead of two).
+# two programs per SM, so 256 programs run as one wave instead of two). On an H100 "single" was
+# slower forward at 2,16384,16,128 and 4,8192,32,128 (1.78 / 2.92 ms against 1.56 / 2.69,
+# kda-levers-both-h100-20261206T0529.json): "double" stays.
 BUFFERS_CHOICES = ("double", "single")
 BUFFERS = "double"
 
