@@ -8,6 +8,7 @@
     python benchmarks/kda.py --impls chunk,pallas_gpu:mosaic_bf16 --peers fla   # a chosen intra stage
     python benchmarks/kda.py --impls chunk_mosaic:dense,chunk_mosaic:tiled --peers fla   # chunk's score formulations
     python benchmarks/kda.py --impls chunk_mosaic,chunk_mosaic:cumsum=matmul --peers none   # any chunk setting
+    python benchmarks/kda.py --shapes 1x65536x16x128 --steps fwd --impls chunk_mosaic,chunk_mosaic:forward_segments=8
     python benchmarks/kda.py --peers fla --triton_cache .cache/triton   # keep fla's autotuning for the next run
     python benchmarks/kda.py --peers fla --triton_cache /tmp/tc --autotune_archive fla-autotune.tgz   # ... in a file
 
@@ -88,6 +89,8 @@ LOWER_BOUND = -5.0
 CHUNK = 64
 NAIVE_MAX_BYTES = 2 * 2**30  # the naive impl's autodiff keeps one float32 state per token
 args_timing = dict(warmup=3, iters=10)  # set from the flags in `main`
+STEPS = ("both", "fwd")
+steps = dict(backward=True)  # --steps fwd: forward+backward not timed (set in `main`)
 
 
 def kda_model(B, T, H, K, V):
@@ -134,7 +137,8 @@ def _jax_timings(f, x, args):
         return o, vjp(do.astype(o.dtype))
 
     o = fwd(*args)
-    return time_jax(fwd, *args, **args_timing), time_jax(fwd_bwd, *args, **args_timing), o
+    fb = time_jax(fwd_bwd, *args, **args_timing) if steps["backward"] else None
+    return time_jax(fwd, *args, **args_timing), fb, o
 
 
 
@@ -214,9 +218,11 @@ def _fla(x):
         return torch.autograd.grad(call(), (q, k, v, g, beta), do)
 
     fwd()  # the first call per shape autotunes (minutes)
-    fwd_bwd()
+    if steps["backward"]:
+        fwd_bwd()
     o = fwd().float().cpu().numpy()
-    return time_torch(fwd, **args_timing), time_torch(fwd_bwd, **args_timing), o
+    fb = time_torch(fwd_bwd, **args_timing) if steps["backward"] else None
+    return time_torch(fwd, **args_timing), fb, o
 
 
 def _peer(name, x):
@@ -422,6 +428,8 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny shape, 1 warm-up and 3 timed calls")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--steps", default="both", choices=STEPS,
+                   help="time the forward and the forward+backward, or the forward only (no backward compiled)")
     p.add_argument("--decode", action="store_true", help="time one decoding step (kda_step) instead")
     p.add_argument("--decode_blocks", default="",
                    help="with --decode: extra decode_step_pipelined settings programs.slots.block_v, comma-separated")
@@ -438,6 +446,7 @@ def main(argv=None):
     cache = use_triton_cache(a.triton_cache) if a.triton_cache else None
     shapes = _parse_shapes(a.shapes) if a.shapes else list(QUICK_SHAPES if a.quick else SHAPES)
     args_timing.update(warmup=1 if a.quick else a.warmup, iters=3 if a.quick else a.iters)
+    steps.update(backward=a.steps == "both")
     impls = [s for s in a.impls.split(",") if s]
     peers = [] if a.peers == "none" else [s for s in a.peers.split(",") if s]
     for name in peers:
@@ -459,7 +468,8 @@ def main(argv=None):
         print(f"\nwrote {path}")
         return result
     rows, path = [], a.out
-    config = dict(shapes=[list(s) for s in shapes], impls=impls, peers=peers, lower_bound=LOWER_BOUND, **args_timing)
+    config = dict(shapes=[list(s) for s in shapes], impls=impls, peers=peers, lower_bound=LOWER_BOUND, steps=a.steps,
+                  **args_timing)
     if cache is not None:
         config["triton_cache"] = cache
 

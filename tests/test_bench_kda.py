@@ -39,6 +39,26 @@ def test_benchmark_script_quick(tmp_path):
             bench._check_impl(bad if bad.startswith("chunk:") else f"chunk_mosaic:{bad}")
 
 
+def test_benchmark_forward_only_steps(tmp_path):
+    """--steps fwd times the forward alone: no forward+backward time, and the step in the config."""
+    import json
+
+    from benchmarks import kda as bench
+
+    out = tmp_path / "kda.json"
+    try:
+        bench.main(["--quick", "--shapes", "1x70x1x16", "--impls", "chunk", "--peers", "none", "--steps", "fwd",
+                    "--out", str(out)])
+    finally:
+        bench.steps.update(backward=True)
+    res = json.loads(out.read_text())
+    (row,) = res["rows"]
+    assert res["config"]["steps"] == "fwd"
+    assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] is None and row["error"] is None
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--steps", "bwd"])
+
+
 def test_benchmark_decode_quick(tmp_path):
     """--decode on CPU: the plain-JAX step is timed per call and back to back; the kernel rows
     say why they are skipped; the table shows both timings."""

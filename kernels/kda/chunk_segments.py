@@ -36,10 +36,15 @@ SEGMENT_CHOICES = (1, 2, 4, 8, 16, 32, 64, "auto")
 SEGMENTS = 1
 # Segments of the forward-only call's state pass (`pallas_gpu`: pass 1 `mosaic_scan.state_scan`
 # from [I | 0] on the intra kernel's operands, pass 3 `mosaic_state.state_output` forming o), the
-# same choices. Set with `chunk.settings(forward_segments=...)`; read while tracing. On an H100 at
-# 1,65536,16,128 "auto" (8) took the call from 3.71 to 3.59 ms, 3.16 with state_buffers="single";
-# at 2,16384,16,128 the pair was slower (1.73 against 1.56; kda-levers-*-h100-20261206T05*.json): 1.
-FORWARD_SEGMENTS = 1
+# same choices, "auto" by `auto_forward_segments`. Set with `chunk.settings(forward_segments=...)`;
+# read while tracing. Forward-only calls on an H100, 30 calls each: at 1,65536,16,128 (32 state
+# programs) 16 segments took 3.32 ms against 3.89 / 4.05 for one (two runs of the same program in
+# the one process), 8 to 32 segments with either state buffering 3.32-3.66; at 2,16384,16,128
+# (64 programs) every segment count was slower, 1.74-2.07 against 1.61 / 1.75
+# (kda-fwd-segments-h100-20261206T0540.json, kda-fwd-segments-t16384-h100-20261206T0542.json).
+# "auto" (`auto_forward_segments`) is the default: 3.39 / 3.29 ms against 3.72 at 1,65536,16,128,
+# one segment (the same program) at the three other shapes (kda-fwd-auto-h100-20261206T0549.json).
+FORWARD_SEGMENTS = "auto"
 # V columns per program of the Mosaic GPU passes (`mosaic_scan`; the XLA passes ignore it): at
 # V = 128, 64 gives two chains per (batch * head), 32 four, 16 eight, each step a product of width
 # BV. The other way besides segments to put more programs on the GPU when B * H is small. Set with
@@ -152,12 +157,31 @@ def auto_segments(num_chunks: int, programs: int) -> int:
     return s
 
 
-def effective_segments(num_chunks: int, segments, programs: int = 1) -> int:
-    """`segments` (one of SEGMENT_CHOICES; "auto" resolved for `programs` plain-pass programs),
-    halved until it divides the chunk count (logged once)."""
+# The forward-only state pass takes segments only when its plain programs fill at most a quarter of
+# the SMs, and then up to FORWARD_WAVES programs per SM (the timings at FORWARD_SEGMENTS).
+FORWARD_WAVES = 4
+
+
+def auto_forward_segments(num_chunks: int, programs: int) -> int:
+    """The forward-only state pass's "auto": 1 when its `programs` plain programs cover more than a
+    quarter of the SMs, else the largest power of two s (up to 64) with programs * s <=
+    FORWARD_WAVES * SMs and num_chunks / s >= MIN_CHUNKS. At V = 128 on 132 SMs: 1,65536,16,128
+    (32 programs, 1024 chunks) 16; 2,16384,16,128 (64 programs) 1."""
+    sms = _num_sms()
+    if 4 * programs > sms:
+        return 1
+    s = 1
+    while s < 64 and programs * 2 * s <= FORWARD_WAVES * sms and num_chunks // (2 * s) >= MIN_CHUNKS:
+        s *= 2
+    return s
+
+
+def effective_segments(num_chunks: int, segments, programs: int = 1, auto=auto_segments) -> int:
+    """`segments` (one of SEGMENT_CHOICES; "auto" resolved by `auto(num_chunks, programs)` for
+    `programs` plain-pass programs), halved until it divides the chunk count (logged once)."""
     if segments not in SEGMENT_CHOICES:
         raise ValueError(f"segments={segments!r}; expected one of {SEGMENT_CHOICES}")
-    s = auto_segments(num_chunks, programs) if segments == "auto" else segments
+    s = auto(num_chunks, programs) if segments == "auto" else segments
     while num_chunks % s:
         s //= 2
     if segments != "auto" and s != segments and (num_chunks, segments) not in _warned:

@@ -188,10 +188,11 @@ def _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, inte
     chunk_major = intra == "chunk"
     NT = ops[0].shape[0 if chunk_major else 1]
     h0 = h0.reshape(B * H, K, V)
-    segments = chunk_segments.effective_segments(NT, chunk_segments.forward_segments(),
-                                                 chunk_segments.pass_programs(B * H, V))
+    asked = chunk_segments.forward_segments()
+    segments = chunk_segments.effective_segments(NT, asked, chunk_segments.pass_programs(B * H, V),
+                                                 auto=chunk_segments.auto_forward_segments)
     if segments > 1 and jnp.dtype(dt).itemsize != 2 and not interpret:  # pass 1's kernel takes bf16 / fp16
-        if "forward_segments" not in _warned:
+        if asked != "auto" and "forward_segments" not in _warned:
             _warned.add("forward_segments")
             log.warning("KDA forward segments: pass 1 takes bf16 / fp16 operands, not %s; one segment",
                         jnp.dtype(dt).name)
