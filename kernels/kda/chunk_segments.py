@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 # Segments per serial pass (1: the plain pass; "auto": `auto_segments`). Set with
 # `chunk.settings(segments=...)`; read while tracing. 8 segments timed slower at 1,65536,16,128
 # (23.99 against 23.24 ms forward+backward, kda-segments-h200-20261202T0222.json), so it stays 1.
+# Again with the Mosaic output pass in the training forward, on an H100: at 1,65536,16,128 4, 8
+# ("auto") and 16 segments took 18.66-18.89 ms against 18.82 / 18.85 for one; at 2,16384,16,128
+# "auto" (4) took 9.99 against 9.01 / 9.24 (kda-train-segments{,-t16384}-h100-20261206T05*.json).
 SEGMENT_CHOICES = (1, 2, 4, 8, 16, 32, 64, "auto")
 SEGMENTS = 1
 # Segments of the forward-only call's state pass (`pallas_gpu`: pass 1 `mosaic_scan.state_scan`
