@@ -9,6 +9,7 @@
     python benchmarks/kda.py --impls chunk_mosaic:dense,chunk_mosaic:tiled --peers fla   # chunk's score formulations
     python benchmarks/kda.py --impls chunk_mosaic,chunk_mosaic:cumsum=matmul --peers none   # any chunk setting
     python benchmarks/kda.py --shapes 1x65536x16x128 --steps fwd --impls chunk_mosaic,chunk_mosaic:forward_segments=8
+    python benchmarks/kda.py --shapes 8x4096x16x128 --impls chunk_mosaic,chunk_mosaic:state_buffers=single --rounds 5
     python benchmarks/kda.py --peers fla --triton_cache .cache/triton   # keep fla's autotuning for the next run
     python benchmarks/kda.py --peers fla --triton_cache /tmp/tc --autotune_archive fla-autotune.tgz   # ... in a file
 
@@ -31,7 +32,9 @@ run and, after every shape, rewrites the archive with all the folder holds (the 
 files only, a few KB): a run on a fresh machine starts from the archive and leaves it extended.
 
 Inputs (bf16 q, k, v): q and k l2-normalised, g = -5 * sigmoid(N(0, 1)) per channel (float32),
-beta = sigmoid(N(0, 1)). Times: median of `--iters` calls after `--warmup` calls.
+beta = sigmoid(N(0, 1)). Times: median of `--iters` calls after `--warmup` calls; with `--rounds R`
+every row of a shape is timed R times, row after row, and keeps the median of its rounds (shared GPUs
+drift by 5-10% over a run: rounds spread that over every row instead of the row that ran then).
 
 FLOP and byte model (per head and token, chunk C = 64, key dim K, value dim V, bf16 = 2 bytes):
   KDA forward FLOPs    6CK (scores Aqk, L and w) + 4CV (u and Aqk v') + 6KV (w S, kg^T v', q S);
@@ -52,7 +55,9 @@ over calls dispatched without waiting: the device time, which the bandwidth colu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import statistics
 import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU memory to PyTorch too
@@ -91,6 +96,7 @@ NAIVE_MAX_BYTES = 2 * 2**30  # the naive impl's autodiff keeps one float32 state
 args_timing = dict(warmup=3, iters=10)  # set from the flags in `main`
 STEPS = ("both", "fwd")
 steps = dict(backward=True)  # --steps fwd: forward+backward not timed (set in `main`)
+rounds = dict(n=1)  # --rounds: timing rounds over all rows of a shape, each row's median kept (set in `main`)
 
 
 def kda_model(B, T, H, K, V):
@@ -125,9 +131,10 @@ def make_inputs(shape, seed=0):
 
 
 def _jax_timings(f, x, args):
-    """Time jit(f) and jit(vjp of f) on JAX arrays; returns (fwd ms, fwd+bwd ms, o). The forward+
-    backward returns o with the gradients, as a training step needs it (and as the PyTorch peers
-    compute it): a backward that does not read o would otherwise let XLA drop o's products."""
+    """Time jit(f) and jit(vjp of f) on JAX arrays; returns (fwd ms, fwd+bwd ms, o, again), with
+    again() timing both once more (a later round). The forward+backward returns o with the
+    gradients, as a training step needs it (and as the PyTorch peers compute it): a backward that
+    does not read o would otherwise let XLA drop o's products."""
     do = jnp.asarray(x["do"], jnp.bfloat16)
     fwd = jax.jit(f)
 
@@ -136,9 +143,37 @@ def _jax_timings(f, x, args):
         o, vjp = jax.vjp(f, *a)
         return o, vjp(do.astype(o.dtype))
 
+    def again():
+        fb = time_jax(fwd_bwd, *args, **args_timing) if steps["backward"] else None
+        return time_jax(fwd, *args, **args_timing), fb
+
     o = fwd(*args)
-    fb = time_jax(fwd_bwd, *args, **args_timing) if steps["backward"] else None
-    return time_jax(fwd, *args, **args_timing), fb, o
+    return (*again(), o, again)
+
+
+def _within(context, res):
+    """A timing result whose again() runs inside `context()`, the module settings the jitted
+    functions were traced under: their compiled programs do not read them, but a retrace (say,
+    after a compilation-cache eviction) would, and must see the same settings."""
+    *times, again = res
+
+    def again_within():
+        with context():
+            return again()
+
+    return (*times, again_within)
+
+
+@contextlib.contextmanager
+def _default_intra(intra):
+    from kernels.kda import pallas_gpu
+
+    default = pallas_gpu.DEFAULT_INTRA
+    pallas_gpu.DEFAULT_INTRA = intra  # read while the jitted functions trace (their first call)
+    try:
+        yield
+    finally:
+        pallas_gpu.DEFAULT_INTRA = default
 
 
 
@@ -162,16 +197,11 @@ def _ours(impl, x, shape):
     if impl in ("chunk", "chunk_mosaic"):  # chunk:<scores> or chunk:key=value/..., traced module settings
         from kernels.kda import chunk
 
-        with chunk.settings(**chunk_settings(intra)):  # read while the jitted functions trace
-            return attempt(lambda: _jax_timings(f, x, args))
-    from kernels.kda import pallas_gpu
-
-    default = pallas_gpu.DEFAULT_INTRA
-    pallas_gpu.DEFAULT_INTRA = intra  # read while the jitted functions trace (their first call)
-    try:
-        return attempt(lambda: _jax_timings(f, x, args))
-    finally:
-        pallas_gpu.DEFAULT_INTRA = default
+        context = lambda: chunk.settings(**chunk_settings(intra))  # noqa: E731
+    else:
+        context = lambda: _default_intra(intra)  # noqa: E731
+    with context():
+        return attempt(lambda: _within(context, _jax_timings(f, x, args)))
 
 
 def _jla(impl, x):
@@ -189,8 +219,8 @@ def _cudnn(x):
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)
     args = (bf(x["q"]), bf(x["k"]), bf(x["v"]))
     f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-    fwd_ms, fb_ms, _ = _jax_timings(f, x, args)
-    return fwd_ms, fb_ms, None
+    fwd_ms, fb_ms, _, again = _jax_timings(f, x, args)
+    return fwd_ms, fb_ms, None, again
 
 
 def _fla(x):
@@ -221,8 +251,11 @@ def _fla(x):
     if steps["backward"]:
         fwd_bwd()
     o = fwd().float().cpu().numpy()
-    fb = time_torch(fwd_bwd, **args_timing) if steps["backward"] else None
-    return time_torch(fwd, **args_timing), fb, o
+    def again():
+        fb = time_torch(fwd_bwd, **args_timing) if steps["backward"] else None
+        return time_torch(fwd, **args_timing), fb
+
+    return (*again(), o, again)
 
 
 def _peer(name, x):
@@ -239,15 +272,21 @@ def run_shape(shape, impls, peers, on_row=None):
     """All rows of one shape: dicts with name, kind, times, roofline figures, error or skip reason.
 
     `on_row(rows)` runs after every measured row (ratios are filled in at the end of the shape),
-    so a run cut short by a time limit keeps what it measured."""
+    so a run cut short by a time limit keeps what it measured. With rounds["n"] > 1 every row is
+    timed again, row after row, that many times in all (each compiled once): a row's times are
+    its rounds' medians, the rounds kept in row["rounds"], so that a drift of the machine over
+    the run falls on every row alike."""
     B, T, H, D = shape
     x = make_inputs(shape)
-    rows, outs = [], {}
+    rows, outs, agains = [], {}, {}
 
-    def add(row, out):
+    def add(row, res):
         rows.append(row)
+        out = None if res is None else res[2]
         if out is not None:
             outs[row["name"]] = np.asarray(out, np.float32)
+        if res is not None:
+            agains[row["name"]] = res[3]
         fwd, fb = row["fwd_ms"], row["fwd_bwd_ms"]
         print(f"  {row['name']}: fwd {fwd if fwd is None else round(fwd, 3)} ms, "
               f"fwd+bwd {fb if fb is None else round(fb, 3)} ms{'  ' + str(row['error'])[:120] if row['error'] else ''}",
@@ -264,10 +303,11 @@ def run_shape(shape, impls, peers, on_row=None):
             from kernels.kda import chunk_segments  # the width "auto" resolves to at this shape
 
             row["block_v"] = chunk_segments.auto_block_v(B * H * max(D // 64, 1))
-        add(row, None if res is None else res[2])
+        add(row, res)
     for name in peers:
         for label, (res, err) in _peer(name, x):
-            add(_row(label, "peer", shape, res, err), None if res is None else res[2])
+            add(_row(label, "peer", shape, res, err), res)
+    _more_rounds(rows, agains, shape, on_row)
     ref = outs.get("chunk")
     for row in rows:
         if ref is not None and row["name"] in outs:
@@ -278,6 +318,31 @@ def run_shape(shape, impls, peers, on_row=None):
             if p["kind"] == "peer" and p["fwd_ms"] is not None and row["kind"] == "ours"
         }
     return rows
+
+
+def _more_rounds(rows, agains, shape, on_row=None):
+    """Rounds 2.. of `run_shape` (rounds["n"] in all): each timed row once more per round, in
+    order; then its times are the medians of its rounds."""
+    timed = [r for r in rows if r["name"] in agains]
+    if rounds["n"] <= 1 or not timed:
+        return
+    for r in timed:
+        r["rounds"] = dict(fwd=[r["fwd_ms"]], fwd_bwd=[r["fwd_bwd_ms"]])
+    for i in range(1, rounds["n"]):
+        for r in timed:
+            f, b = agains[r["name"]]()
+            r["rounds"]["fwd"].append(f)
+            r["rounds"]["fwd_bwd"].append(b)
+        print(f"  round {i + 1} of {rounds['n']} done", flush=True)
+    for r in timed:
+        med = lambda ts: None if ts[0] is None else statistics.median(ts)  # noqa: E731
+        r.update(_row(r["name"], r["kind"], shape, (med(r["rounds"]["fwd"]), med(r["rounds"]["fwd_bwd"])),
+                      r["error"]))
+        fmt_ms = lambda ts: "-" if ts[0] is None else " ".join(f"{t:.3f}" for t in ts)  # noqa: E731
+        print(f"  {r['name']}: rounds fwd {fmt_ms(r['rounds']['fwd'])}, fwd+bwd {fmt_ms(r['rounds']['fwd_bwd'])}",
+              flush=True)
+    if on_row is not None:
+        on_row(rows)
 
 
 def chunk_settings(opt: str) -> dict:
@@ -428,6 +493,8 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny shape, 1 warm-up and 3 timed calls")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every row of a shape this many times, row after row (compiled once), keeping medians")
     p.add_argument("--steps", default="both", choices=STEPS,
                    help="time the forward and the forward+backward, or the forward only (no backward compiled)")
     p.add_argument("--decode", action="store_true", help="time one decoding step (kda_step) instead")
@@ -447,6 +514,9 @@ def main(argv=None):
     shapes = _parse_shapes(a.shapes) if a.shapes else list(QUICK_SHAPES if a.quick else SHAPES)
     args_timing.update(warmup=1 if a.quick else a.warmup, iters=3 if a.quick else a.iters)
     steps.update(backward=a.steps == "both")
+    if a.rounds < 1:
+        p.error(f"--rounds {a.rounds}: at least 1")
+    rounds.update(n=a.rounds)
     impls = [s for s in a.impls.split(",") if s]
     peers = [] if a.peers == "none" else [s for s in a.peers.split(",") if s]
     for name in peers:
@@ -469,7 +539,7 @@ def main(argv=None):
         return result
     rows, path = [], a.out
     config = dict(shapes=[list(s) for s in shapes], impls=impls, peers=peers, lower_bound=LOWER_BOUND, steps=a.steps,
-                  **args_timing)
+                  rounds=a.rounds, **args_timing)
     if cache is not None:
         config["triton_cache"] = cache
 

@@ -59,6 +59,43 @@ def test_benchmark_forward_only_steps(tmp_path):
         bench.main(["--quick", "--steps", "bwd"])
 
 
+def test_benchmark_rounds_time_every_row_again_without_retracing(tmp_path, monkeypatch):
+    """--rounds 3: every row timed three times (its times the medians of its rounds), the impls
+    traced no more often than with one round, and a settings variant still runs its settings."""
+    import json
+    import statistics
+
+    from benchmarks import kda as bench
+
+    traces = []
+
+    def counted(*a, **kw):
+        traces.append(kw.get("impl"))
+        return bench_kda(*a, **kw)
+
+    bench_kda = bench.kda
+    monkeypatch.setattr(bench, "kda", counted)
+    argv = ["--quick", "--shapes", "1x70x1x16", "--impls", "chunk,chunk:cumsum=matmul", "--peers", "none"]
+    counts = []
+    try:
+        for n in (1, 3):
+            traces.clear()
+            bench.main(argv + ["--rounds", str(n), "--out", str(tmp_path / f"kda{n}.json")])
+            counts.append(len(traces))
+    finally:
+        bench.rounds.update(n=1)
+    assert counts[0] == counts[1] > 0
+    res = json.loads((tmp_path / "kda3.json").read_text())
+    assert res["config"]["rounds"] == 3
+    for row in res["rows"]:
+        assert len(row["rounds"]["fwd"]) == len(row["rounds"]["fwd_bwd"]) == 3
+        assert row["fwd_ms"] == statistics.median(row["rounds"]["fwd"])
+        assert row["fwd_bwd_ms"] == statistics.median(row["rounds"]["fwd_bwd"])
+    assert res["rows"][1]["o_rel_err_vs_chunk"] < 1e-5
+    with pytest.raises(SystemExit):
+        bench.main(argv + ["--rounds", "0"])
+
+
 def test_benchmark_decode_quick(tmp_path):
     """--decode on CPU: the plain-JAX step is timed per call and back to back; the kernel rows
     say why they are skipped; the table shows both timings."""
