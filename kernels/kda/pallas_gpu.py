@@ -13,7 +13,8 @@ The inter-chunk stage (state
 recurrence + output, the serial part) is a Mosaic GPU kernel (`mosaic_state.state_output`: TMA
 double-buffering, three wgmma products per chunk, the state in f32 registers). The state
 kernel's grid is (B*H, V/64) and it loops over chunks inside, so any T runs (1,048,576 tokens
-and more); the intra kernels' one program per (chunk, head) runs on one grid axis (CUDA's x, up
+and more; where B*H leaves most SMs idle the chunks run as segments from states that a first
+pass forms, `chunk_segments.FORWARD_SEGMENTS`); the intra kernels' one program per (chunk, head) runs on one grid axis (CUDA's x, up
 to 2^31 - 1 programs), not on y, whose 65535 would stop T at 4,194,240 tokens. B*H stays on y:
 past 65535 sequence-heads the launch refuses with that reason.
 
