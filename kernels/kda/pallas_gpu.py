@@ -18,10 +18,11 @@ pass forms, `chunk_segments.FORWARD_SEGMENTS`); the intra kernels' one program p
 to 2^31 - 1 programs), not on y, whose 65535 would stop T at 4,194,240 tokens. B*H stays on y:
 past 65535 sequence-heads the launch refuses with that reason.
 
-Backward: no Pallas backward kernel yet. The state kernel also writes the incoming state of
-every chunk (bf16, O(T K V / 64) per head), and impl="chunk"'s hand-written backward
-(`chunk._core_bwd`, on its bounded path when lower_bound >= -5) runs from those states, so the
-forward is not recomputed. With train_forward="chunk" (what impl="chunk_mosaic" asks for) the
+Backward: impl="chunk"'s hand-written backward (`chunk._core_bwd`, on its bounded path when
+lower_bound >= -5), whose reverse state pass and WY pull-back are Mosaic GPU kernels
+(`mosaic_scan`, `mosaic_wy_bwd`) and whose intra-chunk pull-back is XLA's. The state kernel also
+writes the incoming state of every chunk (bf16, O(T K V / 64) per head) and the backward runs
+from those states, so the forward is not recomputed. With train_forward="chunk" (what impl="chunk_mosaic" asks for) the
 forward under differentiation is chunk's own instead (see TRAIN_FORWARDS); calls that are not
 differentiated still run the kernels. Without `kernels.kda.chunk`, the backward recomputes
 through this module's float32 plain-JAX chunked path (`prepare` + `scan_state_output`) under
