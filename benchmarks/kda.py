@@ -251,6 +251,7 @@ def _fla(x):
     if steps["backward"]:
         fwd_bwd()
     o = fwd().float().cpu().numpy()
+
     def again():
         fb = time_torch(fwd_bwd, **args_timing) if steps["backward"] else None
         return time_torch(fwd, **args_timing), fb

@@ -153,11 +153,11 @@ def auto_block_v(programs64: int) -> int:
 _num_sms = num_sms  # module seam the tests patch
 
 
-def auto_segments(num_chunks: int, programs: int) -> int:
-    """The largest power of two s (up to 64) with programs * s <= PROGRAMS_PER_SM * SMs and
+def auto_segments(num_chunks: int, programs: int, per_sm: int = PROGRAMS_PER_SM) -> int:
+    """The largest power of two s (up to 64) with programs * s <= per_sm * SMs and
     num_chunks / s >= MIN_CHUNKS; 1 when the plain pass already fills the GPU or is short."""
     s = 1
-    while s < 64 and programs * 2 * s <= PROGRAMS_PER_SM * _num_sms() and num_chunks // (2 * s) >= MIN_CHUNKS:
+    while s < 64 and programs * 2 * s <= per_sm * _num_sms() and num_chunks // (2 * s) >= MIN_CHUNKS:
         s *= 2
     return s
 
@@ -172,13 +172,9 @@ def auto_forward_segments(num_chunks: int, programs: int) -> int:
     quarter of the SMs, else the largest power of two s (up to 64) with programs * s <=
     FORWARD_WAVES * SMs and num_chunks / s >= MIN_CHUNKS. At V = 128 on 132 SMs: 1,65536,16,128
     (32 programs, 1024 chunks) 16; 2,16384,16,128 (64 programs) 1."""
-    sms = _num_sms()
-    if 4 * programs > sms:
+    if 4 * programs > _num_sms():
         return 1
-    s = 1
-    while s < 64 and programs * 2 * s <= FORWARD_WAVES * sms and num_chunks // (2 * s) >= MIN_CHUNKS:
-        s *= 2
-    return s
+    return auto_segments(num_chunks, programs, per_sm=FORWARD_WAVES)
 
 
 def effective_segments(num_chunks: int, segments, programs: int = 1, auto=auto_segments) -> int:
