@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
@@ -43,6 +44,7 @@ from kernels.kda.chunk_intra import (
 from kernels.kda.validate import segment_starts, state_dtype
 
 _HI = jax.lax.Precision.HIGHEST
+log = logging.getLogger(__name__)
 
 
 class _Numerics:
@@ -191,7 +193,12 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
     q, k, v, g, beta, counts, states, vn = res
     do, dS_final = cts
     nm = _Numerics(q.dtype)
-    P, pull = jax.vjp(lambda *a: _prep(nm, *a, counts, scale, bounded, delta, scores), q, k, v, g, beta)
+    kernel = prep_bwd_mode(nm, q.shape[-1], bounded, delta, counts, state_pass)
+    if kernel is None:
+        P, pull = jax.vjp(lambda *a: _prep(nm, *a, counts, scale, bounded, delta, scores), q, k, v, g, beta)
+    else:  # the pieces' pull-back is the Mosaic GPU kernel's: no residuals for autodiff
+        P = _prep(nm, q, k, v, g, beta, counts, scale, bounded, delta, scores)
+        pull = functools.partial(_kernel_pull_back, q, k, v, g, beta, scale=scale, interpret=kernel == "interpret")
     if delta:
         Ai, w, u = _wy(nm, P, values=vn is None)
         if vn is None:  # not kept by the forward (`residuals()`): v' = u - w S_n again
@@ -245,6 +252,67 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
     if not delta:
         dv = dv + dvn.astype(dv.dtype)
     return dq, dk, dv, dg, dbeta, dh0, None
+
+
+# The pull-back of the intra-chunk pieces (`chunk.settings(prep_bwd=...)`): "xla" (autodiff of
+# `chunk_intra.prep`), "mosaic" (`mosaic_prep_bwd`: one Mosaic GPU kernel per chunk, head and 64
+# key channels), "interpret" (that kernel under the Mosaic GPU interpreter, for CPU tests) or
+# "auto" (the kernel where the serial passes are Mosaic GPU kernels too, `state_pass="mosaic"`).
+# The kernel takes the bounded delta-rule path (lower_bound >= -5) without segment resets, bf16
+# inputs with the "compute" cotangents and K a multiple of 64; other calls take XLA's, with a
+# logged reason when the kernel was asked for by name.
+PREP_BWD_CHOICES = ("auto", "xla", "mosaic", "interpret")
+PREP_BWD = "xla"
+_prep_warned: set = set()
+
+
+def prep_bwd_setting() -> str:
+    if PREP_BWD not in PREP_BWD_CHOICES:
+        raise ValueError(f"chunk.PREP_BWD={PREP_BWD!r}; expected one of {PREP_BWD_CHOICES}")
+    return PREP_BWD
+
+
+def prep_bwd_mode(nm, K, bounded, delta, counts, state_pass) -> str | None:
+    """The kernel mode ("mosaic" or "interpret") that pulls the pieces back, or None for XLA."""
+    mode = prep_bwd_setting()
+    if mode == "auto":
+        mode = "mosaic" if state_pass == "mosaic" else "xla"
+    elif mode != "xla":
+        from kernels.kda.hopper import check_kernel_setting
+
+        check_kernel_setting("chunk.PREP_BWD", mode)
+    if mode == "xla":
+        return None
+    from kernels.kda import mosaic_prep_bwd
+
+    reason = (None if bounded and delta else "it takes the bounded delta-rule path (lower_bound >= -5) only")
+    reason = reason or (None if counts is None else "segment resets are not supported")
+    reason = reason or (None if cotangents() == "compute" else "it takes the 'compute' cotangents only")
+    reason = reason or mosaic_prep_bwd.supported(K, nm.cd)
+    if reason is None:
+        return mode
+    if PREP_BWD != "auto" and reason not in _prep_warned:
+        _prep_warned.add(reason)
+        log.warning("chunk.PREP_BWD=%r runs XLA's pull-back: %s", PREP_BWD, reason)
+    return None
+
+
+def _kernel_pull_back(q, k, v, g, beta, ct, *, scale, interpret):
+    """`prep`'s VJP on the bounded delta-rule path by `mosaic_prep_bwd.prep_bwd` (bv's term in
+    XLA): the cotangents (dq, dk, dv, dg, dbeta) of the chunked inputs from the pieces' `ct`."""
+    from kernels.kda import mosaic_prep_bwd
+
+    N, B, H = q.shape[:3]
+    flat = lambda x: x.reshape(N, B * H, *x.shape[3:])  # noqa: E731
+    back = lambda x: x.reshape(N, B, H, *x.shape[2:])  # noqa: E731
+    G = chunk_intra.chunk_cumsum(g)
+    dq, dk, dg, db = mosaic_prep_bwd.prep_bwd(
+        flat(q), flat(k), flat(G), flat(beta), flat(ct["decay"]), flat(ct["Aqk"]), flat(ct["L"]), flat(ct["qg"]),
+        flat(ct["kg"]), flat(ct["kgam"]), scale=scale, interpret=interpret)
+    dbv = ct["bv"]
+    dv = (beta[..., None] * dbv).astype(v.dtype)
+    dbeta = back(db) + jnp.sum(dbv * v.astype(dbv.dtype), axis=-1)
+    return back(dq).astype(q.dtype), back(dk).astype(k.dtype), dv, back(dg).astype(g.dtype), dbeta.astype(beta.dtype)
 
 
 def state_products(nm, do, states, vn, dhs):
@@ -395,7 +463,8 @@ def _settings_table(keys=None):
              "wy_bwd": lambda: (chunk_wy, "WY_BWD", chunk_wy.WY_BWD_CHOICES),
              "wy_form": lambda: (chunk_wy, "WY_FORM", chunk_wy.WY_FORMS),
              "wy_state": lambda: (chunk_wy, "WY_STATE", chunk_wy.WY_STATES),
-             "state_buffers": _state_buffers_setting}
+             "state_buffers": _state_buffers_setting,
+             "prep_bwd": lambda: (sys.modules[__name__], "PREP_BWD", PREP_BWD_CHOICES)}
     for key in keys or ():
         if key not in table:
             raise ValueError(f"unknown KDA setting {key!r}; expected one of {SETTINGS}")
@@ -414,7 +483,8 @@ def traced_key() -> tuple:
                                             chunk_segments.GRAD_ISSUE, chunk_segments.grad_intra(),
                                             chunk_segments.SCAN_FORM, COTANGENTS, RESIDUALS,
                                             chunk_output.FORWARD_STATE, ms.FORWARD_ONLY if ms else None,
-                                            mst.buffers() if mst else None, *chunk_wy.wy_bwd_setting())
+                                            mst.buffers() if mst else None, *chunk_wy.wy_bwd_setting(),
+                                            prep_bwd_setting())
 
 
 def _state_buffers_setting():
@@ -430,7 +500,8 @@ def _forward_only_setting():
 
 SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse", "diag_stack", "offdiag_stack",
             "forward_only", "segments", "block_v", "grad_issue", "grad_intra", "scan_form", "cotangents",
-            "residuals", "forward_state", "wy_bwd", "wy_form", "wy_state", "state_buffers", "forward_segments")
+            "residuals", "forward_state", "wy_bwd", "wy_form", "wy_state", "state_buffers", "forward_segments",
+            "prep_bwd")
 
 
 def setting_values(key: str) -> tuple:
@@ -443,7 +514,7 @@ def settings(**values):
     """Within the block, trace with these module settings (diag=, rows=, scores=, cumsum=,
     scores_bwd=, inverse=, diag_stack=, offdiag_stack=, forward_only=, segments=, block_v=,
     grad_issue=, grad_intra=, scan_form=, cotangents=, residuals=, forward_state=, wy_bwd=,
-    wy_form=, wy_state=, state_buffers=, forward_segments=; see SETTINGS), restored afterwards; an
+    wy_form=, wy_state=, state_buffers=, forward_segments=, prep_bwd=; see SETTINGS), restored afterwards; an
     unknown key or value raises."""
     table = _settings_table(values)
     for key, value in values.items():

@@ -1,0 +1,157 @@
+"""The intra-chunk pieces' pull-back as a Mosaic GPU kernel (`kernels/kda/mosaic_prep_bwd.py`, run
+by the Mosaic GPU interpreter) against autodiff of `chunk_intra.prep` in float32, alone and inside
+KDA's gradients; errors; the setting's dispatch."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.kda import chunk, kda, mosaic_prep_bwd
+from kernels.kda.chunk import _Numerics
+from kernels.kda.chunk_intra import prep
+from kernels.testing import rel_rms
+
+
+def _case(rng, N, BH, K, gate=-5.0):
+    """Chunked bf16 q, k (unit rows), v; gates in [gate, 0]; beta; and the pieces' VJP in float32."""
+    C = 64
+    n = lambda *s: rng.standard_normal((N, 1, BH, *s))  # noqa: E731
+    unit = lambda x: jnp.asarray(x / np.linalg.norm(x, axis=-1, keepdims=True), jnp.bfloat16)  # noqa: E731
+    q, k = unit(n(C, K)), unit(n(C, K))
+    v = jnp.asarray(n(C, K), jnp.bfloat16)
+    g = jnp.asarray(gate * jax.nn.sigmoid(n(C, K)), jnp.float32)
+    beta = jnp.asarray(jax.nn.sigmoid(n(C)), jnp.float32)
+    scale = K**-0.5
+    hi = jax.lax.Precision.HIGHEST
+    mm = lambda spec, x, y: jnp.einsum(spec, x.astype(jnp.float32), y.astype(jnp.float32), precision=hi)  # noqa: E731
+    f = lambda q, k, g, beta: prep(q, k, v, g, beta, None, scale=scale, bounded=True, delta=True, mm=mm,  # noqa: E731
+                                   cd=jnp.float32, prec=hi)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    P, pull = jax.vjp(f, f32(q), f32(k), g, beta)
+    # cotangents in bf16 (as the "compute" cotangents arrive); scores' ten times smaller, as in training
+    ct = {key: jnp.asarray(rng.standard_normal(x.shape) * (0.1 if key in ("Aqk", "L") else 1.0), jnp.bfloat16)
+          .astype(jnp.float32) for key, x in P.items()}
+    ct["bv"] = jnp.zeros_like(P["bv"])  # bv's term is the caller's
+    return (q, k, g, beta, scale, ct), pull(ct)
+
+
+@pytest.mark.parametrize("K", [64, 128])
+def test_kernel_matches_autodiff(rng, K):
+    (q, k, g, beta, scale, ct), want = _case(rng, 2, 3, K)
+    flat = lambda x: x.reshape(x.shape[0], -1, *x.shape[3:])  # noqa: E731
+    G = jnp.cumsum(g, axis=-2)
+    got = mosaic_prep_bwd.prep_bwd(flat(q), flat(k), flat(G), flat(beta), flat(ct["decay"]), flat(ct["Aqk"]),
+                                   flat(ct["L"]), flat(ct["qg"]), flat(ct["kg"]), flat(ct["kgam"]), scale=scale,
+                                   interpret=True)
+    # dq, dk come out in bf16 (8 mantissa bits); dg and dbeta in float32 from split products
+    for name, a, b, tol in zip(("dq", "dk", "dg", "dbeta"), got, want, (4e-3, 4e-3, 1e-4, 1e-5)):
+        assert a.dtype == (jnp.bfloat16 if name in ("dq", "dk") else jnp.float32), name
+        err = rel_rms(b, np.asarray(a, np.float32).reshape(b.shape))
+        assert err < tol, (name, err)
+
+
+def test_kda_gradients_with_the_kernel(rng):
+    """KDA's gradients (bf16, bounded gate, T not a multiple of 64) with the kernel's pull-back
+    equal XLA's to bf16 rounding, and both stay as close to the token-serial reference."""
+    B, T, H, K = 1, 150, 2, 64
+    q = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.bfloat16)
+    k = rng.standard_normal((B, T, H, K))
+    k = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.bfloat16)
+    g = jnp.asarray(-5 * jax.nn.sigmoid(rng.standard_normal((B, T, H, K))), jnp.float32)
+    beta = jnp.asarray(jax.nn.sigmoid(rng.standard_normal((B, T, H))), jnp.float32)
+    h0 = jnp.asarray(rng.standard_normal((B, H, K, K)) * 0.1, jnp.float32)
+
+    def grads(impl):
+        def f(q, k, v, g, beta, h0):
+            o, S = kda(q, k, v, g, beta, initial_state=h0, lower_bound=-5.0, impl=impl, output_final_state=True)
+            return jnp.sum(o.astype(jnp.float32) * jnp.cos(o.astype(jnp.float32))) + jnp.sum(S * S)
+        return jax.grad(f, argnums=(0, 1, 2, 3, 4, 5))(q, k, v, g, beta, h0)
+
+    with chunk.settings(prep_bwd="xla"):
+        want = grads("chunk")
+    with chunk.settings(prep_bwd="interpret"):
+        got = grads("chunk")
+    ref = grads("naive")
+    for name, a, b, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want, ref):
+        assert rel_rms(b, a) < 1e-2, (name, rel_rms(b, a))
+        assert rel_rms(r, a) < max(2 * rel_rms(r, b), 2e-3), (name, rel_rms(r, a), rel_rms(r, b))
+    assert rel_rms(want[3], got[3]) > 0, "the kernel's path was not taken"
+
+
+def test_dispatch(caplog):
+    nm = _Numerics(jnp.bfloat16)
+    counts = jnp.zeros((1, 1, 1, 64), jnp.int32)
+    assert chunk.PREP_BWD == "xla"
+    with chunk.settings(prep_bwd="auto"):
+        assert chunk.prep_bwd_mode(nm, 128, True, True, None, "mosaic") == "mosaic"
+        assert chunk.prep_bwd_mode(nm, 128, True, True, None, "xla") is None
+        assert chunk.prep_bwd_mode(nm, 128, False, True, None, "mosaic") is None
+    with chunk.settings(prep_bwd="interpret"):
+        assert chunk.prep_bwd_mode(nm, 128, True, True, None, "xla") == "interpret"
+        chunk._prep_warned.clear()
+        with caplog.at_level(logging.WARNING, logger="kernels.kda.chunk"):
+            assert chunk.prep_bwd_mode(nm, 128, True, True, counts, "xla") is None
+            assert chunk.prep_bwd_mode(nm, 96, True, True, None, "xla") is None
+            assert chunk.prep_bwd_mode(_Numerics(jnp.float32), 128, True, True, None, "xla") is None
+        assert "segment resets" in caplog.text and "K=96" in caplog.text and "float32" in caplog.text
+    with pytest.raises(ValueError, match="prep_bwd"):
+        with chunk.settings(prep_bwd="cuda"):
+            pass
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="interpret"), chunk.settings(prep_bwd="mosaic"):
+            chunk.prep_bwd_mode(nm, 128, True, True, None, "xla")
+
+
+def test_shape_errors():
+    bf = jnp.zeros((1, 1, 64, 96), jnp.bfloat16)
+    f = jnp.zeros((1, 1, 64, 96), jnp.float32)
+    with pytest.raises(ValueError, match="K=96"):
+        mosaic_prep_bwd.prep_bwd(bf, bf, f, f[..., 0], f[:, :, 0], f[..., :64], f[..., :64], f, f, f, scale=1.0,
+                                 interpret=True)
+    with pytest.raises(ValueError, match="C=32"):
+        mosaic_prep_bwd.prep_bwd(bf[:, :, :32, :64], bf[:, :, :32, :64], f[:, :, :32, :64], f[:, :, :32, 0],
+                                 f[:, :, 0, :64], f[:, :, :32, :32], f[:, :, :32, :32], f[:, :, :32, :64],
+                                 f[:, :, :32, :64], f[:, :, :32, :64], scale=1.0, interpret=True)
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_matches_autodiff(rng):
+    """Compiled, at K = 128 over 2000 chunk-heads."""
+    (q, k, g, beta, scale, ct), want = _case(rng, 20, 100, 128)
+    flat = lambda x: x.reshape(x.shape[0], -1, *x.shape[3:])  # noqa: E731
+    got = mosaic_prep_bwd.prep_bwd(flat(q), flat(k), flat(jnp.cumsum(g, axis=-2)), flat(beta), flat(ct["decay"]),
+                                   flat(ct["Aqk"]), flat(ct["L"]), flat(ct["qg"]), flat(ct["kg"]), flat(ct["kgam"]),
+                                   scale=scale)
+    for name, a, b, tol in zip(("dq", "dk", "dg", "dbeta"), got, want, (4e-3, 4e-3, 1e-4, 1e-5)):
+        err = rel_rms(b, np.asarray(a, np.float32).reshape(b.shape))
+        assert err < tol, (name, err)
+
+
+@pytest.mark.gpu
+def test_gpu_training_gradients_with_the_kernel(rng):
+    """chunk_mosaic's gradients at 2,4096,16,128 with the kernel's pull-back equal XLA's."""
+    B, T, H, K = 2, 4096, 16, 128
+    q = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.bfloat16)
+    k = rng.standard_normal((B, T, H, K))
+    k = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.bfloat16)
+    g = jnp.asarray(-5 * jax.nn.sigmoid(rng.standard_normal((B, T, H, K))), jnp.float32)
+    beta = jnp.asarray(jax.nn.sigmoid(rng.standard_normal((B, T, H))), jnp.float32)
+    do = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.bfloat16)
+
+    def grads():
+        def f(q, k, v, g, beta):
+            o, _ = kda(q, k, v, g, beta, lower_bound=-5.0, impl="chunk_mosaic")
+            return jnp.sum(o.astype(jnp.float32) * do)
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4)))(q, k, v, g, beta)
+
+    with chunk.settings(prep_bwd="xla"):
+        want = grads()
+    with chunk.settings(prep_bwd="mosaic"):
+        got = grads()
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
+        assert rel_rms(b, a) < 1e-2, (name, rel_rms(b, a))
