@@ -96,8 +96,17 @@ STATES_NAME = "kda_chunk_states"
 # VN_NAME for remat policies: as many bytes as v held until the backward). "states_vn" took
 # 1,65536,16,128 from 21.17 to 20.75 ms forward+backward on an H200, and to 19.11 with
 # cotangents="compute" (kda-levers-t65536-h200-20261205T0534.json): the default.
-RESIDUAL_CHOICES = ("states", "states_vn")
-RESIDUALS = "states_vn"
+# "pieces": also the intra-chunk pieces the backward reads (Aqk, qg, kg, kgam, decay, Ai = (I + L)^-1
+# and w, about 4.5x the states' bytes, named PIECES_NAME), where the pieces' pull-back is the Mosaic
+# GPU kernel (`PREP_BWD`): the backward then runs none of the forward's XLA ops again (XLA does
+# not share them between the forward and the backward: it recomputes the scores' anchored
+# operands and GEMMs). Elsewhere "pieces" keeps what "states_vn" keeps. The default: with the
+# kernel's pull-back, forward+backward on an H100 took 7.07 ms against 8.69 at 8,4096,16,128 and
+# 15.45 against 18.47 at 1,65536,16,128 (kda-prepbwd-pieces-fla-h100-20261206T0756.json).
+RESIDUAL_CHOICES = ("states", "states_vn", "pieces")
+RESIDUALS = "pieces"
+PIECES_NAME = "kda_chunk_pieces"
+_KEPT_PIECES = ("Aqk", "qg", "kg", "kgam", "decay")
 VN_NAME = "kda_chunk_vn"
 
 
@@ -145,19 +154,27 @@ def _state_scan(nm, h0, w, u, kg, decay, state_pass="xla", final_only=False, seg
     return states, vn, S
 
 
-def _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass, scores):
+def _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass, scores, keep=False):
+    """(o, S, states, v'), and with `keep` the pieces the backward reads (`kept_pieces`)."""
     nm = _Numerics(q.dtype)
     P = _prep(nm, q, k, v, g, beta, counts, scale, bounded, delta, scores)
     if delta:
-        _, w, u = _wy(nm, P)
+        Ai, w, u = _wy(nm, P)
     else:
-        w, u = None, v.astype(nm.cd)
+        Ai, w, u = None, None, v.astype(nm.cd)
+    pieces = (dict({key: P[key] for key in _KEPT_PIECES}, Ai=Ai, w=w),) if keep else ()
     if chunk_output.output_pass(state_pass, delta):
-        return chunk_output.kernel_output(nm, P, w, u, h0, interpret=state_pass == "mosaic_interpret")
+        return chunk_output.kernel_output(nm, P, w, u, h0, interpret=state_pass == "mosaic_interpret") + pieces
     scan = lambda *a, **kw: _state_scan(nm, *a, state_pass, **kw)  # noqa: E731
     states, vn, S = chunk_segments.state_scan(scan, h0, w, u, P["kg"], P["decay"], chunk_segments.SEGMENTS)
     o = nm.mm("nbhck,nbhkv->nbhcv", P["qg"], states) + nm.mm("nbhrc,nbhcv->nbhrv", P["Aqk"], vn)
-    return o, S, states, vn
+    return (o, S, states, vn) + pieces
+
+
+def kept_pieces(dtype, K, bounded, delta, counts, state_pass) -> bool:
+    """Whether the forward keeps the intra-chunk pieces for the backward (`RESIDUALS` "pieces" on
+    a call whose pull-back is the kernel's, `prep_bwd_mode`)."""
+    return residuals() == "pieces" and prep_bwd_mode(_Numerics(dtype), K, bounded, delta, counts, state_pass) is not None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
@@ -172,15 +189,19 @@ def chunk_core(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass="
 
 
 def _core_fwd(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass="xla", scores="dense"):
-    o, S, states, vn = _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass, scores)
-    states, vn = named_residuals(states, vn, delta)
-    return (o, S), (q, k, v, g, beta, counts, states, vn)
+    keep = kept_pieces(q.dtype, q.shape[-1], bounded, delta, counts, state_pass)
+    o, S, states, vn, *pieces = _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass, scores,
+                                         keep=keep)
+    states, vn, pieces = named_residuals(states, vn, delta, *pieces)
+    return (o, S), (q, k, v, g, beta, counts, states, vn, pieces)
 
 
-def named_residuals(states, vn, delta):
-    """The chunk states, and v' if `residuals()` keeps it (else None), named for remat policies."""
-    keep = delta and residuals() == "states_vn"
-    return checkpoint_name(states, STATES_NAME), (checkpoint_name(vn, VN_NAME) if keep else None)
+def named_residuals(states, vn, delta, pieces=None):
+    """The chunk states, v' if `residuals()` keeps it (else None) and the kept pieces (or None),
+    named for remat policies."""
+    keep = delta and residuals() in ("states_vn", "pieces")
+    pieces = None if pieces is None else checkpoint_name(pieces, PIECES_NAME)
+    return checkpoint_name(states, STATES_NAME), (checkpoint_name(vn, VN_NAME) if keep else None), pieces
 
 
 def _core_bwd(scale, bounded, delta, state_pass, scores, res, cts):
@@ -190,16 +211,18 @@ def _core_bwd(scale, bounded, delta, state_pass, scores, res, cts):
 
 
 def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
-    q, k, v, g, beta, counts, states, vn = res
+    q, k, v, g, beta, counts, states, vn, pieces = res
     do, dS_final = cts
     nm = _Numerics(q.dtype)
     kernel = prep_bwd_mode(nm, q.shape[-1], bounded, delta, counts, state_pass)
     if kernel is None:
         P, pull = jax.vjp(lambda *a: _prep(nm, *a, counts, scale, bounded, delta, scores), q, k, v, g, beta)
     else:  # the pieces' pull-back is the Mosaic GPU kernel's: no residuals for autodiff
-        P = _prep(nm, q, k, v, g, beta, counts, scale, bounded, delta, scores)
+        P = pieces or _prep(nm, q, k, v, g, beta, counts, scale, bounded, delta, scores)
         pull = functools.partial(_kernel_pull_back, q, k, v, g, beta, scale=scale, interpret=kernel == "interpret")
-    if delta:
+    if pieces is not None:  # the forward's (`RESIDUALS` "pieces", which keeps v' too)
+        Ai, w = pieces["Ai"], pieces["w"]
+    elif delta:
         Ai, w, u = _wy(nm, P, values=vn is None)
         if vn is None:  # not kept by the forward (`residuals()`): v' = u - w S_n again
             vn = (u.astype(nm.sdt) - nm.mm("nbhck,nbhkv->nbhcv", w, states)).astype(nm.cd)
@@ -260,9 +283,10 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
 # "auto" (the kernel where the serial passes are Mosaic GPU kernels too, `state_pass="mosaic"`).
 # The kernel takes the bounded delta-rule path (lower_bound >= -5) without segment resets, bf16
 # inputs with the "compute" cotangents and K a multiple of 64; other calls take XLA's, with a
-# logged reason when the kernel was asked for by name.
+# logged reason when the kernel was asked for by name. "auto" is the default; with the kept pieces
+# (`RESIDUALS`) it took the backward's XLA ops from 20.26 to 13.89 GB at 8,4096,16,128.
 PREP_BWD_CHOICES = ("auto", "xla", "mosaic", "interpret")
-PREP_BWD = "xla"
+PREP_BWD = "auto"
 _prep_warned: set = set()
 
 

@@ -77,10 +77,12 @@ def _three_parts(x, dt):
 
 
 def _body(q_ref, k_ref, G_ref, b_ref, dd_ref, dA_ref, dAT_ref, dL_ref, dLT_ref, dqg_ref, dkg_ref, dkgam_ref,
-          dq_ref, dk_ref, dg_ref, db_ref, G_s, cots, ops_u, an_s, b_s, dd_s, db_s, bars, *tri_s, scale, dt, grid):
+          dq_ref, dk_ref, dg_ref, db_ref, G_s, cots_u, ops_u, an_s, b_s, dd_s, db_s, bars, *, scale, dt, grid,
+          interpret):
     # ops_u: the six split operands (bf16, narrow swizzle); Pq, X, Pc's float32 stash; q, k (and
     # then dq, dk) in the last 16 KiB, which the stash's first two tiles leave free.
-    ops, stash, (_, qk_s) = ops_u
+    ops, stash, (_, qk_s), ops_w = ops_u
+    cots, cots_w = cots_u
     phase = profiling.phases()
     phase("load")
     n, bh, j = grid_indices(grid)
@@ -150,7 +152,7 @@ def _body(q_ref, k_ref, G_ref, b_ref, dd_ref, dA_ref, dAT_ref, dL_ref, dLT_ref, 
                 plgpu.wgmma(ac, cots.at[2, ri].transpose((1, 0)), ops.at[4 + part, ri])  # dL[I]^T bRk[I]
 
         scaled = (acc_q * m_row, acc_k * m_row, acc_c * m_col)
-        if tri_s:  # the interpreter does not run pl.run_state: the same sums from zeroed accumulators
+        if interpret:  # the interpreter does not run pl.run_state: the same sums from zeroed accumulators
             def fresh(*refs):
                 issue(refs)
                 return tuple(ref[...] for ref in refs)
@@ -201,22 +203,20 @@ def _body(q_ref, k_ref, G_ref, b_ref, dd_ref, dA_ref, dAT_ref, dL_ref, dLT_ref, 
     plgpu.copy_smem_to_gmem(qk_s.at[0], dq_ref.at[n, bh, :, cs])
     plgpu.copy_smem_to_gmem(qk_s.at[1], dk_ref.at[n, bh, :, cs])
     plgpu.copy_smem_to_gmem(db_s, db_ref.at[n, bh, j])
-    parts = (ops.at[0], ops.at[1], ops.at[2], ops.at[3], cots.at[0], cots.at[1])  # clear of dq, dk
+    # 128-byte swizzled views (the products' register operand with a 32-byte swizzled one gave NaN)
+    parts = (ops_w.at[0], ops_w.at[1], ops_w.at[2], ops_w.at[3], cots_w.at[0], cots_w.at[1])  # clear of dq, dk
     for ref, part in zip(parts, _three_parts(dGp, dt) + _three_parts(E, dt)):
         ref[...] = part
-    plgpu.commit_smem()
 
     phase("cumsum")
-    # dg[t] = sum_{s >= t} dG'[s] + sum_{s < t} E[s] + ddecay exp(G_L): the 0/1 matrices exact in bf16.
+    # dg[t] = sum_{s >= t} dG'[s] + sum_{s < t} E[s] + ddecay exp(G_L): the 0/1 matrices exact in bf16,
+    # from SMEM (the last two cotangent tiles; as register operands the sums came out wrong on an H100).
     rows = lax.broadcast_in_dim(r1, (C, C), [0])
     cols = lax.broadcast_in_dim(c1, (C, C), [1])
-    upper = jnp.where(cols >= rows, 1.0, 0.0).astype(dt)
-    lower = jnp.where(cols < rows, 1.0, 0.0).astype(dt)
-    if tri_s:  # the interpreter takes wgmma operands from SMEM only
-        tri_s[0].at[0][...] = upper
-        tri_s[0].at[1][...] = lower
-        plgpu.commit_smem()
-        upper, lower = tri_s[0].at[0], tri_s[0].at[1]
+    upper, lower = cots_w.at[2], cots_w.at[3]
+    upper[...] = jnp.where(cols >= rows, 1.0, 0.0).astype(dt)
+    lower[...] = jnp.where(cols < rows, 1.0, 0.0).astype(dt)
+    plgpu.commit_smem()
 
     def cumsum(acc):
         for i in range(3):
@@ -277,22 +277,21 @@ def _prep_bwd(q, k, G, beta, ddecay, dA, dAT, dL, dLT, dqg, dkg, dkgam, *, scale
     tile = lambda n, dtype: _smem((n, C, HW), dtype)  # noqa: E731
     scratch = [
         _smem((C, HW), f32),  # G -> dg
-        _narrow((4, C, HW), dt),  # dA, dA^T, dL, dL^T -> dqg, dkg, dkgam -> dG' and E parts
-        plgpu.RefUnion(_narrow((6, C, HW), dt),  # Kl, sRq, bRk as hi + lo -> dG' and E parts
+        plgpu.RefUnion(_narrow((4, C, HW), dt), tile(4, dt)),  # dA, dA^T, dL, dL^T -> dqg, dkg, dkgam -> E parts
+        plgpu.RefUnion(_narrow((6, C, HW), dt),  # Kl, sRq, bRk as hi + lo
                        _smem((3, C, HW), f32),  # the stash (Pq's tile unused)
-                       (_smem((2, C, HW), f32), tile(2, dt))),  # q, k -> dq, dk in the last 16 KiB
+                       (_smem((2, C, HW), f32), tile(2, dt)),  # q, k -> dq, dk in the last 16 KiB
+                       tile(6, dt)),  # dG', E parts (first four tiles)
         plgpu.SMEM((NB + 1, HW), f32),  # the block anchors, G_last
         plgpu.SMEM((C,), f32),  # beta
         plgpu.SMEM((HW,), f32),  # ddecay
         plgpu.SMEM((C,), f32),  # dbeta
         plgpu.Barrier(num_barriers=9 + NB + 1 + 5),
     ]
-    if interpret:
-        scratch.append(_narrow((2, C, C), dt))
     grid = (N, BH, KH)
     sds = lambda dtype, *s: jax.ShapeDtypeStruct((N, BH, *s), dtype)  # noqa: E731
     out_type = (sds(dt, C, K), sds(dt, C, K), sds(f32, C, K), sds(f32, KH, C))
-    body = functools.partial(_body, scale=scale, dt=dt, grid=grid)
+    body = functools.partial(_body, scale=scale, dt=dt, grid=grid, interpret=interpret)
     return plgpu.kernel(
         body,
         out_type=out_type,

@@ -19,8 +19,10 @@ to 2^31 - 1 programs), not on y, whose 65535 would stop T at 4,194,240 tokens. B
 past 65535 sequence-heads the launch refuses with that reason.
 
 Backward: impl="chunk"'s hand-written backward (`chunk._core_bwd`, on its bounded path when
-lower_bound >= -5), whose reverse state pass and WY pull-back are Mosaic GPU kernels
-(`mosaic_scan`, `mosaic_wy_bwd`) and whose intra-chunk pull-back is XLA's. The state kernel also
+lower_bound >= -5), whose reverse state pass, WY pull-back and (bounded gate, no resets) the
+intra-chunk pieces' pull-back are Mosaic GPU kernels (`mosaic_scan`, `mosaic_wy_bwd`,
+`mosaic_prep_bwd`); with train_forward="chunk" the forward keeps the pieces the backward reads
+(`chunk.RESIDUALS`). The state kernel also
 writes the incoming state of every chunk (bf16, O(T K V / 64) per head) and the backward runs
 from those states, so the forward is not recomputed. With train_forward="chunk" (what impl="chunk_mosaic" asks for) the
 forward under differentiation is chunk's own instead (see TRAIN_FORWARDS); calls that are not
@@ -261,21 +263,23 @@ def _kda_fwd(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret, 
     ck = _chunk_module()
     if ck is None:
         o, S = _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret)
-        return (o, S), (q, k, v, g, beta, h0, seg, None, None)
+        return (o, S), (q, k, v, g, beta, h0, seg, None, None, None)
+    pieces = ()
     if train_forward == "chunk":
         from kernels.kda.chunk_intra import from_chunks
 
         args, counts, _ = _chunked_inputs(q, k, v, g, beta, seg)
-        o, S, states, vn = ck._forward(*args, h0, counts, scale, chunk_bounded, True,
-                                       *_core_defaults(ck, interpret))
+        defaults = _core_defaults(ck, interpret)
+        keep = ck.kept_pieces(q.dtype, q.shape[-1], chunk_bounded, True, counts, defaults[0])
+        o, S, states, vn, *pieces = ck._forward(*args, h0, counts, scale, chunk_bounded, True, *defaults, keep=keep)
         o = from_chunks(o)[:, : q.shape[1]].astype(v.dtype)
     else:  # the kernels do not write v': the backward recomputes it
         o, S, states = _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret,
                                        with_states=True)
         vn = None
     # Named: saved, not recomputed, by a remat policy that keeps the names (kimi_jax.remat's dots16).
-    states, vn = ck.named_residuals(states, vn, vn is not None)
-    return (o, S), (q, k, v, g, beta, h0, seg, states, vn)
+    states, vn, pieces = ck.named_residuals(states, vn, vn is not None, *pieces)
+    return (o, S), (q, k, v, g, beta, h0, seg, states, vn, pieces)
 
 
 def _kda_bwd(scale, intra, chunk_bounded, interpret, train_forward, res, cts):
@@ -284,7 +288,7 @@ def _kda_bwd(scale, intra, chunk_bounded, interpret, train_forward, res, cts):
     when `chunk_bounded` (lower_bound >= -5). Without `kernels.kda.chunk`: recompute through this
     module's float32 plain-JAX path under `jax.vjp`."""
     del intra, train_forward
-    q, k, v, g, beta, h0, seg, states, vn = res
+    q, k, v, g, beta, h0, seg, states, vn, pieces = res
     do, dS = cts
     ck = _chunk_module()
     if ck is None:
@@ -300,7 +304,8 @@ def _kda_bwd(scale, intra, chunk_bounded, interpret, train_forward, res, cts):
     sdt = state_dtype(q.dtype)
     args, counts, chunked = _chunked_inputs(q, k, v, g, beta, seg)
     static = (scale, chunk_bounded, True, *_core_defaults(ck, interpret))
-    grads = ck._core_bwd(*static, (*args, counts, states.astype(q.dtype), vn), (chunked(do, sdt), dS.astype(sdt)))
+    grads = ck._core_bwd(*static, (*args, counts, states.astype(q.dtype), vn, pieces),
+                         (chunked(do, sdt), dS.astype(sdt)))
     dq, dk, dv, dg, dbeta = (from_chunks(x)[:, :T] for x in grads[:5])
     dh0 = grads[5]
     cast = lambda x, ref: x.astype(ref.dtype)

@@ -69,23 +69,56 @@ def test_kda_gradients_with_the_kernel(rng):
         def f(q, k, v, g, beta, h0):
             o, S = kda(q, k, v, g, beta, initial_state=h0, lower_bound=-5.0, impl=impl, output_final_state=True)
             return jnp.sum(o.astype(jnp.float32) * jnp.cos(o.astype(jnp.float32))) + jnp.sum(S * S)
-        return jax.grad(f, argnums=(0, 1, 2, 3, 4, 5))(q, k, v, g, beta, h0)
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4, 5)))(q, k, v, g, beta, h0)
 
+    ref = grads("naive")
     with chunk.settings(prep_bwd="xla"):
         want = grads("chunk")
     with chunk.settings(prep_bwd="interpret"):
         got = grads("chunk")
-    ref = grads("naive")
-    for name, a, b, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want, ref):
+    with chunk.settings(prep_bwd="interpret", residuals="pieces"):
+        kept = grads("chunk")
+    for name, a, b, c, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want, kept, ref):
         assert rel_rms(b, a) < 1e-2, (name, rel_rms(b, a))
         assert rel_rms(r, a) < max(2 * rel_rms(r, b), 2e-3), (name, rel_rms(r, a), rel_rms(r, b))
+        # the forward's pieces are the ones the backward would form again
+        assert rel_rms(a, c) < 1e-6, (name, rel_rms(a, c))
     assert rel_rms(want[3], got[3]) > 0, "the kernel's path was not taken"
+
+
+def test_kept_pieces_replace_the_recompute(rng):
+    """With residuals="pieces" (and the kernel's pull-back) the forward keeps the pieces the
+    backward reads, and the backward runs no score product of its own; elsewhere none are kept."""
+    N, B, H, C, K = 2, 1, 2, 64, 64
+    x = jnp.asarray(rng.standard_normal((N, B, H, C, K)), jnp.bfloat16)
+    g = jnp.full((N, B, H, C, K), -0.1, jnp.float32)
+    beta = jnp.full((N, B, H, C), 0.5, jnp.float32)
+    h0 = jnp.zeros((B, H, K, K), jnp.float32)
+    args = (x, x, x, g, beta, h0, None, 0.125, True, True, "xla", "dense")
+
+    def backward_ops(residuals):
+        """(the residuals, the backward's count of exp and dot_general equations)"""
+        with chunk.settings(prep_bwd="interpret", residuals=residuals):
+            res = chunk._core_fwd(*args)[1]
+            jaxpr = jax.make_jaxpr(lambda res, do: chunk._core_bwd(0.125, True, True, "xla", "dense", res, (do, h0)))(
+                res, jnp.zeros_like(x, jnp.float32))
+        text = str(jaxpr)
+        return res, text.count(" exp ") + text.count("= exp"), text.count("dot_general")
+
+    res, exps, dots = backward_ops("pieces")
+    _, exps_recompute, dots_recompute = backward_ops("states_vn")
+    pieces = res[-1]
+    assert set(pieces) == {"Aqk", "qg", "kg", "kgam", "decay", "Ai", "w"}
+    assert pieces["Ai"].shape == (N, B, H, C, C) and pieces["w"].dtype == jnp.bfloat16
+    assert dots < dots_recompute and exps < exps_recompute, (dots, dots_recompute, exps, exps_recompute)
+    with chunk.settings(prep_bwd="xla", residuals="pieces"):
+        assert chunk._core_fwd(*args)[1][-1] is None
 
 
 def test_dispatch(caplog):
     nm = _Numerics(jnp.bfloat16)
     counts = jnp.zeros((1, 1, 1, 64), jnp.int32)
-    assert chunk.PREP_BWD == "xla"
+    assert chunk.PREP_BWD == "auto"
     with chunk.settings(prep_bwd="auto"):
         assert chunk.prep_bwd_mode(nm, 128, True, True, None, "mosaic") == "mosaic"
         assert chunk.prep_bwd_mode(nm, 128, True, True, None, "xla") is None
@@ -153,5 +186,8 @@ def test_gpu_training_gradients_with_the_kernel(rng):
         want = grads()
     with chunk.settings(prep_bwd="mosaic"):
         got = grads()
-    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
+    with chunk.settings(prep_bwd="mosaic", residuals="pieces"):
+        kept = grads()
+    for name, a, b, c in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want, kept):
         assert rel_rms(b, a) < 1e-2, (name, rel_rms(b, a))
+        assert rel_rms(a, c) < 1e-3, (name, rel_rms(a, c))
