@@ -38,6 +38,16 @@ def _case(rng, N, BH, K, gate=-5.0):
     return (q, k, g, beta, scale, ct), pull(ct)
 
 
+def _token_inputs(rng, B, T, H, K):
+    """bf16 q, k (unit rows), v [B, T, H, K]; gates in [-5, 0]; beta [B, T, H]."""
+    q = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.bfloat16)
+    k = rng.standard_normal((B, T, H, K))
+    k = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.bfloat16)
+    g = jnp.asarray(-5 * jax.nn.sigmoid(rng.standard_normal((B, T, H, K))), jnp.float32)
+    return q, k, v, g, jnp.asarray(jax.nn.sigmoid(rng.standard_normal((B, T, H))), jnp.float32)
+
+
 @pytest.mark.parametrize("K", [64, 128])
 def test_kernel_matches_autodiff(rng, K):
     (q, k, g, beta, scale, ct), want = _case(rng, 2, 3, K)
@@ -57,12 +67,7 @@ def test_kda_gradients_with_the_kernel(rng):
     """KDA's gradients (bf16, bounded gate, T not a multiple of 64) with the kernel's pull-back
     equal XLA's to bf16 rounding, and both stay as close to the token-serial reference."""
     B, T, H, K = 1, 150, 2, 64
-    q = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.bfloat16)
-    k = rng.standard_normal((B, T, H, K))
-    k = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), jnp.bfloat16)
-    v = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.bfloat16)
-    g = jnp.asarray(-5 * jax.nn.sigmoid(rng.standard_normal((B, T, H, K))), jnp.float32)
-    beta = jnp.asarray(jax.nn.sigmoid(rng.standard_normal((B, T, H))), jnp.float32)
+    q, k, v, g, beta = _token_inputs(rng, B, T, H, K)
     h0 = jnp.asarray(rng.standard_normal((B, H, K, K)) * 0.1, jnp.float32)
 
     def grads(impl):
@@ -168,12 +173,7 @@ def test_gpu_kernel_matches_autodiff(rng):
 def test_gpu_training_gradients_with_the_kernel(rng):
     """chunk_mosaic's gradients at 2,4096,16,128 with the kernel's pull-back equal XLA's."""
     B, T, H, K = 2, 4096, 16, 128
-    q = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.bfloat16)
-    k = rng.standard_normal((B, T, H, K))
-    k = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), jnp.bfloat16)
-    v = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.bfloat16)
-    g = jnp.asarray(-5 * jax.nn.sigmoid(rng.standard_normal((B, T, H, K))), jnp.float32)
-    beta = jnp.asarray(jax.nn.sigmoid(rng.standard_normal((B, T, H))), jnp.float32)
+    q, k, v, g, beta = _token_inputs(rng, B, T, H, K)
     do = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.bfloat16)
 
     def grads():
