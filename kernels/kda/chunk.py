@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
-from kernels.kda import chunk_intra, chunk_output, chunk_segments, chunk_wy
+from kernels.kda import chunk_intra, chunk_output, chunk_prep_bwd, chunk_segments, chunk_wy
 from kernels.kda.chunk_intra import (
     CHUNK,
     SAFE_LOWER_BOUND,
@@ -44,7 +43,6 @@ from kernels.kda.chunk_intra import (
 from kernels.kda.validate import segment_starts, state_dtype
 
 _HI = jax.lax.Precision.HIGHEST
-log = logging.getLogger(__name__)
 
 
 class _Numerics:
@@ -95,14 +93,14 @@ STATES_NAME = "kda_chunk_states"
 # [N, B, H, C, V] in the compute dtype, which the forward's state pass writes anyway, named
 # VN_NAME for remat policies: as many bytes as v held until the backward). "states_vn" took
 # 1,65536,16,128 from 21.17 to 20.75 ms forward+backward on an H200, and to 19.11 with
-# cotangents="compute" (kda-levers-t65536-h200-20261205T0534.json): the default.
+# cotangents="compute" (kda-levers-t65536-h200-20261205T0534.json).
 # "pieces": also the intra-chunk pieces the backward reads (Aqk, qg, kg, kgam, decay, Ai = (I + L)^-1
-# and w, about 4.5x the states' bytes, named PIECES_NAME), where the pieces' pull-back is the Mosaic
-# GPU kernel (`PREP_BWD`): the backward then runs none of the forward's XLA ops again (XLA does
-# not share them between the forward and the backward: it recomputes the scores' anchored
-# operands and GEMMs). Elsewhere "pieces" keeps what "states_vn" keeps. The default: with the
-# kernel's pull-back, forward+backward on an H100 took 7.07 ms against 8.69 at 8,4096,16,128 and
-# 15.45 against 18.47 at 1,65536,16,128 (kda-prepbwd-pieces-fla-h100-20261206T0756.json).
+# and w, about 4.5x the states' bytes, named PIECES_NAME), where the pieces' pull-back is the
+# Mosaic GPU kernel (`chunk_prep_bwd.PREP_BWD`): the backward then runs none of the forward's XLA
+# ops again (XLA shares none of them with the backward's recomputation). Elsewhere "pieces" keeps
+# what "states_vn" keeps. The default: with the kernel's pull-back, forward+backward on an H100
+# took 7.07 ms against 8.69 at 8,4096,16,128 and 15.45 against 18.47 at 1,65536,16,128
+# (kda-prepbwd-pieces-fla-h100-20261206T0756.json).
 RESIDUAL_CHOICES = ("states", "states_vn", "pieces")
 RESIDUALS = "pieces"
 PIECES_NAME = "kda_chunk_pieces"
@@ -173,8 +171,13 @@ def _forward(q, k, v, g, beta, h0, counts, scale, bounded, delta, state_pass, sc
 
 def kept_pieces(dtype, K, bounded, delta, counts, state_pass) -> bool:
     """Whether the forward keeps the intra-chunk pieces for the backward (`RESIDUALS` "pieces" on
-    a call whose pull-back is the kernel's, `prep_bwd_mode`)."""
-    return residuals() == "pieces" and prep_bwd_mode(_Numerics(dtype), K, bounded, delta, counts, state_pass) is not None
+    a call whose pull-back is the kernel's, `chunk_prep_bwd.prep_bwd_mode`)."""
+    nm = _Numerics(dtype)
+    return residuals() == "pieces" and _prep_bwd_mode(nm, K, bounded, delta, counts, state_pass) is not None
+
+
+def _prep_bwd_mode(nm, K, bounded, delta, counts, state_pass):
+    return chunk_prep_bwd.prep_bwd_mode(nm, K, bounded, delta, counts, state_pass, cotangents() == "compute")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
@@ -214,12 +217,13 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
     q, k, v, g, beta, counts, states, vn, pieces = res
     do, dS_final = cts
     nm = _Numerics(q.dtype)
-    kernel = prep_bwd_mode(nm, q.shape[-1], bounded, delta, counts, state_pass)
+    kernel = _prep_bwd_mode(nm, q.shape[-1], bounded, delta, counts, state_pass)
     if kernel is None:
         P, pull = jax.vjp(lambda *a: _prep(nm, *a, counts, scale, bounded, delta, scores), q, k, v, g, beta)
     else:  # the pieces' pull-back is the Mosaic GPU kernel's: no residuals for autodiff
         P = pieces or _prep(nm, q, k, v, g, beta, counts, scale, bounded, delta, scores)
-        pull = functools.partial(_kernel_pull_back, q, k, v, g, beta, scale=scale, interpret=kernel == "interpret")
+        pull = functools.partial(chunk_prep_bwd.kernel_pull_back, q, k, v, g, beta, scale=scale,
+                                 interpret=kernel == "interpret")
     if pieces is not None:  # the forward's (`RESIDUALS` "pieces", which keeps v' too)
         Ai, w = pieces["Ai"], pieces["w"]
     elif delta:
@@ -275,68 +279,6 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
     if not delta:
         dv = dv + dvn.astype(dv.dtype)
     return dq, dk, dv, dg, dbeta, dh0, None
-
-
-# The pull-back of the intra-chunk pieces (`chunk.settings(prep_bwd=...)`): "xla" (autodiff of
-# `chunk_intra.prep`), "mosaic" (`mosaic_prep_bwd`: one Mosaic GPU kernel per chunk, head and 64
-# key channels), "interpret" (that kernel under the Mosaic GPU interpreter, for CPU tests) or
-# "auto" (the kernel where the serial passes are Mosaic GPU kernels too, `state_pass="mosaic"`).
-# The kernel takes the bounded delta-rule path (lower_bound >= -5) without segment resets, bf16
-# inputs with the "compute" cotangents and K a multiple of 64; other calls take XLA's, with a
-# logged reason when the kernel was asked for by name. "auto" is the default; with the kept pieces
-# (`RESIDUALS`) it took the backward's XLA ops from 20.26 to 13.89 GB at 8,4096,16,128.
-PREP_BWD_CHOICES = ("auto", "xla", "mosaic", "interpret")
-PREP_BWD = "auto"
-_prep_warned: set = set()
-
-
-def prep_bwd_setting() -> str:
-    if PREP_BWD not in PREP_BWD_CHOICES:
-        raise ValueError(f"chunk.PREP_BWD={PREP_BWD!r}; expected one of {PREP_BWD_CHOICES}")
-    return PREP_BWD
-
-
-def prep_bwd_mode(nm, K, bounded, delta, counts, state_pass) -> str | None:
-    """The kernel mode ("mosaic" or "interpret") that pulls the pieces back, or None for XLA."""
-    mode = prep_bwd_setting()
-    if mode == "auto":
-        mode = "mosaic" if state_pass == "mosaic" else "xla"
-    elif mode != "xla":
-        from kernels.kda.hopper import check_kernel_setting
-
-        check_kernel_setting("chunk.PREP_BWD", mode)
-    if mode == "xla":
-        return None
-    from kernels.kda import mosaic_prep_bwd
-
-    reason = (None if bounded and delta else "it takes the bounded delta-rule path (lower_bound >= -5) only")
-    reason = reason or (None if counts is None else "segment resets are not supported")
-    reason = reason or (None if cotangents() == "compute" else "it takes the 'compute' cotangents only")
-    reason = reason or mosaic_prep_bwd.supported(K, nm.cd)
-    if reason is None:
-        return mode
-    if PREP_BWD != "auto" and reason not in _prep_warned:
-        _prep_warned.add(reason)
-        log.warning("chunk.PREP_BWD=%r runs XLA's pull-back: %s", PREP_BWD, reason)
-    return None
-
-
-def _kernel_pull_back(q, k, v, g, beta, ct, *, scale, interpret):
-    """`prep`'s VJP on the bounded delta-rule path by `mosaic_prep_bwd.prep_bwd` (bv's term in
-    XLA): the cotangents (dq, dk, dv, dg, dbeta) of the chunked inputs from the pieces' `ct`."""
-    from kernels.kda import mosaic_prep_bwd
-
-    N, B, H = q.shape[:3]
-    flat = lambda x: x.reshape(N, B * H, *x.shape[3:])  # noqa: E731
-    back = lambda x: x.reshape(N, B, H, *x.shape[2:])  # noqa: E731
-    G = chunk_intra.chunk_cumsum(g)
-    dq, dk, dg, db = mosaic_prep_bwd.prep_bwd(
-        flat(q), flat(k), flat(G), flat(beta), flat(ct["decay"]), flat(ct["Aqk"]), flat(ct["L"]), flat(ct["qg"]),
-        flat(ct["kg"]), flat(ct["kgam"]), scale=scale, interpret=interpret)
-    dbv = ct["bv"]
-    dv = (beta[..., None] * dbv).astype(v.dtype)
-    dbeta = back(db) + jnp.sum(dbv * v.astype(dbv.dtype), axis=-1)
-    return back(dq).astype(q.dtype), back(dk).astype(k.dtype), dv, back(dg).astype(g.dtype), dbeta.astype(beta.dtype)
 
 
 def state_products(nm, do, states, vn, dhs):
@@ -488,7 +430,7 @@ def _settings_table(keys=None):
              "wy_form": lambda: (chunk_wy, "WY_FORM", chunk_wy.WY_FORMS),
              "wy_state": lambda: (chunk_wy, "WY_STATE", chunk_wy.WY_STATES),
              "state_buffers": _state_buffers_setting,
-             "prep_bwd": lambda: (sys.modules[__name__], "PREP_BWD", PREP_BWD_CHOICES)}
+             "prep_bwd": lambda: (chunk_prep_bwd, "PREP_BWD", chunk_prep_bwd.PREP_BWD_CHOICES)}
     for key in keys or ():
         if key not in table:
             raise ValueError(f"unknown KDA setting {key!r}; expected one of {SETTINGS}")
@@ -508,7 +450,7 @@ def traced_key() -> tuple:
                                             chunk_segments.SCAN_FORM, COTANGENTS, RESIDUALS,
                                             chunk_output.FORWARD_STATE, ms.FORWARD_ONLY if ms else None,
                                             mst.buffers() if mst else None, *chunk_wy.wy_bwd_setting(),
-                                            prep_bwd_setting())
+                                            chunk_prep_bwd.prep_bwd_setting())
 
 
 def _state_buffers_setting():

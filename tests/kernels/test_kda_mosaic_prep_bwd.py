@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.kda import chunk, kda, mosaic_prep_bwd
+from kernels.kda import chunk, chunk_prep_bwd, kda, mosaic_prep_bwd
 from kernels.kda.chunk import _Numerics
 from kernels.kda.chunk_intra import prep
 from kernels.testing import rel_rms
@@ -123,25 +123,27 @@ def test_kept_pieces_replace_the_recompute(rng):
 def test_dispatch(caplog):
     nm = _Numerics(jnp.bfloat16)
     counts = jnp.zeros((1, 1, 1, 64), jnp.int32)
-    assert chunk.PREP_BWD == "auto"
+    assert chunk_prep_bwd.PREP_BWD == "auto"
     with chunk.settings(prep_bwd="auto"):
-        assert chunk.prep_bwd_mode(nm, 128, True, True, None, "mosaic") == "mosaic"
-        assert chunk.prep_bwd_mode(nm, 128, True, True, None, "xla") is None
-        assert chunk.prep_bwd_mode(nm, 128, False, True, None, "mosaic") is None
+        assert chunk_prep_bwd.prep_bwd_mode(nm, 128, True, True, None, "mosaic", True) == "mosaic"
+        assert chunk_prep_bwd.prep_bwd_mode(nm, 128, True, True, None, "xla", True) is None
+        assert chunk_prep_bwd.prep_bwd_mode(nm, 128, False, True, None, "mosaic", True) is None
     with chunk.settings(prep_bwd="interpret"):
-        assert chunk.prep_bwd_mode(nm, 128, True, True, None, "xla") == "interpret"
-        chunk._prep_warned.clear()
-        with caplog.at_level(logging.WARNING, logger="kernels.kda.chunk"):
-            assert chunk.prep_bwd_mode(nm, 128, True, True, counts, "xla") is None
-            assert chunk.prep_bwd_mode(nm, 96, True, True, None, "xla") is None
-            assert chunk.prep_bwd_mode(_Numerics(jnp.float32), 128, True, True, None, "xla") is None
-        assert "segment resets" in caplog.text and "K=96" in caplog.text and "float32" in caplog.text
+        assert chunk_prep_bwd.prep_bwd_mode(nm, 128, True, True, None, "xla", True) == "interpret"
+        chunk_prep_bwd._prep_warned.clear()
+        with caplog.at_level(logging.WARNING, logger="kernels.kda.chunk_prep_bwd"):
+            assert chunk_prep_bwd.prep_bwd_mode(nm, 128, True, True, counts, "xla", True) is None
+            assert chunk_prep_bwd.prep_bwd_mode(nm, 96, True, True, None, "xla", True) is None
+            assert chunk_prep_bwd.prep_bwd_mode(_Numerics(jnp.float32), 128, True, True, None, "xla", True) is None
+            assert chunk_prep_bwd.prep_bwd_mode(nm, 128, True, True, None, "xla", False) is None
+        for reason in ("segment resets", "K=96", "float32", "'compute' cotangents"):
+            assert reason in caplog.text, reason
     with pytest.raises(ValueError, match="prep_bwd"):
         with chunk.settings(prep_bwd="cuda"):
             pass
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="interpret"), chunk.settings(prep_bwd="mosaic"):
-            chunk.prep_bwd_mode(nm, 128, True, True, None, "xla")
+            chunk_prep_bwd.prep_bwd_mode(nm, 128, True, True, None, "xla", True)
 
 
 def test_shape_errors():

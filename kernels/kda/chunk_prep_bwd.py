@@ -1,0 +1,74 @@
+"""The pull-back of `chunk_intra.prep`'s pieces in `chunk`'s backward: XLA's autodiff or the Mosaic
+GPU kernel of `mosaic_prep_bwd` (`chunk.settings(prep_bwd=...)`)."""
+
+from __future__ import annotations
+
+import logging
+
+import jax.numpy as jnp
+
+from kernels.kda import chunk_intra
+
+log = logging.getLogger(__name__)
+
+# The pull-back of the intra-chunk pieces (`chunk.settings(prep_bwd=...)`): "xla" (autodiff of
+# `chunk_intra.prep`), "mosaic" (`mosaic_prep_bwd`: one Mosaic GPU kernel per chunk, head and 64
+# key channels), "interpret" (that kernel under the Mosaic GPU interpreter, for CPU tests) or
+# "auto" (the kernel where the serial passes are Mosaic GPU kernels too, `state_pass="mosaic"`).
+# The kernel takes the bounded delta-rule path (lower_bound >= -5) without segment resets, bf16
+# inputs with the "compute" cotangents and K a multiple of 64; other calls take XLA's, with a
+# logged reason when the kernel was asked for by name. "auto" is the default; with the kept pieces
+# (`chunk.RESIDUALS`) it took the backward's XLA ops from 20.26 to 13.89 GB at 8,4096,16,128.
+PREP_BWD_CHOICES = ("auto", "xla", "mosaic", "interpret")
+PREP_BWD = "auto"
+_prep_warned: set = set()
+
+
+def prep_bwd_setting() -> str:
+    if PREP_BWD not in PREP_BWD_CHOICES:
+        raise ValueError(f"chunk_prep_bwd.PREP_BWD={PREP_BWD!r}; expected one of {PREP_BWD_CHOICES}")
+    return PREP_BWD
+
+
+def prep_bwd_mode(nm, K, bounded, delta, counts, state_pass, compute_cotangents) -> str | None:
+    """The kernel mode ("mosaic" or "interpret") that pulls the pieces back, or None for XLA
+    (`nm` the call's `chunk._Numerics`; `compute_cotangents`: `chunk.COTANGENTS` is "compute")."""
+    mode = prep_bwd_setting()
+    if mode == "auto":
+        mode = "mosaic" if state_pass == "mosaic" else "xla"
+    elif mode != "xla":
+        from kernels.kda.hopper import check_kernel_setting
+
+        check_kernel_setting("chunk_prep_bwd.PREP_BWD", mode)
+    if mode == "xla":
+        return None
+    from kernels.kda import mosaic_prep_bwd
+
+    reason = (None if bounded and delta else "it takes the bounded delta-rule path (lower_bound >= -5) only")
+    reason = reason or (None if counts is None else "segment resets are not supported")
+    reason = reason or (None if compute_cotangents else "it takes the 'compute' cotangents only")
+    reason = reason or mosaic_prep_bwd.supported(K, nm.cd)
+    if reason is None:
+        return mode
+    if PREP_BWD != "auto" and reason not in _prep_warned:
+        _prep_warned.add(reason)
+        log.warning("chunk_prep_bwd.PREP_BWD=%r runs XLA's pull-back: %s", PREP_BWD, reason)
+    return None
+
+
+def kernel_pull_back(q, k, v, g, beta, ct, *, scale, interpret):
+    """`prep`'s VJP on the bounded delta-rule path by `mosaic_prep_bwd.prep_bwd` (bv's term in
+    XLA): the cotangents (dq, dk, dv, dg, dbeta) of the chunked inputs from the pieces' `ct`."""
+    from kernels.kda import mosaic_prep_bwd
+
+    N, B, H = q.shape[:3]
+    flat = lambda x: x.reshape(N, B * H, *x.shape[3:])  # noqa: E731
+    back = lambda x: x.reshape(N, B, H, *x.shape[2:])  # noqa: E731
+    G = chunk_intra.chunk_cumsum(g)
+    dq, dk, dg, db = mosaic_prep_bwd.prep_bwd(
+        flat(q), flat(k), flat(G), flat(beta), flat(ct["decay"]), flat(ct["Aqk"]), flat(ct["L"]), flat(ct["qg"]),
+        flat(ct["kg"]), flat(ct["kgam"]), scale=scale, interpret=interpret)
+    dbv = ct["bv"]
+    dv = (beta[..., None] * dbv).astype(v.dtype)
+    dbeta = back(db) + jnp.sum(dbv * v.astype(dbv.dtype), axis=-1)
+    return back(dq).astype(q.dtype), back(dk).astype(k.dtype), dv, back(dg).astype(g.dtype), dbeta.astype(beta.dtype)
