@@ -329,7 +329,7 @@ def test_forward_only_route_differentiates_per_shard_under_a_mesh(rng, monkeypat
 
     monkeypatch.setattr(pallas_gpu, "BACKWARD_STATE_PASS", "xla")
     calls, real = [], chunk._forward
-    monkeypatch.setattr(chunk, "_forward", lambda q, *a: calls.append(q.shape) or real(q, *a))
+    monkeypatch.setattr(chunk, "_forward", lambda q, *a, **kw: calls.append(q.shape) or real(q, *a, **kw))
     q, k, v, g, beta, _, _ = make_inputs(rng, 2, 40, 4, 64, 64, lower=-5.0)
     mesh = make_mesh({"data": 2, "tensor": 2, "fsdp": 2})
     x4 = P("data", None, "tensor", None)
