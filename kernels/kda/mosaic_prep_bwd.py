@@ -35,10 +35,13 @@ cotangents of `chunk.COTANGENTS`), exact there. Then, element by element,
 the reverse cumsum (and G_L's gradient, the sum of E) as two triangular 0/1 matrices times dG'
 and E in three bf16 parts each (float32 accuracy: the ones are exact).
 
-SMEM: 112.6 KiB, so two programs share an SM (228 KiB): q, k (16), G (16), the four cotangent
-tiles dA, dA^T, dL, dL^T (32; dqg, dkg, dkgam land there once the products are done), the six
-split operands (48; then dG' and E in three parts each). dq, dk, dg are staged in q, k and G's
-places (each thread overwrites the elements it read, in the same layout).
+SMEM: about 98 KiB, so two programs share an SM (228 KiB): G (16 KiB), the four cotangent tiles
+dA, dA^T, dL, dL^T (32; dqg, dkg, dkgam land there once the products are done, then two of E's
+parts and the 0/1 matrices), the six split operands (48, which first hold q and k; after the
+products the float32 stash of X and Pc, q and k again, then dG' and E's first part). dq, dk and
+dg are staged in q, k and G's places (each thread overwrites the elements it read, in the same
+layout). The 0/1 matrices are SMEM operands: as wgmma register operands against these 32-byte
+swizzled tiles they gave wrong sums on an H100.
 """
 
 from __future__ import annotations
