@@ -40,8 +40,8 @@ dA, dA^T, dL, dL^T (32; dqg, dkg, dkgam land there once the products are done, t
 parts and the 0/1 matrices), the six split operands (48, which first hold q and k; after the
 products the float32 stash of X and Pc, q and k again, then dG' and E's first part). dq, dk and
 dg are staged in q, k and G's places (each thread overwrites the elements it read, in the same
-layout). The 0/1 matrices are SMEM operands: as wgmma register operands against these 32-byte
-swizzled tiles they gave wrong sums on an H100.
+layout). The 0/1 matrices are SMEM operands: as wgmma register operands they gave wrong sums on
+an H100 (NaN in some rows of dg), against 32-byte and against 128-byte swizzled B tiles alike.
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def _body(q_ref, k_ref, G_ref, b_ref, dd_ref, dA_ref, dAT_ref, dL_ref, dLT_ref, 
     plgpu.copy_smem_to_gmem(qk_s.at[0], dq_ref.at[n, bh, :, cs])
     plgpu.copy_smem_to_gmem(qk_s.at[1], dk_ref.at[n, bh, :, cs])
     plgpu.copy_smem_to_gmem(db_s, db_ref.at[n, bh, j])
-    # 128-byte swizzled views (the products' register operand with a 32-byte swizzled one gave NaN)
+    # 128-byte swizzled views of the same memory: the reverse cumsum's operands share one swizzle
     parts = (ops_w.at[0], ops_w.at[1], ops_w.at[2], ops_w.at[3], cots_w.at[0], cots_w.at[1])  # clear of dq, dk
     for ref, part in zip(parts, _three_parts(dGp, dt) + _three_parts(E, dt)):
         ref[...] = part
