@@ -224,8 +224,13 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
         P = pieces or _prep(nm, q, k, v, g, beta, counts, scale, bounded, delta, scores)
         pull = functools.partial(chunk_prep_bwd.kernel_pull_back, q, k, v, g, beta, scale=scale,
                                  interpret=kernel == "interpret")
+    # Pieces as the intra-chunk kernel writes them (`pallas_gpu.TRAIN_INTRA`): Aqk^T, Ai^T and
+    # k exp(G) for Aqk, Ai and kgam = beta k exp(G); the kernels below take them so.
+    intra_form = pieces is not None and "AqkT" in pieces
+    if intra_form:
+        P = dict(P, **{key: pieces[key] for key in ("qg", "kg", "decay")})
     if pieces is not None:  # the forward's (`RESIDUALS` "pieces", which keeps v' too)
-        Ai, w = pieces["Ai"], pieces["w"]
+        Ai, w = pieces["AiT" if intra_form else "Ai"], pieces["w"]
     elif delta:
         Ai, w, u = _wy(nm, P, values=vn is None)
         if vn is None:  # not kept by the forward (`residuals()`): v' = u - w S_n again
@@ -239,7 +244,8 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
     compact = cotangents() == "compute" and nm.cd.itemsize < jnp.dtype(nm.sdt).itemsize
     # Output o = qg S + Aqk v'.
     dAqk = nm.mm("nbhrv,nbhcv->nbhrc", do, vn)
-    aqk_do = lambda: nm.mm("nbhrc,nbhrv->nbhcv", P["Aqk"], do, out=nm.cd if compact else None)  # noqa: E731
+    aqk, aqk_spec = (pieces["AqkT"], "nbhcr") if intra_form else (P["Aqk"], "nbhrc")
+    aqk_do = lambda: nm.mm(f"{aqk_spec},nbhrv->nbhcv", aqk, do, out=nm.cd if compact else None)  # noqa: E731
     dS_final = dS_final.astype(nm.sdt)
     if state_pass == "xla":
         dS_out = nm.mm("nbhck,nbhcv->nbhkv", P["qg"], do)
@@ -258,16 +264,17 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
             own = delta and chunk_segments.grad_intra() == "kernel"
             scan = lambda dS, c, src, **kw: ms.grad_scan_chunks(  # noqa: E731
                 dS, c[0], c[1], c[2], src[0], None if own else src[1], c[3], cd=nm.cd, interpret=interpret,
-                dhs_dtype=nm.cd if compact else jnp.float32, aqk=c[4] if own else None, **kw)
-            chunked = (w, P["kg"], P["qg"], P["decay"]) + ((P["Aqk"],) if own else ())
+                dhs_dtype=nm.cd if compact else jnp.float32, aqk=c[4] if own else None,
+                aqk_transposed=intra_form, **kw)
+            chunked = (w, P["kg"], P["qg"], P["decay"]) + ((aqk,) if own else ())
             sources = (do,) if own else (do, aqk_do())
     dhs, dvn, dh0 = chunk_segments.grad_scan(scan, dS_final, chunked, sources, chunk_segments.SEGMENTS)
     if compact:  # the XLA and transition passes write float32
         dhs = dhs.astype(nm.cd)
     ct = dict(Aqk=dAqk)
     if delta:  # bv, kgam, L; with the WY kernel's state products (`chunk_wy.WY_STATE`) qg, kg, decay too
-        ct.update(chunk_wy.pull_back(nm, dvn, states, Ai, v, beta, P["kgam"], compact, state_pass, do=do, vn=vn,
-                                     dhs=dhs))
+        ct.update(chunk_wy.pull_back(nm, dvn, states, Ai, v, beta, pieces["kexp"] if intra_form else P["kgam"],
+                                     compact, state_pass, do=do, vn=vn, dhs=dhs, intra_form=intra_form))
     if "qg" not in ct:
         ct.update(state_products(nm, do, states, vn, dhs))
     if compact:
@@ -430,7 +437,8 @@ def _settings_table(keys=None):
              "wy_form": lambda: (chunk_wy, "WY_FORM", chunk_wy.WY_FORMS),
              "wy_state": lambda: (chunk_wy, "WY_STATE", chunk_wy.WY_STATES),
              "state_buffers": _state_buffers_setting,
-             "prep_bwd": lambda: (chunk_prep_bwd, "PREP_BWD", chunk_prep_bwd.PREP_BWD_CHOICES)}
+             "prep_bwd": lambda: (chunk_prep_bwd, "PREP_BWD", chunk_prep_bwd.PREP_BWD_CHOICES),
+             "train_intra": _train_intra_setting}
     for key in keys or ():
         if key not in table:
             raise ValueError(f"unknown KDA setting {key!r}; expected one of {SETTINGS}")
@@ -444,19 +452,26 @@ def traced_key() -> tuple:
 
     ms = sys.modules.get("kernels.kda.mosaic_scan")  # "forward_only" exists once the kernels are imported
     mst = sys.modules.get("kernels.kda.mosaic_state")
+    pg = sys.modules.get("kernels.kda.pallas_gpu")
     return chunk_intra.traced_settings() + (DEFAULT_SCORES, chunk_segments.SEGMENTS,
                                             chunk_segments.forward_segments(), chunk_segments.BLOCK_V,
                                             chunk_segments.GRAD_ISSUE, chunk_segments.grad_intra(),
                                             chunk_segments.SCAN_FORM, COTANGENTS, RESIDUALS,
                                             chunk_output.FORWARD_STATE, ms.FORWARD_ONLY if ms else None,
                                             mst.buffers() if mst else None, *chunk_wy.wy_bwd_setting(),
-                                            chunk_prep_bwd.prep_bwd_setting())
+                                            chunk_prep_bwd.prep_bwd_setting(), pg.TRAIN_INTRA if pg else None)
 
 
 def _state_buffers_setting():
     from kernels.kda import mosaic_state  # Mosaic GPU is only imported when a kernel setting is asked for
 
     return mosaic_state, "BUFFERS", mosaic_state.BUFFERS_CHOICES
+
+
+def _train_intra_setting():
+    from kernels.kda import pallas_gpu  # Mosaic GPU is only imported when a kernel setting is asked for
+
+    return pallas_gpu, "TRAIN_INTRA", pallas_gpu.TRAIN_INTRA_CHOICES
 
 
 def _forward_only_setting():
@@ -467,7 +482,7 @@ def _forward_only_setting():
 SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse", "diag_stack", "offdiag_stack",
             "forward_only", "segments", "block_v", "grad_issue", "grad_intra", "scan_form", "cotangents",
             "residuals", "forward_state", "wy_bwd", "wy_form", "wy_state", "state_buffers", "forward_segments",
-            "prep_bwd")
+            "prep_bwd", "train_intra")
 
 
 def setting_values(key: str) -> tuple:
@@ -480,8 +495,8 @@ def settings(**values):
     """Within the block, trace with these module settings (diag=, rows=, scores=, cumsum=,
     scores_bwd=, inverse=, diag_stack=, offdiag_stack=, forward_only=, segments=, block_v=,
     grad_issue=, grad_intra=, scan_form=, cotangents=, residuals=, forward_state=, wy_bwd=,
-    wy_form=, wy_state=, state_buffers=, forward_segments=, prep_bwd=; see SETTINGS), restored afterwards; an
-    unknown key or value raises."""
+    wy_form=, wy_state=, state_buffers=, forward_segments=, prep_bwd=, train_intra=; see SETTINGS),
+    restored afterwards; an unknown key or value raises."""
     table = _settings_table(values)
     for key, value in values.items():
         if value not in table[key][2]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 
+import jax.numpy as jnp
+
 from kernels.kda.hopper import check_kernel_setting
 
 log = logging.getLogger(__name__)
@@ -89,15 +91,23 @@ def wy_bwd_mode(state_pass: str | None = None) -> str:
 
 
 def pull_back(nm, dvn, states, Ai, v, beta, kgam, compact, state_pass: str | None = None, *, do=None, vn=None,
-              dhs=None) -> dict:
+              dhs=None, intra_form=False) -> dict:
     """The cotangents of the pieces bv, kgam and L (state dtype) as `WY_BWD` says, by piece name;
     arguments as `wy_bwd_reference`'s, and the backward's serial pass for "auto". With do, vn (v')
     and dhs in the compute dtype, where the kernel runs with WY_STATE "kernel", also those of qg,
-    kg and decay (the caller forms any it does not get)."""
+    kg and decay (the caller forms any it does not get). `intra_form`: Ai holds Ai^T and kgam
+    holds k exp(G), as the intra-chunk kernel writes them (`mosaic_wy_bwd.wy_bwd`'s intra_form)."""
     names = ("bv", "kgam", "L")
     mode = wy_bwd_mode(state_pass)
+
+    def reference():
+        ai, kg = Ai, kgam
+        if intra_form:
+            ai, kg = jnp.swapaxes(Ai, -1, -2), beta[..., None] * kgam.astype(beta.dtype)
+        return dict(zip(names, wy_bwd_reference(nm, dvn, states, ai, v, beta, kg, compact)))
+
     if mode == "xla":
-        return dict(zip(names, wy_bwd_reference(nm, dvn, states, Ai, v, beta, kgam, compact)))
+        return reference()
     from kernels.kda import mosaic_wy_bwd
 
     if WY_BWD != "auto":  # "auto" follows a serial pass the caller already compiles as a kernel
@@ -108,9 +118,9 @@ def pull_back(nm, dvn, states, Ai, v, beta, kgam, compact, state_pass: str | Non
         if reason not in _wy_warned:
             _wy_warned.add(reason)
             log.warning("chunk_wy.WY_BWD=%r runs the XLA ops: %s", WY_BWD, reason)
-        return dict(zip(names, wy_bwd_reference(nm, dvn, states, Ai, v, beta, kgam, compact)))
+        return reference()
     state = wy_bwd_setting()[2] == "kernel" and do is not None
     more = dict(do=do.astype(nm.cd), vn=vn.astype(nm.cd), dhs=dhs.astype(nm.cd)) if state else {}
     outs = mosaic_wy_bwd.wy_bwd(dvn.astype(nm.cd), states.astype(nm.cd), Ai, v, beta, kgam,
-                                interpret=mode == "interpret", form=WY_FORM, **more)
+                                interpret=mode == "interpret", form=WY_FORM, intra_form=intra_form, **more)
     return dict(zip(names + ("qg", "kg", "decay"), (o.astype(nm.sdt) for o in outs)))

@@ -96,13 +96,15 @@ def _mm_pair(pairs, m_s, dt, a_s=None):
 
 
 def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_ref, gl_ref, *rest, H, KH, VH, scale, dt,
-          grid):
-    q_s, k_s, kl_s, an_s, b_s, a_o, union, bars, *a_s = rest
+          grid, pieces):
+    ai_ref, kx_ref = rest[:2] if pieces else (None, None)
+    q_s, k_s, kl_s, an_s, b_s, a_o, union, bars, *a_s = rest[2:] if pieces else rest
     (g_s, st_s), parts, (kc_s, sc_s), (v_s, m_s), (_, an_full) = union
     phase = profiling.phases()  # named profiler ranges (kernels.profiling), free when not profiling
     phase("load")
     n, bh = grid_indices(grid)
     b, h = lax.div(bh, H), lax.rem(bh, H)
+    out = lambda ref, *idx: ref.at[(n, bh, *idx) if pieces else (bh, n, *idx)]  # noqa: E731 - this chunk-head's output
     rows_t = pl.ds(n * C, C)
     half = lambda j: pl.ds(j * HW, HW)  # noqa: E731
     loads = [(q_ref.at[b, rows_t, h, half(j)], q_s.at[j]) for j in range(KH)]
@@ -161,7 +163,7 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
         for i in range(NB + 1):
             an_s.at[j, i][...] = plgpu.load(an_full.at[i], layout=_W.reduce(0))
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(an_s.at[j, NB], gl_ref.at[bh, n, half(j)])
+        plgpu.copy_smem_to_gmem(an_s.at[j, NB], out(gl_ref, half(j)))
 
     phase("row_side")
     # Half by half: D, then Rq, Rk in place of q, k; Kl; and from the same registers the outputs
@@ -189,8 +191,8 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
         st_s.at[1][...] = (kf * jnp.exp(G_last - G)).astype(dt)  # kg = Kl exp(G_last - a_I), exponent <= 0
         plgpu.commit_smem()
         with sub("row_side_out"):
-            plgpu.copy_smem_to_gmem(st_s.at[0], qg_ref.at[bh, n, :, half(j)])
-            plgpu.copy_smem_to_gmem(st_s.at[1], kg_ref.at[bh, n, :, half(j)])
+            plgpu.copy_smem_to_gmem(st_s.at[0], out(qg_ref, slice(None), half(j)))
+            plgpu.copy_smem_to_gmem(st_s.at[1], out(kg_ref, slice(None), half(j)))
 
     halves(row_half)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -241,7 +243,10 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
 
     halves(k_exp_g)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(a_o, a_ref.at[bh, n])
+    plgpu.copy_smem_to_gmem(a_o, out(a_ref))
+    if pieces:  # k exp(G) for the backward (its kgam = beta k exp(G)), read from w's operand
+        for j in range(KH):
+            plgpu.copy_smem_to_gmem(k_s.at[j], out(kx_ref, slice(None), half(j)))
 
     phase("inverse")
     # (I + U)^{-1} = Ai^T, U = L^T strictly upper: diagonal blocks Dg = (I + Ud)^{-1}, then
@@ -269,7 +274,12 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
     # diag(beta) Ai^T, stored as hi + lo bf16 in m_s[0], m_s[1]; -w goes to m_s[2:].
     beta_c = lax.broadcast_in_dim(plgpu.load(b_s, layout=_W.reduce(1)), (C, C), [0])
     _split_store(AiT * beta_c, m_s.at[0], m_s.at[1], dt)
+    if pieces:  # Ai^T for the backward in a^T's memory, once a^T's copy has read it
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        a_o[...] = AiT.astype(dt)
     plgpu.commit_smem()
+    if pieces:
+        plgpu.copy_smem_to_gmem(a_o, out(ai_ref))
 
     def wy(srcs, *accs):
         for acc, src in zip(accs, srcs):
@@ -279,7 +289,7 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
 
     ws = pl.run_scoped(functools.partial(wy, [k_s.at[j] for j in range(KH)]), *[plgpu.ACC((C, HW), f32)] * KH)
     for j in range(KH):
-        m_s.at[2 + j][...] = (-ws[j]).astype(dt)
+        m_s.at[2 + j][...] = (ws[j] if pieces else -ws[j]).astype(dt)
     for j in range(VH):
         plgpu.barrier_wait(bars.at[len(loads) + j])
     us = pl.run_scoped(functools.partial(wy, [v_s.at[j] for j in range(VH)]), *[plgpu.ACC((C, HW), f32)] * VH)
@@ -287,27 +297,33 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
         v_s.at[j][...] = us[j].astype(dt)
     plgpu.commit_smem()
     for j in range(KH):
-        plgpu.copy_smem_to_gmem(m_s.at[2 + j], wn_ref.at[bh, n, :, half(j)])
+        plgpu.copy_smem_to_gmem(m_s.at[2 + j], out(wn_ref, slice(None), half(j)))
     for j in range(VH):
-        plgpu.copy_smem_to_gmem(v_s.at[j], u_ref.at[bh, n, :, half(j)])
+        plgpu.copy_smem_to_gmem(v_s.at[j], out(u_ref, slice(None), half(j)))
     phase("store")
     plgpu.wait_smem_to_gmem(0)
     phase(None)
 
 
-def intra_bf16(q, k, v, g, beta_t, *, scale, interpret=False):
+def intra_bf16(q, k, v, g, beta_t, *, scale, interpret=False, pieces=False):
     """Intra-chunk stage for bounded gates (every g >= -5), no segment resets.
 
     q, k [B, Tp, H, K] and v [B, Tp, H, V] (bf16, Tp a multiple of 64, K and V in {64, 128});
-    g [B, Tp, H, K] f32 gates; beta_t [B, H, Tp] f32. Returns bf16 (qg, wn, kg [BH, NT, C, K],
-    u [BH, NT, C, V], a^T [BH, NT, C, C]) for `mosaic_state.state_output(..., a_transposed=True)`,
-    and the chunk decays d = exp(G_last) [BH, NT, K] f32.
+    g [B, Tp, H, K] f32 gates; beta_t [B, H, Tp] f32. Returns bf16 (qg, wn = -w, kg
+    [BH, NT, C, K], u [BH, NT, C, V], a^T [BH, NT, C, C]) for
+    `mosaic_state.state_output(..., a_transposed=True)`, and the chunk decays d = exp(G_last)
+    [BH, NT, K] f32.
+
+    `pieces`: what a training forward keeps for `chunk.py`'s backward as well, every output
+    chunk-major ([NT, BH, ...], `state_output(..., chunk_major=True)`) and w itself instead of -w:
+    (qg, w, kg, u, a^T, d, Ai^T [NT, BH, C, C], k exp(G) [NT, BH, C, K]) with Ai = (I + L)^{-1}
+    (bf16, its operand dtype there), G the chunk-local cumsum of g.
     """
-    return _intra_bf16(q, k, v, g, beta_t, scale=float(scale), interpret=interpret)
+    return _intra_bf16(q, k, v, g, beta_t, scale=float(scale), interpret=interpret, pieces=bool(pieces))
 
 
-@lowered_once("scale", "interpret")
-def _intra_bf16(q, k, v, g, beta_t, *, scale, interpret):
+@lowered_once("scale", "interpret", "pieces")
+def _intra_bf16(q, k, v, g, beta_t, *, scale, interpret, pieces):
     B, Tp, H, K = q.shape
     V = v.shape[-1]
     if K % HW or V % HW or K > 2 * HW or V > 2 * HW or Tp % C:
@@ -336,10 +352,13 @@ def _intra_bf16(q, k, v, g, beta_t, *, scale, interpret):
     ]
     if interpret:  # the interpreter takes wgmma operands from SMEM only (see _mm_pair)
         scratch.append(_smem((4, C, C), dt))
-    sds = lambda *s: jax.ShapeDtypeStruct((B * H, NT, *s), dt)  # noqa: E731
-    out_type = (sds(C, K), sds(C, K), sds(C, K), sds(C, V), sds(C, C), jax.ShapeDtypeStruct((B * H, NT, K), f32))
-    body = functools.partial(_body, H=H, KH=KH, VH=VH, scale=float(scale), dt=dt, grid=(NT, B * H))
-    *outs, G_last = plgpu.kernel(
+    lead = (NT, B * H) if pieces else (B * H, NT)
+    sds = lambda *s, dtype=dt: jax.ShapeDtypeStruct((*lead, *s), dtype)  # noqa: E731
+    out_type = (sds(C, K), sds(C, K), sds(C, K), sds(C, V), sds(C, C), sds(K, dtype=f32))
+    if pieces:
+        out_type += (sds(C, C), sds(C, K))
+    body = functools.partial(_body, H=H, KH=KH, VH=VH, scale=float(scale), dt=dt, grid=(NT, B * H), pieces=pieces)
+    qg, wn, kg, u, a, G_last, *extra = plgpu.kernel(
         body,
         out_type=out_type,
         scratch_types=scratch,
@@ -348,4 +367,4 @@ def _intra_bf16(q, k, v, g, beta_t, *, scale, interpret):
         compiler_params=profiling.compiler_params(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q, k, v, g, beta_t)
-    return (*outs, jnp.exp(G_last))
+    return (qg, wn, kg, u, a, jnp.exp(G_last), *extra)

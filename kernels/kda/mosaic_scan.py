@@ -245,7 +245,7 @@ def segment_starts(w, u, kg, decay, h0, segments, *, interpret=False, chunk_majo
     return starts.reshape(segments * BH, K, V), final.reshape(BH, K, V)
 
 
-def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact, aqk_in=False):
+def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact, aqk_in=False, aqk_t=False):
     ins_refs, (dhs_ref, dvn_ref, dh0_ref), scratch = _outputs(refs, 7 if delta else 6, final_only)
     if delta:
         w_ref, kg_ref, qg_ref, do_ref, dvi_ref, d_ref, dS_ref = ins_refs
@@ -255,7 +255,8 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact, aqk_i
         kg_ref, qg_ref, do_ref, dvi_ref, d_ref, dS_ref = ins_refs
         kg_s, qg_s, do_s, dvi_s, d_s, ds_c, dvn_s, ds_f, bars, h_bar = scratch
         ins = ()
-    # `aqk_in`: the fifth input is Aqk [C, C] per chunk (all of V's blocks read it), else Aqk^T do.
+    # `aqk_in`: the fifth input is Aqk [C, C] per chunk (all of V's blocks read it; Aqk^T with
+    # `aqk_t`), else Aqk^T do.
     ins += ((kg_ref, kg_s, False), (qg_ref, qg_s, False), (do_ref, do_s, True), (dvi_ref, dvi_s, not aqk_in),
             (d_ref, d_s, False))
 
@@ -300,7 +301,7 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact, aqk_i
                 return dvi(slot) + _mm(kdS, (C, BV))
 
             def both(acc):  # Aqk^T do does not wait on dS: issued first, into the same accumulator
-                plgpu.wgmma(acc, dvi_s.at[slot].transpose((1, 0)), do_s.at[slot])
+                plgpu.wgmma(acc, dvi_s.at[slot] if aqk_t else dvi_s.at[slot].transpose((1, 0)), do_s.at[slot])
                 return kdS(acc)
 
             return _mm(both, (C, BV))
@@ -350,7 +351,7 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact, aqk_i
 
 
 def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, final_only=False, segments=1,
-              dhs_dtype=jnp.float32, aqk=None):
+              dhs_dtype=jnp.float32, aqk=None, aqk_transposed=False):
     """Reverse pass. w, kg, qg [N, BH, C, K] (w None: linear attention) and do [N, BH, C, V] in one
     compute dtype; dvn_intra [N, BH, C, V] (Aqk^T do) in float32 or the compute dtype; decay
     [N, BH, K] f32; dS_final [segments * BH, K, V] f32 (segments > 1: each run of N / segments
@@ -359,7 +360,8 @@ def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, fin
     of each run's initial state [segments * BH, K, V] f32); `final_only`: (None, None, that last),
     the per-chunk outputs never written. `dhs_dtype` float32 or the compute dtype: the latter
     writes the rounded copy the kg dS product reads (half the bytes). `aqk` [N, BH, C, C] in the
-    compute dtype (delta rule only, with dvn_intra None): the pass forms Aqk^T do itself."""
+    compute dtype (delta rule only, with dvn_intra None): the pass forms Aqk^T do itself; with
+    `aqk_transposed` it holds Aqk^T (as `mosaic_intra_bf16` writes it)."""
     if (aqk is None) == (dvn_intra is None):
         raise ValueError("grad_scan takes exactly one of dvn_intra (Aqk^T do) and aqk")
     if aqk is not None and w is None:
@@ -367,12 +369,13 @@ def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, fin
     BV = chunk_segments.block_v(programs64=segments * kg.shape[1] * max(do.shape[-1] // 64, 1))  # read while tracing
     return _grad_scan(w, kg, qg, do, dvn_intra if aqk is None else aqk, decay, dS_final, BV=BV,
                       early=chunk_segments.grad_issue() == "early", interpret=interpret, final_only=final_only,
-                      segments=segments, dhs_dtype=jnp.dtype(dhs_dtype), aqk_in=aqk is not None)
+                      segments=segments, dhs_dtype=jnp.dtype(dhs_dtype), aqk_in=aqk is not None,
+                      aqk_t=aqk is not None and bool(aqk_transposed))
 
 
-@lowered_once("BV", "early", "interpret", "final_only", "segments", "dhs_dtype", "aqk_in")
+@lowered_once("BV", "early", "interpret", "final_only", "segments", "dhs_dtype", "aqk_in", "aqk_t")
 def _grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, BV, early, interpret, final_only, segments, dhs_dtype,
-               aqk_in=False):
+               aqk_in=False, aqk_t=False):
     N, BH, Cc, K = kg.shape
     check_segments(N, segments, dS_final, BH)
     V = do.shape[-1]
@@ -404,7 +407,7 @@ def _grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, BV, early, interpre
     args = ((w,) if delta else ()) + (kg, qg, do, dvn_intra, decay, dS_final)
     body = functools.partial(_bwd_body, NT=N // segments, BH=BH, K=K, BV=BV, dt=dt, delta=delta,
                              final_only=final_only, early=early,
-                             compact=jnp.dtype(dhs_dtype) != jnp.dtype(f32), aqk_in=aqk_in)
+                             compact=jnp.dtype(dhs_dtype) != jnp.dtype(f32), aqk_in=aqk_in, aqk_t=aqk_t)
     out = launch_bh_v(body, out_type, scratch, args, BH=segments * BH, V=V, BV=BV, interpret=interpret)
     return (None, None, out[0]) if final_only else out
 
@@ -435,7 +438,7 @@ def state_scan_chunks(h0, w, u, kg, decay, *, cd, interpret=False, final_only=Fa
 
 
 def grad_scan_chunks(dS, w, kg, qg, do, dvn_intra, decay, *, cd, interpret=False, final_only=False, segments=1,
-                     dhs_dtype=jnp.float32, aqk=None):
+                     dhs_dtype=jnp.float32, aqk=None, aqk_transposed=False):
     """`grad_scan` on `chunk.py`'s arrays ([N, B, H, ...]; dS [segments * B, H, K, V]); dvn_intra in
     the compute dtype `cd` stays so, any other dtype goes in as float32; `aqk` (instead of
     dvn_intra) goes in the compute dtype."""
@@ -446,7 +449,8 @@ def grad_scan_chunks(dS, w, kg, qg, do, dvn_intra, decay, *, cd, interpret=False
     dvi = None if dvn_intra is None else op(dvn_intra) if dvn_intra.dtype == jnp.dtype(cd) else f32(dvn_intra)
     out = grad_scan(op(w), op(kg), op(qg), op(do), dvi, f32(decay),
                     dS.reshape(-1, K, V).astype(jnp.float32), interpret=interpret,
-                    final_only=final_only, segments=segments, dhs_dtype=dhs_dtype, aqk=op(aqk))
+                    final_only=final_only, segments=segments, dhs_dtype=dhs_dtype, aqk=op(aqk),
+                    aqk_transposed=aqk_transposed)
     return _unflat(out, N, B, H, dS.shape)
 
 

@@ -72,13 +72,15 @@ def _store(x, ref):
     plgpu.commit_smem()
 
 
-def _compute(t, bufs, wait, outs, *, dw_ready=False):
+def _compute(t, bufs, wait, outs, *, dw_ready=False, intra_form=False):
     """One chunk's pull-back from its inputs in SMEM into row t of the HBM outputs.
 
     bufs: dict of SMEM refs: the inputs by `_INPUTS` name, "mats" (dAi, X, dL; the per-chunk form
     keeps them in S's memory, written only after dw is formed) and "dw"; `dw_ready`: dw is in
     bufs["dw"] already (S is not read). wait(name) blocks until that input's copy landed; outs:
-    (d bv, d kgam, d L) in HBM. Leaves the three stores in flight (one commit group each)."""
+    (d bv, d kgam, d L) in HBM. Leaves the three stores in flight (one commit group each).
+    `intra_form`: the inputs as the intra-chunk kernel writes them (`mosaic_intra_bf16`'s pieces):
+    Ai^T in place of Ai and k exp(G) in place of kgam = beta k exp(G)."""
     dvn_s, ai_s, bv_s, kg_s, beta_s, dw_s = (bufs[n] for n in ("dvn", "Ai", "v", "kgam", "beta", "dw"))
     dai_s, x_s, dl_s = bufs["mats"]
     dbv_ref, dkg_ref, dl_ref = outs
@@ -101,6 +103,9 @@ def _compute(t, bufs, wait, outs, *, dw_ready=False):
     _store(bv, bv_s)
     # dAi = dv' bv^T + dw kgam^T, one float32 accumulator (S's memory now takes dAi).
     wait("kgam")
+    if intra_form:  # kgam = beta k exp(G) in place, as bv
+        beta_k = lax.broadcast_in_dim(plgpu.load(beta_s, layout=_W.reduce(1)), (C, K), [0])
+        _store(plgpu.load(kg_s, layout=_W).astype(jnp.float32) * beta_k, kg_s)
 
     def dai_fn(acc):
         plgpu.wgmma(acc, dvn_s, bv_s.transpose((1, 0)))
@@ -109,7 +114,7 @@ def _compute(t, bufs, wait, outs, *, dw_ready=False):
 
     _store(_mm(dai_fn, (C, C)), dai_s)
     wait("Ai")
-    ai_t = ai_s.transpose((1, 0))  # Ai^T: Ai as stored, the transposed operand
+    ai_t = ai_s if intra_form else ai_s.transpose((1, 0))  # Ai^T: Ai as stored, the transposed operand
     # d bv = Ai^T dv' beside X = dAi Ai^T, then d kgam = Ai^T dw beside d L = -Ai^T X; d bv and
     # d kgam are written over bv and kgam (their last reads were dAi's).
     d_bv, X = _two(((C, V), ai_t, dvn_s), ((C, C), dai_s, ai_t))
@@ -123,7 +128,7 @@ def _compute(t, bufs, wait, outs, *, dw_ready=False):
     plgpu.copy_smem_to_gmem(dl_s, dl_ref.at[t])
 
 
-def _body_state(*refs, P):
+def _body_state(*refs, P, intra_form=False):
     """One program per chunk that also forms the state products' cotangents before the WY
     pull-back: dqg = do S_n^T, dkg = v' dhs^T and d decay = sum_v S_n * dhs (float32), S_n and
     dhs [K, V] read once for all three and dw. Each input's memory passes to a later one once
@@ -177,7 +182,7 @@ def _body_state(*refs, P):
     plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # d decay's and dkg's copies have read their SMEM
     _store(-dw, dkw_s)
     bufs = dict(dvn=dvn_s, Ai=ai_s, v=bv_s, kgam=kg_s, beta=beta_s, dw=dkw_s, mats=tuple(mats))
-    _compute(t, bufs, wait, outs[:3], dw_ready=True)
+    _compute(t, bufs, wait, outs[:3], dw_ready=True, intra_form=intra_form)
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -193,7 +198,7 @@ def _inputs_scratch(K, V, dt, lead=()):
     ]
 
 
-def _body(*refs, P):
+def _body(*refs, P, intra_form=False):
     """One program per chunk: every input copied at once, then `_compute`."""
     ins, outs, rest = refs[:6], refs[6:9], refs[9:]
     dvn_s, (mats, s_s), ai_s, v_s, beta_s, kg_s, dw_s, bars = rest
@@ -201,11 +206,11 @@ def _body(*refs, P):
     bufs = dict(dvn=dvn_s, S=s_s, Ai=ai_s, v=v_s, beta=beta_s, kgam=kg_s, mats=tuple(mats), dw=dw_s)
     for i, name in enumerate(_INPUTS):
         plgpu.copy_gmem_to_smem(ins[i].at[t], bufs[name], bars.at[i])
-    _compute(t, bufs, lambda name: plgpu.barrier_wait(bars.at[_INPUTS.index(name)]), outs)
+    _compute(t, bufs, lambda name: plgpu.barrier_wait(bars.at[_INPUTS.index(name)]), outs, intra_form=intra_form)
     plgpu.wait_smem_to_gmem(0)
 
 
-def _body_persistent(*refs, P, programs):
+def _body_persistent(*refs, P, programs, intra_form=False):
     """`programs` persistent programs; program p takes chunks p, p + programs, ... through two
     SMEM slots: chunk j + 1's inputs load while chunk j computes."""
     ins, outs, rest = refs[:6], refs[6:9], refs[9:]
@@ -232,7 +237,7 @@ def _body_persistent(*refs, P, programs):
 
             bufs = dict(zip(_INPUTS, (r.at[slot] for r in slotted)), mats=tuple(mats), dw=dw_s)
             wait = lambda name: plgpu.barrier_wait(bars.at[n * slot + _INPUTS.index(name)])  # noqa: E731
-            _compute(pid + j * programs, bufs, wait, outs)
+            _compute(pid + j * programs, bufs, wait, outs, intra_form=intra_form)
 
         return carry
 
@@ -241,8 +246,8 @@ def _body_persistent(*refs, P, programs):
     plgpu.wait_smem_to_gmem(0)
 
 
-@lowered_once("form", "programs", "interpret")
-def _wy_bwd(dvn, states, Ai, v, beta, kgam, *extra, form, programs, interpret):
+@lowered_once("form", "programs", "interpret", "intra_form")
+def _wy_bwd(dvn, states, Ai, v, beta, kgam, *extra, form, programs, interpret, intra_form=False):
     """extra: () or (do, vn, dhs), the per-chunk form with the state products (`_body_state`)."""
     P, _, V = dvn.shape
     K = states.shape[-2]
@@ -262,20 +267,20 @@ def _wy_bwd(dvn, states, Ai, v, beta, kgam, *extra, form, programs, interpret):
             plgpu.Barrier(num_barriers=9),
         ]
         out_type += (sds(C, K), sds(C, K), sds(K, dtype=jnp.float32))
-        body = functools.partial(_body_state, P=P)
+        body = functools.partial(_body_state, P=P, intra_form=intra_form)
         grid = flat_grid((P,))
     elif form == "persistent":
         programs = min(programs or num_sms(), P)
         # two slots of inputs; one set of the [C, C] intermediates (dAi, X, dL) and of dw
         scratch = _inputs_scratch(K, V, dt, (2,)) + list(mats(3)) + [
             _smem((C, K), dt), plgpu.Barrier(num_barriers=2 * len(_INPUTS))]
-        body = functools.partial(_body_persistent, P=P, programs=programs)
+        body = functools.partial(_body_persistent, P=P, programs=programs, intra_form=intra_form)
         grid = dict(grid=(programs,), grid_names=("t",))
     else:
         scratch = _inputs_scratch(K, V, dt)  # S's memory in a union with dAi, X, dL (made after dw)
         scratch[1] = plgpu.RefUnion(mats(3), scratch[1])
         scratch += [_smem((C, K), dt), plgpu.Barrier(num_barriers=len(_INPUTS))]
-        body = functools.partial(_body, P=P)
+        body = functools.partial(_body, P=P, intra_form=intra_form)
         grid = flat_grid((P,))
     return plgpu.kernel(
         body,
@@ -288,7 +293,7 @@ def _wy_bwd(dvn, states, Ai, v, beta, kgam, *extra, form, programs, interpret):
 
 
 def wy_bwd(dvn, states, Ai, v, beta, kgam, *, interpret=False, form=None, programs=None, do=None, vn=None,
-           dhs=None):
+           dhs=None, intra_form=False):
     """dvn [.., C, V], states [.., K, V], Ai [.., C, C], v [.., C, V], beta [.., C], kgam [.., C, K]
     (any leading dims, the same for all; matrices cast to dvn's dtype, beta to float32) -> (d bv
     [.., C, V], d kgam [.., C, K], d L [.., C, C]) in dvn's dtype, bv = beta v (rounded to dvn's
@@ -296,7 +301,9 @@ def wy_bwd(dvn, states, Ai, v, beta, kgam, *, interpret=False, form=None, progra
     of `chunk_wy.WY_FORMS` (default "per_chunk"); `programs`: the persistent form's program count
     (default the GPU's SM count). With do [.., C, V], vn (v') [.., C, V] and dhs [.., K, V] (the
     gradient of the outgoing state) too, per-chunk form only: also (dqg = do S^T [.., C, K],
-    dkg = v' dhs^T [.., C, K] in dvn's dtype, d decay = sum_v S * dhs [.., K] float32)."""
+    dkg = v' dhs^T [.., C, K] in dvn's dtype, d decay = sum_v S * dhs [.., K] float32).
+    `intra_form`: Ai holds Ai^T and kgam holds k exp(G) (the kernel scales it by beta), as
+    `mosaic_intra_bf16.intra_bf16(..., pieces=True)` writes them; the outputs are the same."""
     form = "per_chunk" if form is None else form
     if form not in WY_FORMS:
         raise ValueError(f"form={form!r}; expected one of {WY_FORMS}")
@@ -322,5 +329,5 @@ def wy_bwd(dvn, states, Ai, v, beta, kgam, *, interpret=False, form=None, progra
     flat = lambda x: x.astype(dt).reshape(-1, *x.shape[-2:])  # noqa: E731
     more = () if do is None else (flat(do), flat(vn), flat(dhs))
     outs = _wy_bwd(flat(dvn), flat(states), flat(Ai), flat(v), beta.astype(jnp.float32).reshape(-1, C), flat(kgam),
-                   *more, form=form, programs=programs, interpret=interpret)
+                   *more, form=form, programs=programs, interpret=interpret, intra_form=bool(intra_form))
     return tuple(o.reshape(*lead, *o.shape[1:]) for o in outs)

@@ -107,16 +107,18 @@ def _exact_operands(q, k, v, g, beta, seg, scale, dt):
     return op(p["qg"]), op(-p["w"]), op(p["kg"]), op(p["u"]), op(p["a"]), flat(p["d"])
 
 
-def _bounded_operands(q, k, v, g, beta, scale, interpret, kernel="mosaic"):
+def _bounded_operands(q, k, v, g, beta, scale, interpret, kernel="mosaic", pieces=False):
     """State-kernel operands from a Mosaic GPU intra-chunk kernel (g >= -5, no resets):
-    `mosaic_intra.intra_bounded` ("mosaic") or the lean `mosaic_intra_bf16.intra_bf16`."""
+    `mosaic_intra.intra_bounded` ("mosaic") or the lean `mosaic_intra_bf16.intra_bf16` (with
+    `pieces`, its training form: chunk-major, and the backward's pieces after the operands)."""
     B, T, H, K = q.shape
     C = mosaic_state.C
     NT = -(-T // C)
     pad = lambda x: jnp.pad(x, [(0, 0), (0, NT * C - T)] + [(0, 0)] * (x.ndim - 2))
     q, k, v, g, beta = (pad(x) for x in (q, k, v, g, beta))
     if kernel == "mosaic_bf16":  # the kernel takes the gates themselves and returns the chunk decays
-        return mosaic_intra_bf16.intra_bf16(q, k, v, g, jnp.moveaxis(beta, 1, 2), scale=scale, interpret=interpret)
+        return mosaic_intra_bf16.intra_bf16(q, k, v, g, jnp.moveaxis(beta, 1, 2), scale=scale, interpret=interpret,
+                                            pieces=pieces)
     G = jnp.cumsum(g.reshape(B, NT, C, H, K), axis=2)
     d = jnp.moveaxis(jnp.exp(G[:, :, -1]), 2, 1).reshape(B * H, NT, K)
     G = G.reshape(B, NT * C, H, K)
@@ -176,20 +178,28 @@ def resolve_intra(intra, lower_bound, segment_ids, dtype) -> str:
     return xla if intra == "chunk" else intra
 
 
-def _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret, with_states=False):
+def _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret, with_states=False,
+                    pieces=False):
     """Chunk operands (the intra-chunk stage named by `intra`), then the Mosaic GPU state kernel:
     (o [B,T,H,V], S [B,H,K,V]) and with `with_states` the incoming state of every chunk
-    [NT, B, H, K, V] (operand dtype)."""
+    [NT, B, H, K, V] (operand dtype). `pieces` (intra "mosaic_bf16" only): (o, S, states, v'
+    [NT, B, H, C, V], the pieces `chunk._core_bwd` reads, as `mosaic_intra_bf16` writes them)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dt = q.dtype if jnp.dtype(q.dtype).itemsize == 2 else jnp.float32
+    if pieces and intra != "mosaic_bf16":
+        raise ValueError(f"the training pieces come from intra='mosaic_bf16', not {intra!r}")
+    extra = ()
     if intra in ("mosaic", "mosaic_bf16"):
-        ops = _bounded_operands(q.astype(dt), k.astype(dt), v.astype(dt), g, beta, scale, interpret, intra)
+        ops = _bounded_operands(q.astype(dt), k.astype(dt), v.astype(dt), g, beta, scale, interpret, intra, pieces)
+        ops, extra = ops[:6], ops[6:]
     elif intra == "chunk":
         ops = _chunk_operands(q, k, v, g, beta, seg, scale, chunk_bounded, dt)
     else:
         ops = _exact_operands(q, k, v, g, beta, seg, scale, dt)
-    chunk_major = intra == "chunk"
+    chunk_major = intra == "chunk" or pieces
+    w_negated = intra != "chunk" and not pieces
+    with_states = with_states or pieces
     NT = ops[0].shape[0 if chunk_major else 1]
     h0 = h0.reshape(B * H, K, V)
     asked = chunk_segments.forward_segments()
@@ -206,15 +216,21 @@ def _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, inte
 
         _, wn, kg, u, _, d = ops
         h0, final = mosaic_scan.segment_starts(wn, u, kg, d, h0, segments, interpret=interpret,
-                                               chunk_major=chunk_major, w_negated=intra != "chunk")
+                                               chunk_major=chunk_major, w_negated=w_negated)
     out = mosaic_state.state_output(*ops, h0, out_dtype=v.dtype, interpret=interpret,
                                     with_states=with_states, heads=H, chunk_major=chunk_major,
-                                    a_transposed=intra == "mosaic_bf16", w_negated=intra != "chunk",
-                                    segments=segments)
+                                    a_transposed=intra == "mosaic_bf16", w_negated=w_negated,
+                                    segments=segments, with_vn=pieces)
     o, S = out[:2]
     S = final if segments > 1 else S
     res = (o[:, :T], S.reshape(B, H, K, V))
-    return res + ((out[2].reshape(NT, B, H, K, V),) if with_states else ())
+    chunks = lambda x: x.reshape(NT, B, H, *x.shape[2:])  # noqa: E731 - [NT, BH, ...] -> chunk.py's
+    res += (chunks(out[2]),) if with_states else ()
+    if pieces:
+        qg, w, kg, _, a_t, d = ops
+        kept = dict(qg=qg, w=w, kg=kg, decay=d, AqkT=a_t, AiT=extra[0], kexp=extra[1])
+        res += (chunks(out[3]), {key: chunks(x) for key, x in kept.items()})
+    return res
 
 
 # The forward that runs under differentiation (`train_forward`): "kernels", the primal's own
@@ -223,6 +239,25 @@ def _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, inte
 # recomputes, so XLA computes them once and the training step costs what chunk_mosaic's does,
 # while calls that are not differentiated keep the faster kernel forward.
 TRAIN_FORWARDS = ("kernels", "chunk")
+# With train_forward="chunk", who forms the intra-chunk pieces that the forward keeps for the
+# backward (`chunk.settings(train_intra=...)`): "kernel" (the bf16 intra kernel,
+# `mosaic_intra_bf16.intra_bf16(pieces=True)`, writing Aqk^T, Ai^T and k exp(G) beside the
+# state kernel's operands, chunk-major) wherever the call takes intra "mosaic_bf16" and
+# `chunk.kept_pieces` holds and the state kernel forms o (`chunk_output.output_pass`); "xla"
+# (`chunk.py`'s XLA pieces, as before).
+TRAIN_INTRA_CHOICES = ("kernel", "xla")
+TRAIN_INTRA = "kernel"
+
+
+def train_intra_kernel(ck, dtype, K, intra, chunk_bounded, state_pass) -> bool:
+    """Whether a differentiated call's forward takes its pieces from the intra kernel (TRAIN_INTRA)."""
+    if TRAIN_INTRA not in TRAIN_INTRA_CHOICES:
+        raise ValueError(f"pallas_gpu.TRAIN_INTRA={TRAIN_INTRA!r}; expected one of {TRAIN_INTRA_CHOICES}")
+    from kernels.kda import chunk_output
+
+    return (TRAIN_INTRA == "kernel" and intra == "mosaic_bf16" and chunk_bounded
+            and ck.kept_pieces(dtype, K, chunk_bounded, True, None, state_pass)
+            and chunk_output.output_pass(state_pass, True))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
@@ -265,11 +300,15 @@ def _kda_fwd(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret, 
         o, S = _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret)
         return (o, S), (q, k, v, g, beta, h0, seg, None, None, None)
     pieces = ()
-    if train_forward == "chunk":
+    defaults = _core_defaults(ck, interpret)
+    if train_forward == "chunk" and train_intra_kernel(ck, q.dtype, q.shape[-1], intra, chunk_bounded, defaults[0]):
+        o, S, states, vn, kept = _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret,
+                                                 pieces=True)
+        pieces = (kept,)
+    elif train_forward == "chunk":
         from kernels.kda.chunk_intra import from_chunks
 
         args, counts, _ = _chunked_inputs(q, k, v, g, beta, seg)
-        defaults = _core_defaults(ck, interpret)
         keep = ck.kept_pieces(q.dtype, q.shape[-1], chunk_bounded, True, counts, defaults[0])
         o, S, states, vn, *pieces = ck._forward(*args, h0, counts, scale, chunk_bounded, True, *defaults, keep=keep)
         o = from_chunks(o)[:, : q.shape[1]].astype(v.dtype)

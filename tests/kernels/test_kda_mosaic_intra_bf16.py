@@ -6,6 +6,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from kernels.kda import mosaic_intra_bf16, pallas_gpu, pallas_gpu_prep
@@ -38,6 +39,36 @@ def test_operands_match_exact_stage(rng, K, V):
         assert out.dtype == jnp.bfloat16 and out.shape == ref.shape
         assert_close(name, ref, out.astype(jnp.float32), 0.005)
     assert_close("d", flat(p["d"]), outs[-1], 1e-5)  # the chunk decays exp(G_last)
+
+
+@pytest.mark.parametrize("K, V", [(128, 64)])
+def test_training_pieces_match_float32(rng, K, V):
+    """`pieces=True`: the same operands chunk-major and w itself, plus Ai^T = (I + L)^{-T} and
+    k exp(G) against float32 (Ai from a float64 inverse of the exact L)."""
+    B, T, H, C = 1, 128, 2, 64
+    NT = T // C
+    q, k, v, g, beta = _inputs(rng, B, T, H, K, V)
+    outs = mosaic_intra_bf16.intra_bf16(q, k, v, g, jnp.moveaxis(beta, 1, 2), scale=K**-0.5, interpret=True,
+                                        pieces=True)
+    p = pallas_gpu_prep.prepare(q, k, v, g, beta, scale=K**-0.5, segment_ids=None)
+    major = lambda x: jnp.swapaxes(x.reshape(B * H, NT, *x.shape[3:]), 0, 1)  # noqa: E731 - [NT, BH, ...]
+    refs = dict(qg=major(p["qg"]), w=major(p["w"]), kg=major(p["kg"]), u=major(p["u"]),
+                aT=jnp.swapaxes(major(p["a"]), -1, -2))
+    assert len(outs) == len(refs) + 3
+    for (name, ref), out in zip(refs.items(), outs):
+        assert out.dtype == jnp.bfloat16 and out.shape == ref.shape
+        assert_close(name, ref, out.astype(jnp.float32), 0.005)
+    assert_close("d", major(p["d"]), outs[5], 1e-5)
+    # [NT, BH, C, *] float64 references: G the chunk-local cumsum, L = strict_lower(beta (k e^G)(k e^-G)^T)
+    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    chunked = lambda x: f64(x).reshape(B, NT, C, H, -1).transpose(1, 0, 3, 2, 4).reshape(NT, B * H, C, -1)  # noqa: E731
+    kc, G, bc = chunked(k), np.cumsum(chunked(g), axis=2), chunked(beta)[..., 0]
+    L = np.tril(np.einsum("...rk,...ck->...rc", kc * np.exp(G), kc * np.exp(-G)), -1) * bc[..., None]
+    Ai = np.linalg.inv(np.eye(C) + L)
+    ai_t, k_exp = outs[6:]
+    assert ai_t.dtype == k_exp.dtype == jnp.bfloat16 and ai_t.shape == (NT, B * H, C, C)
+    assert_close("Ai^T", jnp.asarray(np.swapaxes(Ai, -1, -2), jnp.float32), ai_t.astype(jnp.float32), 0.005)
+    assert_close("k exp(G)", jnp.asarray(kc * np.exp(G), jnp.float32), k_exp.astype(jnp.float32), 0.005)
 
 
 def test_rejects_unsupported_sizes():

@@ -128,6 +128,25 @@ def test_reverse_pass_forming_aqk_do(rng, block_v, grad_issue, segments, monkeyp
     assert True in launched, launched
 
 
+def test_reverse_pass_takes_aqk_transposed(rng):
+    """aqk_transposed=True on Aqk^T (the intra kernel's layout) gives exactly what Aqk gives, and
+    both equal the XLA pass fed with Aqk^T do."""
+    N, BH, C, K, V = 3, 2, 64, 64, 64
+    f = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.bfloat16)  # noqa: E731
+    w, kg, qg, do = f(N, BH, C, K), f(N, BH, C, K), f(N, BH, C, K), f(N, BH, C, V)
+    aqk = jnp.tril(f(N, BH, C, C))
+    decay = jnp.asarray(rng.uniform(0.3, 1.0, (N, BH, K)), jnp.float32)
+    dS = jnp.asarray(rng.standard_normal((BH, K, V)), jnp.float32)
+    run = lambda a, t: mosaic_scan.grad_scan(w, kg, qg, do, None, decay, dS, interpret=True, aqk=a,  # noqa: E731
+                                             aqk_transposed=t)
+    want, got = run(aqk, False), run(jnp.swapaxes(aqk, -1, -2), True)
+    dvi = jnp.einsum("nbrc,nbrv->nbcv", aqk, do, preferred_element_type=jnp.float32)
+    ref = mosaic_scan.grad_scan(w, kg, qg, do, dvi, decay, dS, interpret=True)
+    for name, a, b, r in zip(("dhs", "dvn", "dh0"), want, got, ref):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+        assert_close(name, r, b, 1e-2)
+
+
 def test_grad_scan_takes_one_intra_source(rng):
     N, BH, C, K, V = 2, 1, 64, 64, 64
     z = lambda *s: jnp.zeros(s, jnp.bfloat16)  # noqa: E731

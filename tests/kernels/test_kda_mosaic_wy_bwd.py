@@ -44,6 +44,30 @@ def test_kernel_matches_the_reference(rng, K, V):
         assert rel_rms(w, g) < 2e-2
 
 
+@pytest.mark.parametrize("form, state", [("per_chunk", False), ("per_chunk", True), ("persistent", False)])
+def test_intra_form_inputs_give_the_same_outputs(rng, form, state):
+    """`intra_form=True` (Ai^T for Ai, k exp(G) for kgam = beta k exp(G), as the intra kernel writes
+    them) gives what the standard inputs give, in each body of the kernel."""
+    K, V = 64, 128
+    dvn, S, Ai, v, beta, kgam = _pieces(rng, (3,), K, V)
+    k_exp = kgam.astype(jnp.bfloat16)
+    kgam = beta[..., None] * k_exp.astype(jnp.float32)
+    ai = Ai.astype(jnp.bfloat16)
+    more = {}
+    if state:
+        n = lambda *s: jnp.asarray(rng.standard_normal((3, *s)), jnp.bfloat16)  # noqa: E731
+        more = dict(do=n(64, V), vn=n(64, V), dhs=n(K, V))
+    run = lambda ai, kg, **kw: mosaic_wy_bwd.wy_bwd(dvn, S, ai, v, beta, kg, interpret=True, form=form,  # noqa: E731
+                                                     programs=2, **more, **kw)
+    want = run(ai, kgam)
+    got = run(jnp.swapaxes(ai, -1, -2), k_exp, intra_form=True)
+    assert len(got) == len(want) == (6 if state else 3)
+    for name, g, w in zip(("d bv", "d kgam", "d L", "dqg", "dkg", "d decay"), got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        # kgam rounded to bf16 in both (the kernel rounds beta k exp(G) as XLA's cast does)
+        assert rel_rms(w, g) < 1e-6, (name, rel_rms(w, g))
+
+
 @pytest.mark.parametrize("wy_state", chunk_wy.WY_STATES)
 def test_kda_gradients_with_the_kernel(rng, wy_state):
     """KDA's gradients (bf16, bounded gate, packed documents) with the kernel's pull-back (and,

@@ -57,8 +57,8 @@ CASES = {
     "kda intra bf16": (lambda q, k, v, g, b: mosaic_intra_bf16.intra_bf16(q, k, v, g, jnp.moveaxis(b, 1, 2), scale=0.125),
                        _kda_args(), {"kda_intra_bf16"}),
     # the forward pass that forms o (chunk_output.FORWARD_STATE "output") is the state kernel
-    "kda train": (_kda_train, _kda_args(), {"kda_mosaic_state_body", "kda_mosaic_scan_bwd_body", "kda_wy_bwd",
-                                            "kda_prep_bwd"}),
+    "kda train": (_kda_train, _kda_args(), {"kda_intra_bf16", "kda_mosaic_state_body", "kda_mosaic_scan_bwd_body",
+                                            "kda_wy_bwd", "kda_prep_bwd"}),
     "kda decode": (lambda *a: kda_step(*a, impl="pallas_gpu"),
                    (sds((4, 2, 64, 64), f32),) + (sds((4, 2, 64), bf16),) * 3 + (sds((4, 2, 64), f32), sds((4, 2), f32)),
                    {"kda_decode"}),
