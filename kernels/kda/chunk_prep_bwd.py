@@ -64,11 +64,17 @@ def kernel_pull_back(q, k, v, g, beta, ct, *, scale, interpret):
     N, B, H = q.shape[:3]
     flat = lambda x: x.reshape(N, B * H, *x.shape[3:])  # noqa: E731
     back = lambda x: x.reshape(N, B, H, *x.shape[2:])  # noqa: E731
-    G = chunk_intra.chunk_cumsum(g)
+    # q, k, G in and dq, dk, dg out in the token-major layout [B, T, H, K]: the callers chunk the
+    # inputs and un-chunk the gradients, and XLA cancels those transposes against these (at
+    # 8,4096,16,128 six of them, 2.15 GB of a forward+backward's XLA ops by the deviceless count).
+    tok = chunk_intra.from_chunks
+    G = tok(chunk_intra.chunk_cumsum(g))
     dq, dk, dg, db = mosaic_prep_bwd.prep_bwd(
-        flat(q), flat(k), flat(G), flat(beta), flat(ct["decay"]), flat(ct["Aqk"]), flat(ct["L"]), flat(ct["qg"]),
-        flat(ct["kg"]), flat(ct["kgam"]), scale=scale, interpret=interpret)
+        tok(q), tok(k), G, flat(beta), flat(ct["decay"]), flat(ct["Aqk"]), flat(ct["L"]), flat(ct["qg"]),
+        flat(ct["kg"]), flat(ct["kgam"]), scale=scale, interpret=interpret, heads=H)
     dbv = ct["bv"]
     dv = (beta[..., None] * dbv).astype(v.dtype)
     dbeta = back(db) + jnp.sum(dbv * v.astype(dbv.dtype), axis=-1)
-    return back(dq).astype(q.dtype), back(dk).astype(k.dtype), dv, back(dg).astype(g.dtype), dbeta.astype(beta.dtype)
+    chunks = chunk_intra.to_chunks
+    return (chunks(dq).astype(q.dtype), chunks(dk).astype(k.dtype), dv, chunks(dg).astype(g.dtype),
+            dbeta.astype(beta.dtype))

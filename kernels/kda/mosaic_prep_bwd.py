@@ -81,7 +81,7 @@ def _three_parts(x, dt):
 
 def _body(q_ref, k_ref, G_ref, b_ref, dd_ref, dA_ref, dAT_ref, dL_ref, dLT_ref, dqg_ref, dkg_ref, dkgam_ref,
           dq_ref, dk_ref, dg_ref, db_ref, G_s, cots_u, ops_u, an_s, b_s, dd_s, db_s, bars, *, scale, dt, grid,
-          interpret):
+          interpret, heads):
     # ops_u: the six split operands (bf16, narrow swizzle); Pq, X, Pc's float32 stash; q, k (and
     # then dq, dk) in the last 16 KiB, which the stash's first two tiles leave free.
     ops, stash, (_, qk_s), ops_w = ops_u
@@ -91,10 +91,16 @@ def _body(q_ref, k_ref, G_ref, b_ref, dd_ref, dA_ref, dAT_ref, dL_ref, dLT_ref, 
     n, bh, j = grid_indices(grid)
     cs = pl.ds(j * HW, HW)
     f32 = jnp.float32
-    qk_loads = [(q_ref.at[n, bh, :, cs], qk_s.at[0]), (k_ref.at[n, bh, :, cs], qk_s.at[1])]
-    loads = qk_loads + [(G_ref.at[n, bh, :, cs], G_s), (b_ref.at[n, bh], b_s), (dd_ref.at[n, bh, cs], dd_s)]
+    if heads:  # q, k, G, dq, dk, dg in the inputs' [B, T, H, K] layout: rows n C .. n C + 63 of (b, h)
+        b, h = lax.div(bh, heads), lax.rem(bh, heads)
+        tile = lambda ref, r=pl.ds(n * C, C): ref.at[b, r, h, cs]  # noqa: E731
+    else:
+        tile = lambda ref, r=slice(None): ref.at[n, bh, r, cs]  # noqa: E731
+    qk_loads = [(tile(q_ref), qk_s.at[0]), (tile(k_ref), qk_s.at[1])]
+    loads = qk_loads + [(tile(G_ref), G_s), (b_ref.at[n, bh], b_s), (dd_ref.at[n, bh, cs], dd_s)]
     loads += [(ref.at[n, bh], cots.at[i]) for i, ref in enumerate((dA_ref, dAT_ref, dL_ref, dLT_ref))]
-    loads += [(G_ref.at[n, bh, min(I * SUB, C - 1), cs], an_s.at[I]) for I in range(NB + 1)]
+    row = lambda I: min(I * SUB, C - 1) + (n * C if heads else 0)  # noqa: E731 - block I's first row, the last
+    loads += [(tile(G_ref, row(I)), an_s.at[I]) for I in range(NB + 1)]
     for i, (src, dst) in enumerate(loads):
         plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
     for i in range(len(loads)):
@@ -203,8 +209,8 @@ def _body(q_ref, k_ref, G_ref, b_ref, dd_ref, dA_ref, dAT_ref, dL_ref, dLT_ref, 
     dGp = dGp + k * (u - Pc)
     E = k * kg_part
     plgpu.commit_smem()  # every thread has read the stash and the cotangents: dG' and E go there
-    plgpu.copy_smem_to_gmem(qk_s.at[0], dq_ref.at[n, bh, :, cs])
-    plgpu.copy_smem_to_gmem(qk_s.at[1], dk_ref.at[n, bh, :, cs])
+    plgpu.copy_smem_to_gmem(qk_s.at[0], tile(dq_ref))
+    plgpu.copy_smem_to_gmem(qk_s.at[1], tile(dk_ref))
     plgpu.copy_smem_to_gmem(db_s, db_ref.at[n, bh, j])
     # 128-byte swizzled views of the same memory: the reverse cumsum's operands share one swizzle
     parts = (ops_w.at[0], ops_w.at[1], ops_w.at[2], ops_w.at[3], cots_w.at[0], cots_w.at[1])  # clear of dq, dk
@@ -231,7 +237,7 @@ def _body(q_ref, k_ref, G_ref, b_ref, dd_ref, dA_ref, dAT_ref, dL_ref, dLT_ref, 
     dd = plgpu.load(dd_s, layout=_W.reduce(0))
     G_s[...] = dg + wide(dd * jnp.exp(G_last))
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(G_s, dg_ref.at[n, bh, :, cs])
+    plgpu.copy_smem_to_gmem(G_s, tile(dg_ref))
     plgpu.wait_smem_to_gmem(0)
     phase(None)
 
@@ -245,7 +251,7 @@ def supported(K: int, cd) -> str | None:
     return None
 
 
-def prep_bwd(q, k, G, beta, ddecay, dAqk, dL, dqg, dkg, dkgam, *, scale, interpret=False):
+def prep_bwd(q, k, G, beta, ddecay, dAqk, dL, dqg, dkg, dkgam, *, scale, interpret=False, heads=None):
     """The pull-back of `chunk_intra.prep`'s pieces on the bounded path (no segment resets),
     except bv's (dv = beta dbv and its dbeta term are the caller's).
 
@@ -253,8 +259,17 @@ def prep_bwd(q, k, G, beta, ddecay, dAqk, dL, dqg, dkg, dkgam, *, scale, interpr
     [N, BH, C] float32; ddecay [N, BH, K] float32; dAqk, dL [N, BH, C, C] (masked here to r >= c and
     r > c; rounded to bf16); dqg, dkg, dkgam [N, BH, C, K] (rounded to bf16). Returns dq, dk
     [N, BH, C, K] bf16, dg [N, BH, C, K] float32, dbeta [N, BH, C] float32 (kgam's and L's terms).
+    With `heads` = H: q, k, G and dq, dk, dg are [B, N C, H, K] instead (the inputs' layout, BH =
+    B H): the caller's chunking transposes then cancel against its un-chunking ones.
     """
-    N, BH, Cc, K = q.shape
+    if heads:
+        B, Tp, H, K = q.shape
+        N, BH, Cc = Tp // C, B * H, C
+        if H != heads or Tp % C or beta.shape[:2] != (N, BH):
+            raise ValueError(f"prep_bwd(heads={heads}): q {q.shape} is not [B, N * {C}, {heads}, K] for beta "
+                             f"{beta.shape} [N, B * H, C]")
+    else:
+        N, BH, Cc, K = q.shape
     reason = supported(K, q.dtype)
     if Cc != C or reason:
         raise ValueError(f"prep_bwd takes chunks of {C} tokens and K a multiple of {HW} in bf16; got C={Cc}: "
@@ -267,13 +282,14 @@ def prep_bwd(q, k, G, beta, ddecay, dAqk, dL, dqg, dkg, dkgam, *, scale, interpr
     cast = lambda x: x.astype(bf)  # noqa: E731
     dq, dk, dg, db = _prep_bwd(q.astype(bf), k.astype(bf), G.astype(jnp.float32), beta.astype(jnp.float32),
                                ddecay.astype(jnp.float32), dAm, T(dAm), dLm, T(dLm), cast(dqg), cast(dkg),
-                               cast(dkgam), scale=float(scale), interpret=bool(interpret))
+                               cast(dkgam), scale=float(scale), interpret=bool(interpret), heads=heads)
     return dq, dk, dg, jnp.sum(db, axis=2)
 
 
-@lowered_once("scale", "interpret")
-def _prep_bwd(q, k, G, beta, ddecay, dA, dAT, dL, dLT, dqg, dkg, dkgam, *, scale, interpret):
-    N, BH, _, K = q.shape
+@lowered_once("scale", "interpret", "heads")
+def _prep_bwd(q, k, G, beta, ddecay, dA, dAT, dL, dLT, dqg, dkg, dkgam, *, scale, interpret, heads=None):
+    N, BH = beta.shape[:2]
+    K = q.shape[-1]
     KH = K // HW
     dt = q.dtype
     f32 = jnp.float32
@@ -293,8 +309,9 @@ def _prep_bwd(q, k, G, beta, ddecay, dA, dAT, dL, dLT, dqg, dkg, dkgam, *, scale
     ]
     grid = (N, BH, KH)
     sds = lambda dtype, *s: jax.ShapeDtypeStruct((N, BH, *s), dtype)  # noqa: E731
-    out_type = (sds(dt, C, K), sds(dt, C, K), sds(f32, C, K), sds(f32, KH, C))
-    body = functools.partial(_body, scale=scale, dt=dt, grid=grid, interpret=interpret)
+    tiles = (lambda dtype: jax.ShapeDtypeStruct(q.shape, dtype)) if heads else (lambda dtype: sds(dtype, C, K))  # noqa: E731
+    out_type = (tiles(dt), tiles(dt), tiles(f32), sds(f32, KH, C))
+    body = functools.partial(_body, scale=scale, dt=dt, grid=grid, interpret=interpret, heads=heads)
     return plgpu.kernel(
         body,
         out_type=out_type,

@@ -24,9 +24,11 @@ intra-chunk pieces' pull-back are Mosaic GPU kernels (`mosaic_scan`, `mosaic_wy_
 `mosaic_prep_bwd`); with train_forward="chunk" the forward keeps the pieces the backward reads
 (`chunk.RESIDUALS`). The state kernel also
 writes the incoming state of every chunk (bf16, O(T K V / 64) per head) and the backward runs
-from those states, so the forward is not recomputed. With train_forward="chunk" (what impl="chunk_mosaic" asks for) the
-forward under differentiation is chunk's own instead (see TRAIN_FORWARDS); calls that are not
-differentiated still run the kernels. Without `kernels.kda.chunk`, the backward recomputes
+from those states, so the forward is not recomputed. With train_forward="chunk" (what
+impl="chunk_mosaic" asks for) the forward under differentiation keeps the pieces: on the
+bounded path without resets the bf16 intra kernel writes them beside the state kernel's operands
+(`TRAIN_INTRA`), elsewhere chunk's own forward forms them in XLA (see TRAIN_FORWARDS); calls that
+are not differentiated run the kernels' forward. Without `kernels.kda.chunk`, the backward recomputes
 through this module's float32 plain-JAX chunked path (`prepare` + `scan_state_output`) under
 `jax.vjp`.
 

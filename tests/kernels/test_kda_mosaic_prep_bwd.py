@@ -63,6 +63,30 @@ def test_kernel_matches_autodiff(rng, K):
         assert err < tol, (name, err)
 
 
+def test_token_major_layout_gives_the_same(rng):
+    """heads=H: q, k, G in and dq, dk, dg out as [B, N C, H, K] give exactly the chunk-major
+    results, transposed; a layout that does not match beta's raises."""
+    from kernels.kda.chunk_intra import from_chunks
+
+    (q, k, g, beta, scale, ct), _ = _case(rng, 2, 3, 64)
+    flat = lambda x: x.reshape(x.shape[0], -1, *x.shape[3:])  # noqa: E731
+    G = jnp.cumsum(g, axis=-2)
+    rest = (flat(beta), flat(ct["decay"]), flat(ct["Aqk"]), flat(ct["L"]), flat(ct["qg"]), flat(ct["kg"]),
+            flat(ct["kgam"]))
+    want = mosaic_prep_bwd.prep_bwd(flat(q), flat(k), flat(G), *rest, scale=scale, interpret=True)
+    got = mosaic_prep_bwd.prep_bwd(from_chunks(q), from_chunks(k), from_chunks(G), *rest, scale=scale,
+                                   interpret=True, heads=3)
+    N, B, H = q.shape[:3]
+    for name, a, b in zip(("dq", "dk", "dg"), got, want):
+        assert a.shape == (B, N * 64, H, 64), name
+        np.testing.assert_array_equal(np.asarray(from_chunks(b.reshape(N, B, H, 64, 64)), np.float32),
+                                      np.asarray(a, np.float32), err_msg=name)
+    np.testing.assert_array_equal(np.asarray(got[3]), np.asarray(want[3]))
+    with pytest.raises(ValueError, match="heads=2"):
+        mosaic_prep_bwd.prep_bwd(from_chunks(q), from_chunks(k), from_chunks(G), *rest, scale=scale,
+                                 interpret=True, heads=2)
+
+
 def test_kda_gradients_with_the_kernel(rng):
     """KDA's gradients (bf16, bounded gate, T not a multiple of 64) with the kernel's pull-back
     equal XLA's to bf16 rounding, and both stay as close to the token-serial reference."""
