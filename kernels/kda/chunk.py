@@ -276,7 +276,8 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
     ct = dict(Aqk=dAqk)
     if delta:  # bv, kgam, L; with the WY kernel's state products (`chunk_wy.WY_STATE`) qg, kg, decay too
         ct.update(chunk_wy.pull_back(nm, dvn, states, Ai, v, beta, pieces["kexp"] if intra_form else P["kgam"],
-                                     compact, state_pass, do=do, vn=vn, dhs=dhs, intra_form=intra_form))
+                                     compact, state_pass, do=do, vn=vn, dhs=dhs, intra_form=intra_form,
+                                     dl_transposed=kernel is not None))
     if "qg" not in ct:
         ct.update(state_products(nm, do, states, vn, dhs))
     if compact:

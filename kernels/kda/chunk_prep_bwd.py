@@ -71,7 +71,8 @@ def kernel_pull_back(q, k, v, g, beta, ct, *, scale, interpret):
     G = tok(chunk_intra.chunk_cumsum(g))
     dq, dk, dg, db = mosaic_prep_bwd.prep_bwd(
         tok(q), tok(k), G, flat(beta), flat(ct["decay"]), flat(ct["Aqk"]), flat(ct["L"]), flat(ct["qg"]),
-        flat(ct["kg"]), flat(ct["kgam"]), scale=scale, interpret=interpret, heads=H)
+        flat(ct["kg"]), flat(ct["kgam"]), scale=scale, interpret=interpret, heads=H,
+        dLT=flat(ct["LT"]) if "LT" in ct else None)
     dbv = ct["bv"]
     dv = (beta[..., None] * dbv).astype(v.dtype)
     dbeta = back(db) + jnp.sum(dbv * v.astype(dbv.dtype), axis=-1)

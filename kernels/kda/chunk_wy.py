@@ -91,12 +91,14 @@ def wy_bwd_mode(state_pass: str | None = None) -> str:
 
 
 def pull_back(nm, dvn, states, Ai, v, beta, kgam, compact, state_pass: str | None = None, *, do=None, vn=None,
-              dhs=None, intra_form=False) -> dict:
+              dhs=None, intra_form=False, dl_transposed=False) -> dict:
     """The cotangents of the pieces bv, kgam and L (state dtype) as `WY_BWD` says, by piece name;
     arguments as `wy_bwd_reference`'s, and the backward's serial pass for "auto". With do, vn (v')
     and dhs in the compute dtype, where the kernel runs with WY_STATE "kernel", also those of qg,
     kg and decay (the caller forms any it does not get). `intra_form`: Ai holds Ai^T and kgam
-    holds k exp(G), as the intra-chunk kernel writes them (`mosaic_wy_bwd.wy_bwd`'s intra_form)."""
+    holds k exp(G), as the intra-chunk kernel writes them (`mosaic_wy_bwd.wy_bwd`'s intra_form).
+    `dl_transposed`: where the kernel runs, L's cotangent comes masked to its strictly lower part
+    and its transpose as "LT" too (for `mosaic_prep_bwd`; the XLA ops give "L" alone)."""
     names = ("bv", "kgam", "L")
     mode = wy_bwd_mode(state_pass)
 
@@ -122,5 +124,7 @@ def pull_back(nm, dvn, states, Ai, v, beta, kgam, compact, state_pass: str | Non
     state = wy_bwd_setting()[2] == "kernel" and do is not None
     more = dict(do=do.astype(nm.cd), vn=vn.astype(nm.cd), dhs=dhs.astype(nm.cd)) if state else {}
     outs = mosaic_wy_bwd.wy_bwd(dvn.astype(nm.cd), states.astype(nm.cd), Ai, v, beta, kgam,
-                                interpret=mode == "interpret", form=WY_FORM, intra_form=intra_form, **more)
-    return dict(zip(names + ("qg", "kg", "decay"), (o.astype(nm.sdt) for o in outs)))
+                                interpret=mode == "interpret", form=WY_FORM, intra_form=intra_form,
+                                dl_transposed=dl_transposed, **more)
+    names += ("qg", "kg", "decay")[:len(outs) - 3 - dl_transposed] + (("LT",) if dl_transposed else ())
+    return dict(zip(names, (o.astype(nm.sdt) for o in outs)))

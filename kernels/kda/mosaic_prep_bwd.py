@@ -251,7 +251,7 @@ def supported(K: int, cd) -> str | None:
     return None
 
 
-def prep_bwd(q, k, G, beta, ddecay, dAqk, dL, dqg, dkg, dkgam, *, scale, interpret=False, heads=None):
+def prep_bwd(q, k, G, beta, ddecay, dAqk, dL, dqg, dkg, dkgam, *, scale, interpret=False, heads=None, dLT=None):
     """The pull-back of `chunk_intra.prep`'s pieces on the bounded path (no segment resets),
     except bv's (dv = beta dbv and its dbeta term are the caller's).
 
@@ -260,7 +260,9 @@ def prep_bwd(q, k, G, beta, ddecay, dAqk, dL, dqg, dkg, dkgam, *, scale, interpr
     r > c; rounded to bf16); dqg, dkg, dkgam [N, BH, C, K] (rounded to bf16). Returns dq, dk
     [N, BH, C, K] bf16, dg [N, BH, C, K] float32, dbeta [N, BH, C] float32 (kgam's and L's terms).
     With `heads` = H: q, k, G and dq, dk, dg are [B, N C, H, K] instead (the inputs' layout, BH =
-    B H): the caller's chunking transposes then cancel against its un-chunking ones.
+    B H): the caller's chunking transposes then cancel against its un-chunking ones. With `dLT`
+    [N, BH, C, C]: dL comes masked already and dLT is its transpose (as `mosaic_wy_bwd` writes
+    them), taken as they are.
     """
     if heads:
         B, Tp, H, K = q.shape
@@ -277,11 +279,15 @@ def prep_bwd(q, k, G, beta, ddecay, dAqk, dL, dqg, dkg, dkgam, *, scale, interpr
     r = jnp.arange(C)
     bf = jnp.bfloat16
     dAm = jnp.where(r[:, None] >= r[None, :], dAqk, 0).astype(bf)
-    dLm = jnp.where(r[:, None] > r[None, :], dL, 0).astype(bf)
     T = lambda x: jnp.swapaxes(x, -1, -2)  # noqa: E731
     cast = lambda x: x.astype(bf)  # noqa: E731
+    if dLT is None:
+        dLm = jnp.where(r[:, None] > r[None, :], dL, 0).astype(bf)
+        dL, dLT = dLm, T(dLm)
+    elif dLT.shape != dL.shape:
+        raise ValueError(f"prep_bwd: dLT has shape {dLT.shape}; expected dL's {dL.shape}")
     dq, dk, dg, db = _prep_bwd(q.astype(bf), k.astype(bf), G.astype(jnp.float32), beta.astype(jnp.float32),
-                               ddecay.astype(jnp.float32), dAm, T(dAm), dLm, T(dLm), cast(dqg), cast(dkg),
+                               ddecay.astype(jnp.float32), dAm, T(dAm), cast(dL), cast(dLT), cast(dqg), cast(dkg),
                                cast(dkgam), scale=float(scale), interpret=bool(interpret), heads=heads)
     return dq, dk, dg, jnp.sum(db, axis=2)
 

@@ -72,7 +72,7 @@ def _store(x, ref):
     plgpu.commit_smem()
 
 
-def _compute(t, bufs, wait, outs, *, dw_ready=False, intra_form=False):
+def _compute(t, bufs, wait, outs, *, dw_ready=False, intra_form=False, dlt_ref=None):
     """One chunk's pull-back from its inputs in SMEM into row t of the HBM outputs.
 
     bufs: dict of SMEM refs: the inputs by `_INPUTS` name, "mats" (dAi, X, dL; the per-chunk form
@@ -80,7 +80,9 @@ def _compute(t, bufs, wait, outs, *, dw_ready=False, intra_form=False):
     bufs["dw"] already (S is not read). wait(name) blocks until that input's copy landed; outs:
     (d bv, d kgam, d L) in HBM. Leaves the three stores in flight (one commit group each).
     `intra_form`: the inputs as the intra-chunk kernel writes them (`mosaic_intra_bf16`'s pieces):
-    Ai^T in place of Ai and k exp(G) in place of kgam = beta k exp(G)."""
+    Ai^T in place of Ai and k exp(G) in place of kgam = beta k exp(G). `dlt_ref`: d L masked to
+    its strictly lower part goes to outs[2] and its transpose, formed as -X^T Ai in dAi's memory,
+    to dlt_ref (the operands the pieces' pull-back takes, `mosaic_prep_bwd`)."""
     dvn_s, ai_s, bv_s, kg_s, beta_s, dw_s = (bufs[n] for n in ("dvn", "Ai", "v", "kgam", "beta", "dw"))
     dai_s, x_s, dl_s = bufs["mats"]
     dbv_ref, dkg_ref, dl_ref = outs
@@ -124,19 +126,33 @@ def _compute(t, bufs, wait, outs, *, dw_ready=False, intra_form=False):
     d_kgam, d_L = _two(((C, K), ai_t, dw_s), ((C, C), ai_t, x_s))
     _store(d_kgam, kg_s)
     plgpu.copy_smem_to_gmem(kg_s, dkg_ref.at[t])
-    _store(-d_L, dl_s)
+    if dlt_ref is None:
+        _store(-d_L, dl_s)
+        plgpu.copy_smem_to_gmem(dl_s, dl_ref.at[t])
+        return
+    rows = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=_W)
+    cols = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=_W)
+    _store(jnp.where(rows > cols, -d_L, 0.0), dl_s)
     plgpu.copy_smem_to_gmem(dl_s, dl_ref.at[t])
 
+    def dlt_fn(acc):  # d L^T = -X^T Ai (X, Ai as stored: their transposed views)
+        plgpu.wgmma(acc, x_s.transpose((1, 0)), ai_s.transpose((1, 0)) if intra_form else ai_s)
+        return acc[...]
 
-def _body_state(*refs, P, intra_form=False):
+    _store(jnp.where(cols > rows, -_mm(dlt_fn, (C, C)), 0.0), dai_s)  # dAi's last read was X's product
+    plgpu.copy_smem_to_gmem(dai_s, dlt_ref.at[t])
+
+
+def _body_state(*refs, P, intra_form=False, dl_t=False):
     """One program per chunk that also forms the state products' cotangents before the WY
     pull-back: dqg = do S_n^T, dkg = v' dhs^T and d decay = sum_v S_n * dhs (float32), S_n and
     dhs [K, V] read once for all three and dw. Each input's memory passes to a later one once
     read (dhs's to v and kgam, S's to Ai and the [C, C] intermediates, v''s to dkg then dw, do's
     to dqg), so the program holds 112 KiB at K = V = 128: two per SM."""
-    ins, outs, rest = refs[:9], refs[9:15], refs[15:]
+    n_out = 7 if dl_t else 6
+    ins, outs, rest = refs[:9], refs[9:9 + n_out], refs[9 + n_out:]
     dvn_ref, s_ref, ai_ref, v_ref, beta_ref, kg_ref, do_ref, vn_ref, dhs_ref = ins
-    dqg_ref, dkg_ref, dd_ref = outs[3:]
+    dqg_ref, dkg_ref, dd_ref = outs[3:6]
     dvn_s, (mats, s_s), ((bv_s, kg_s), dhs_s), (do_s, dqg_s), (vn_s, dkw_s), beta_s, dd_s, bars = rest
     ai_s, *mats = mats
     (t,) = grid_indices((P,))
@@ -182,7 +198,7 @@ def _body_state(*refs, P, intra_form=False):
     plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # d decay's and dkg's copies have read their SMEM
     _store(-dw, dkw_s)
     bufs = dict(dvn=dvn_s, Ai=ai_s, v=bv_s, kgam=kg_s, beta=beta_s, dw=dkw_s, mats=tuple(mats))
-    _compute(t, bufs, wait, outs[:3], dw_ready=True, intra_form=intra_form)
+    _compute(t, bufs, wait, outs[:3], dw_ready=True, intra_form=intra_form, dlt_ref=outs[6] if dl_t else None)
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -198,22 +214,25 @@ def _inputs_scratch(K, V, dt, lead=()):
     ]
 
 
-def _body(*refs, P, intra_form=False):
+def _body(*refs, P, intra_form=False, dl_t=False):
     """One program per chunk: every input copied at once, then `_compute`."""
-    ins, outs, rest = refs[:6], refs[6:9], refs[9:]
+    n_out = 4 if dl_t else 3
+    ins, outs, rest = refs[:6], refs[6:6 + n_out], refs[6 + n_out:]
     dvn_s, (mats, s_s), ai_s, v_s, beta_s, kg_s, dw_s, bars = rest
     (t,) = grid_indices((P,))
     bufs = dict(dvn=dvn_s, S=s_s, Ai=ai_s, v=v_s, beta=beta_s, kgam=kg_s, mats=tuple(mats), dw=dw_s)
     for i, name in enumerate(_INPUTS):
         plgpu.copy_gmem_to_smem(ins[i].at[t], bufs[name], bars.at[i])
-    _compute(t, bufs, lambda name: plgpu.barrier_wait(bars.at[_INPUTS.index(name)]), outs, intra_form=intra_form)
+    _compute(t, bufs, lambda name: plgpu.barrier_wait(bars.at[_INPUTS.index(name)]), outs[:3], intra_form=intra_form,
+             dlt_ref=outs[3] if dl_t else None)
     plgpu.wait_smem_to_gmem(0)
 
 
-def _body_persistent(*refs, P, programs, intra_form=False):
+def _body_persistent(*refs, P, programs, intra_form=False, dl_t=False):
     """`programs` persistent programs; program p takes chunks p, p + programs, ... through two
     SMEM slots: chunk j + 1's inputs load while chunk j computes."""
-    ins, outs, rest = refs[:6], refs[6:9], refs[9:]
+    n_out = 4 if dl_t else 3
+    ins, outs, rest = refs[:6], refs[6:6 + n_out], refs[6 + n_out:]
     slotted, mats, dw_s, bars = rest[:6], rest[6:9], rest[9], rest[10]
     pid = lax.axis_index("t")
     J = -(-P // programs)  # chunks of program 0; the others may have one fewer
@@ -237,7 +256,8 @@ def _body_persistent(*refs, P, programs, intra_form=False):
 
             bufs = dict(zip(_INPUTS, (r.at[slot] for r in slotted)), mats=tuple(mats), dw=dw_s)
             wait = lambda name: plgpu.barrier_wait(bars.at[n * slot + _INPUTS.index(name)])  # noqa: E731
-            _compute(pid + j * programs, bufs, wait, outs, intra_form=intra_form)
+            _compute(pid + j * programs, bufs, wait, outs[:3], intra_form=intra_form,
+                     dlt_ref=outs[3] if dl_t else None)
 
         return carry
 
@@ -246,8 +266,8 @@ def _body_persistent(*refs, P, programs, intra_form=False):
     plgpu.wait_smem_to_gmem(0)
 
 
-@lowered_once("form", "programs", "interpret", "intra_form")
-def _wy_bwd(dvn, states, Ai, v, beta, kgam, *extra, form, programs, interpret, intra_form=False):
+@lowered_once("form", "programs", "interpret", "intra_form", "dl_t")
+def _wy_bwd(dvn, states, Ai, v, beta, kgam, *extra, form, programs, interpret, intra_form=False, dl_t=False):
     """extra: () or (do, vn, dhs), the per-chunk form with the state products (`_body_state`)."""
     P, _, V = dvn.shape
     K = states.shape[-2]
@@ -267,21 +287,22 @@ def _wy_bwd(dvn, states, Ai, v, beta, kgam, *extra, form, programs, interpret, i
             plgpu.Barrier(num_barriers=9),
         ]
         out_type += (sds(C, K), sds(C, K), sds(K, dtype=jnp.float32))
-        body = functools.partial(_body_state, P=P, intra_form=intra_form)
+        body = functools.partial(_body_state, P=P, intra_form=intra_form, dl_t=dl_t)
         grid = flat_grid((P,))
     elif form == "persistent":
         programs = min(programs or num_sms(), P)
         # two slots of inputs; one set of the [C, C] intermediates (dAi, X, dL) and of dw
         scratch = _inputs_scratch(K, V, dt, (2,)) + list(mats(3)) + [
             _smem((C, K), dt), plgpu.Barrier(num_barriers=2 * len(_INPUTS))]
-        body = functools.partial(_body_persistent, P=P, programs=programs, intra_form=intra_form)
+        body = functools.partial(_body_persistent, P=P, programs=programs, intra_form=intra_form, dl_t=dl_t)
         grid = dict(grid=(programs,), grid_names=("t",))
     else:
         scratch = _inputs_scratch(K, V, dt)  # S's memory in a union with dAi, X, dL (made after dw)
         scratch[1] = plgpu.RefUnion(mats(3), scratch[1])
         scratch += [_smem((C, K), dt), plgpu.Barrier(num_barriers=len(_INPUTS))]
-        body = functools.partial(_body, P=P, intra_form=intra_form)
+        body = functools.partial(_body, P=P, intra_form=intra_form, dl_t=dl_t)
         grid = flat_grid((P,))
+    out_type += (sds(C, C),) if dl_t else ()
     return plgpu.kernel(
         body,
         out_type=out_type,
@@ -293,7 +314,7 @@ def _wy_bwd(dvn, states, Ai, v, beta, kgam, *extra, form, programs, interpret, i
 
 
 def wy_bwd(dvn, states, Ai, v, beta, kgam, *, interpret=False, form=None, programs=None, do=None, vn=None,
-           dhs=None, intra_form=False):
+           dhs=None, intra_form=False, dl_transposed=False):
     """dvn [.., C, V], states [.., K, V], Ai [.., C, C], v [.., C, V], beta [.., C], kgam [.., C, K]
     (any leading dims, the same for all; matrices cast to dvn's dtype, beta to float32) -> (d bv
     [.., C, V], d kgam [.., C, K], d L [.., C, C]) in dvn's dtype, bv = beta v (rounded to dvn's
@@ -303,7 +324,9 @@ def wy_bwd(dvn, states, Ai, v, beta, kgam, *, interpret=False, form=None, progra
     gradient of the outgoing state) too, per-chunk form only: also (dqg = do S^T [.., C, K],
     dkg = v' dhs^T [.., C, K] in dvn's dtype, d decay = sum_v S * dhs [.., K] float32).
     `intra_form`: Ai holds Ai^T and kgam holds k exp(G) (the kernel scales it by beta), as
-    `mosaic_intra_bf16.intra_bf16(..., pieces=True)` writes them; the outputs are the same."""
+    `mosaic_intra_bf16.intra_bf16(..., pieces=True)` writes them; the outputs are the same.
+    `dl_transposed`: d L comes masked to its strictly lower part (r > c), and its transpose
+    [.., C, C] after the other outputs (what `mosaic_prep_bwd.prep_bwd` takes)."""
     form = "per_chunk" if form is None else form
     if form not in WY_FORMS:
         raise ValueError(f"form={form!r}; expected one of {WY_FORMS}")
@@ -329,5 +352,6 @@ def wy_bwd(dvn, states, Ai, v, beta, kgam, *, interpret=False, form=None, progra
     flat = lambda x: x.astype(dt).reshape(-1, *x.shape[-2:])  # noqa: E731
     more = () if do is None else (flat(do), flat(vn), flat(dhs))
     outs = _wy_bwd(flat(dvn), flat(states), flat(Ai), flat(v), beta.astype(jnp.float32).reshape(-1, C), flat(kgam),
-                   *more, form=form, programs=programs, interpret=interpret, intra_form=bool(intra_form))
+                   *more, form=form, programs=programs, interpret=interpret, intra_form=bool(intra_form),
+                   dl_t=bool(dl_transposed))
     return tuple(o.reshape(*lead, *o.shape[1:]) for o in outs)

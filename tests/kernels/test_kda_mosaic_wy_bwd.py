@@ -68,6 +68,35 @@ def test_intra_form_inputs_give_the_same_outputs(rng, form, state):
         assert rel_rms(w, g) < 1e-6, (name, rel_rms(w, g))
 
 
+@pytest.mark.parametrize("form, state, intra_form", [("per_chunk", True, True), ("per_chunk", False, False),
+                                                     ("persistent", False, True)])
+def test_transposed_dl_output(rng, form, state, intra_form):
+    """`dl_transposed=True`: d L masked to r > c, and its transpose after the other outputs (formed
+    by its own product, so equal to bf16 rounding); the other outputs unchanged."""
+    K, V = 64, 64
+    dvn, S, Ai, v, beta, kgam = _pieces(rng, (3,), K, V)
+    ai = Ai.astype(jnp.bfloat16)
+    if intra_form:
+        ai, kgam = jnp.swapaxes(ai, -1, -2), kgam.astype(jnp.bfloat16)
+    more = {}
+    if state:
+        n = lambda *s: jnp.asarray(rng.standard_normal((3, *s)), jnp.bfloat16)  # noqa: E731
+        more = dict(do=n(64, V), vn=n(64, V), dhs=n(K, V))
+    run = lambda **kw: mosaic_wy_bwd.wy_bwd(dvn, S, ai, v, beta, kgam, interpret=True, form=form, programs=2,  # noqa: E731
+                                             intra_form=intra_form, **more, **kw)
+    want, got = run(), run(dl_transposed=True)
+    assert len(got) == len(want) + 1
+    r = np.arange(64)
+    lower = r[:, None] > r[None, :]
+    for i, (g, w) in enumerate(zip(got[:-1], want)):
+        w = jnp.where(lower, w, 0) if i == 2 else w
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    dlt = got[-1]
+    assert dlt.shape == got[2].shape and dlt.dtype == got[2].dtype
+    assert not np.any(np.asarray(dlt, np.float32)[..., r[:, None] >= r[None, :]])  # zero on and below the diagonal
+    assert rel_rms(jnp.swapaxes(got[2], -1, -2), dlt) < 1e-2
+
+
 @pytest.mark.parametrize("wy_state", chunk_wy.WY_STATES)
 def test_kda_gradients_with_the_kernel(rng, wy_state):
     """KDA's gradients (bf16, bounded gate, packed documents) with the kernel's pull-back (and,
