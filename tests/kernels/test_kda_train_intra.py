@@ -46,21 +46,29 @@ def _spy(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("K, V, levers", [(64, 64, {}), (128, 64, dict(wy_bwd="xla", grad_intra="input"))])
-def test_kernel_pieces_match_xla_pieces(rng, monkeypatch, K, V, levers):
-    """impl="chunk_mosaic" under differentiation (T not a multiple of 64, an initial state): o, S and
-    every gradient with the kernel's pieces equal those with XLA's to bf16 rounding, and stay as
-    close to naive; with the WY pull-back and Aqk^T do in XLA too (they read Ai^T, Aqk^T and
-    k exp(G) through transposes and a product with beta)."""
-    args, do, dS = _inputs(rng, 1, 150, 2, K, V)
+@pytest.mark.parametrize("K, V, T, levers", [(64, 64, 150, {}), (128, 64, 150, dict(wy_bwd="xla", grad_intra="input")),
+                                            (64, 64, 256, dict(forward_segments=2, segments=2))])
+def test_kernel_pieces_match_xla_pieces(rng, monkeypatch, K, V, T, levers):
+    """impl="chunk_mosaic" under differentiation (an initial state): o, S and every gradient with the
+    kernel's pieces equal those with XLA's to bf16 rounding, and stay as close to naive; with the
+    WY pull-back and Aqk^T do in XLA too (they read Ai^T, Aqk^T and k exp(G) through transposes and
+    a product with beta); with both serial passes in two segments (the forward's segment starts
+    from the kernel's unnegated w, the reverse pass's segments splitting Aqk^T)."""
+    from kernels.kda import mosaic_scan
+
+    args, do, dS = _inputs(rng, 1, T, 2, K, V)
     o_ref, S_ref, ref = _run("naive", args, do, dS)
-    calls = _spy(monkeypatch)
+    calls, starts, segment_starts = _spy(monkeypatch), [], mosaic_scan.segment_starts
+    monkeypatch.setattr(mosaic_scan, "segment_starts", lambda *a, **kw: starts.append(kw) or segment_starts(*a, **kw))
     with chunk.settings(train_intra="xla", **{**KERNELS, **levers}):
         o_x, S_x, want = _run("chunk_mosaic", args, do, dS)
     assert calls == []  # under differentiation the forward is chunk.py's, with XLA's pieces
+    starts.clear()
     with chunk.settings(train_intra="kernel", **{**KERNELS, **levers}):
         o, S, got = _run("chunk_mosaic", args, do, dS)
     assert calls == [True], "the training form of the intra kernel did not run"
+    if "forward_segments" in levers:  # the kernel's forward ran its state pass in segments, from w itself
+        assert [kw["w_negated"] for kw in starts] == [False], starts
     assert rel_rms(o_x, o) < 1e-2 and rel_rms(S_x, S) < 1e-2
     assert rel_rms(o_ref, o) < 5e-3 and rel_rms(S_ref, S) < 5e-3
     for name, a, b, r in zip(NAMES, got, want, ref):
