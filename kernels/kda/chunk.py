@@ -100,7 +100,9 @@ STATES_NAME = "kda_chunk_states"
 # and w, about 4.5x the states' bytes, named PIECES_NAME), where the pieces' pull-back is the
 # Mosaic GPU kernel (`chunk_prep_bwd.PREP_BWD`): the backward then runs none of the forward's XLA
 # ops again (XLA shares none of them with the backward's recomputation). Elsewhere "pieces" keeps
-# what "states_vn" keeps. The default: with the kernel's pull-back, forward+backward on an H100
+# what "states_vn" keeps. Where `pallas_gpu.TRAIN_INTRA` has the intra kernel write them they are
+# (qg, w, kg, decay, AqkT, AiT, kexp) in that kernel's orientation (`_core_bwd` takes both forms).
+# The default: with the kernel's pull-back, forward+backward on an H100
 # took 7.07 ms against 8.69 at 8,4096,16,128 and 15.45 against 18.47 at 1,65536,16,128
 # (kda-prepbwd-pieces-fla-h100-20261206T0756.json).
 RESIDUAL_CHOICES = ("states", "states_vn", "pieces")
