@@ -21,19 +21,31 @@ log = logging.getLogger(__name__)
 # (`chunk.RESIDUALS`) it took the backward's XLA ops from 20.26 to 13.89 GB at 8,4096,16,128.
 PREP_BWD_CHOICES = ("auto", "xla", "mosaic", "interpret")
 PREP_BWD = "auto"
+# Where the kernel's G (the chunk-local cumsum of g) comes from (`chunk.settings(prep_bwd_cumsum=...)`):
+# "xla" (`chunk_intra.chunk_cumsum`, a GEMM reading g and writing G: 0.54 GB and 0.21 ms of a
+# forward+backward at 8,4096,16,128 on an H100, `kda-profile-8x4096-h100-20261206T1011.json`) or
+# "kernel" (the kernel reads g and forms G and its anchors on the tensor cores, g in three bf16
+# parts; ptxas reports 100 bytes of spills for that kernel, none for the other). "kernel" is not
+# yet timed on a GPU: "xla" stays the default until it is.
+PREP_BWD_CUMSUM_CHOICES = ("xla", "kernel")
+PREP_BWD_CUMSUM = "xla"
 _prep_warned: set = set()
 
 
-def prep_bwd_setting() -> str:
+def prep_bwd_setting() -> tuple[str, str]:
+    """(PREP_BWD, PREP_BWD_CUMSUM), checked: part of `chunk.traced_key`."""
     if PREP_BWD not in PREP_BWD_CHOICES:
         raise ValueError(f"chunk_prep_bwd.PREP_BWD={PREP_BWD!r}; expected one of {PREP_BWD_CHOICES}")
-    return PREP_BWD
+    if PREP_BWD_CUMSUM not in PREP_BWD_CUMSUM_CHOICES:
+        raise ValueError(f"chunk_prep_bwd.PREP_BWD_CUMSUM={PREP_BWD_CUMSUM!r}; expected one of "
+                         f"{PREP_BWD_CUMSUM_CHOICES}")
+    return PREP_BWD, PREP_BWD_CUMSUM
 
 
 def prep_bwd_mode(nm, K, bounded, delta, counts, state_pass, compute_cotangents) -> str | None:
     """The kernel mode ("mosaic" or "interpret") that pulls the pieces back, or None for XLA
     (`nm` the call's `chunk._Numerics`; `compute_cotangents`: `chunk.COTANGENTS` is "compute")."""
-    mode = prep_bwd_setting()
+    mode = prep_bwd_setting()[0]
     if mode == "auto":
         mode = "mosaic" if state_pass == "mosaic" else "xla"
     elif mode != "xla":
@@ -68,11 +80,12 @@ def kernel_pull_back(q, k, v, g, beta, ct, *, scale, interpret):
     # inputs and un-chunk the gradients, and XLA cancels those transposes against these (at
     # 8,4096,16,128 six of them, 2.15 GB of a forward+backward's XLA ops by the deviceless count).
     tok = chunk_intra.from_chunks
-    G = tok(chunk_intra.chunk_cumsum(g))
+    in_kernel = prep_bwd_setting()[1] == "kernel"
+    G = tok(g if in_kernel else chunk_intra.chunk_cumsum(g))
     dq, dk, dg, db = mosaic_prep_bwd.prep_bwd(
         tok(q), tok(k), G, flat(beta), flat(ct["decay"]), flat(ct["Aqk"]), flat(ct["L"]), flat(ct["qg"]),
         flat(ct["kg"]), flat(ct["kgam"]), scale=scale, interpret=interpret, heads=H,
-        dLT=flat(ct["LT"]) if "LT" in ct else None)
+        dLT=flat(ct["LT"]) if "LT" in ct else None, cumsum=in_kernel)
     dbv = ct["bv"]
     dv = (beta[..., None] * dbv).astype(v.dtype)
     dbeta = back(db) + jnp.sum(dbv * v.astype(dbv.dtype), axis=-1)

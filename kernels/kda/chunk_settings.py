@@ -46,7 +46,8 @@ def _settings_table(keys=None):
              "wy_state": lambda: (chunk_wy, "WY_STATE", chunk_wy.WY_STATES),
              "state_buffers": _state_buffers_setting,
              "prep_bwd": lambda: (chunk_prep_bwd, "PREP_BWD", chunk_prep_bwd.PREP_BWD_CHOICES),
-             "train_intra": _train_intra_setting}
+             "train_intra": _train_intra_setting,
+             "prep_bwd_cumsum": lambda: (chunk_prep_bwd, "PREP_BWD_CUMSUM", chunk_prep_bwd.PREP_BWD_CUMSUM_CHOICES)}
     for key in keys or ():
         if key not in table:
             raise ValueError(f"unknown KDA setting {key!r}; expected one of {SETTINGS}")
@@ -66,7 +67,7 @@ def traced_key() -> tuple:
                                             chunk_segments.SCAN_FORM, ck.COTANGENTS, ck.RESIDUALS,
                                             chunk_output.FORWARD_STATE, ms.FORWARD_ONLY if ms else None,
                                             mst.buffers() if mst else None, *chunk_wy.wy_bwd_setting(),
-                                            chunk_prep_bwd.prep_bwd_setting(), pg.TRAIN_INTRA if pg else None)
+                                            *chunk_prep_bwd.prep_bwd_setting(), pg.TRAIN_INTRA if pg else None)
 
 
 def _state_buffers_setting():
@@ -90,7 +91,7 @@ def _forward_only_setting():
 SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse", "diag_stack", "offdiag_stack",
             "forward_only", "segments", "block_v", "grad_issue", "grad_intra", "scan_form", "cotangents",
             "residuals", "forward_state", "wy_bwd", "wy_form", "wy_state", "state_buffers", "forward_segments",
-            "prep_bwd", "train_intra")
+            "prep_bwd", "train_intra", "prep_bwd_cumsum")
 
 
 def setting_values(key: str) -> tuple:
@@ -103,7 +104,7 @@ def settings(**values):
     """Within the block, trace with these module settings (diag=, rows=, scores=, cumsum=,
     scores_bwd=, inverse=, diag_stack=, offdiag_stack=, forward_only=, segments=, block_v=,
     grad_issue=, grad_intra=, scan_form=, cotangents=, residuals=, forward_state=, wy_bwd=,
-    wy_form=, wy_state=, state_buffers=, forward_segments=, prep_bwd=, train_intra=; see SETTINGS),
+    wy_form=, wy_state=, state_buffers=, forward_segments=, prep_bwd=, train_intra=, prep_bwd_cumsum=; see SETTINGS),
     restored afterwards; an unknown key or value raises."""
     table = _settings_table(values)
     for key, value in values.items():

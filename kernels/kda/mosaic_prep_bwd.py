@@ -80,12 +80,13 @@ def _three_parts(x, dt):
 
 
 def _body(q_ref, k_ref, G_ref, b_ref, dd_ref, dA_ref, dAT_ref, dL_ref, dLT_ref, dqg_ref, dkg_ref, dkgam_ref,
-          dq_ref, dk_ref, dg_ref, db_ref, G_s, cots_u, ops_u, an_s, b_s, dd_s, db_s, bars, *, scale, dt, grid,
-          interpret, heads):
+          dq_ref, dk_ref, dg_ref, db_ref, G_u, cots_u, ops_u, an_s, b_s, dd_s, db_s, bars, *, scale, dt, grid,
+          interpret, heads, cumsum):
     # ops_u: the six split operands (bf16, narrow swizzle); Pq, X, Pc's float32 stash; q, k (and
     # then dq, dk) in the last 16 KiB, which the stash's first two tiles leave free.
     ops, stash, (_, qk_s), ops_w = ops_u
     cots, cots_w = cots_u
+    G_s, G_plain = G_u  # G_plain: the same memory unswizzled, whose rows the anchors are read from
     phase = profiling.phases()
     phase("load")
     n, bh, j = grid_indices(grid)
@@ -100,7 +101,8 @@ def _body(q_ref, k_ref, G_ref, b_ref, dd_ref, dA_ref, dAT_ref, dL_ref, dLT_ref, 
     loads = qk_loads + [(tile(G_ref), G_s), (b_ref.at[n, bh], b_s), (dd_ref.at[n, bh, cs], dd_s)]
     loads += [(ref.at[n, bh], cots.at[i]) for i, ref in enumerate((dA_ref, dAT_ref, dL_ref, dLT_ref))]
     row = lambda I: min(I * SUB, C - 1) + (n * C if heads else 0)  # noqa: E731 - block I's first row, the last
-    loads += [(tile(G_ref, row(I)), an_s.at[I]) for I in range(NB + 1)]
+    if not cumsum:  # G_ref holds G: the anchors are its rows
+        loads += [(tile(G_ref, row(I)), an_s.at[I]) for I in range(NB + 1)]
     for i, (src, dst) in enumerate(loads):
         plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
     for i in range(len(loads)):
@@ -115,6 +117,9 @@ def _body(q_ref, k_ref, G_ref, b_ref, dd_ref, dA_ref, dAT_ref, dL_ref, dLT_ref, 
     anchor = lambda i: plgpu.load(an_s.at[i], layout=_W.reduce(0))  # noqa: E731
     wide = lambda v: lax.broadcast_in_dim(v, (C, HW), [1])  # noqa: E731
     load = lambda ref: plgpu.load(ref, layout=_W).astype(f32)  # noqa: E731
+
+    if cumsum:  # G_ref held g: G = Tri g and the anchors Sel g, g as three bf16 parts (about float32)
+        _chunk_cumsum(G_s, G_plain, ops_w, an_s, dt)
 
     def local_decay():
         """D = G - a_I [C, HW] from G's tile and the block anchors."""
@@ -242,6 +247,37 @@ def _body(q_ref, k_ref, G_ref, b_ref, dd_ref, dA_ref, dAT_ref, dL_ref, dLT_ref, 
     phase(None)
 
 
+def _chunk_cumsum(G_s, G_plain, ops_w, an_s, dt):
+    """g in G_s -> G = Tri g in G_s and the anchors (G at each 16-row block's first row, G_last) in
+    an_s, on the tensor cores: g as hi + mid + lo bf16 in ops_w[0:3] (free before the operands are
+    formed), the 0/1 matrix in ops_w[3], first Sel (row I < NB sums rows 0 .. 16 I, row NB all of
+    them) through the unswizzled view of G's memory, whose rows can be read, then Tri (s <= t) into
+    G's place. ptxas (deviceless, K = 128) reports 100 bytes of spills for the kernel with this
+    phase, none without it (the Tri product alone already spills 96)."""
+    f32 = jnp.float32
+    r1 = plgpu.broadcasted_iota(jnp.int32, (C,), 0, layout=_W.reduce(1))
+    c1 = plgpu.broadcasted_iota(jnp.int32, (C,), 0, layout=_W.reduce(0))
+    rows, cols = lax.broadcast_in_dim(r1, (C, C), [0]), lax.broadcast_in_dim(c1, (C, C), [1])
+    for i, part in enumerate(_three_parts(plgpu.load(G_s, layout=_W), dt)):
+        ops_w.at[i][...] = part
+
+    def product(acc):
+        for i in range(3):
+            plgpu.wgmma(acc, ops_w.at[3], ops_w.at[i])
+        return acc[...]
+
+    ops_w.at[3][...] = jnp.where(((rows < NB) & (cols <= rows * SUB)) | (rows == NB), 1.0, 0.0).astype(dt)
+    plgpu.commit_smem()
+    G_plain[...] = pl.run_scoped(product, plgpu.ACC((C, HW), f32))
+    plgpu.commit_smem()
+    for i in range(NB + 1):
+        an_s.at[i][...] = plgpu.load(G_plain.at[i], layout=_W.reduce(0))
+    ops_w.at[3][...] = jnp.where(cols <= rows, 1.0, 0.0).astype(dt)
+    plgpu.commit_smem()  # the anchors read before G overwrites their rows; Tri in place of Sel
+    G_s[...] = pl.run_scoped(product, plgpu.ACC((C, HW), f32))
+    plgpu.commit_smem()
+
+
 def supported(K: int, cd) -> str | None:
     """Why the kernel cannot take K key channels in compute dtype `cd` (None when it can)."""
     if K % HW:
@@ -251,7 +287,8 @@ def supported(K: int, cd) -> str | None:
     return None
 
 
-def prep_bwd(q, k, G, beta, ddecay, dAqk, dL, dqg, dkg, dkgam, *, scale, interpret=False, heads=None, dLT=None):
+def prep_bwd(q, k, G, beta, ddecay, dAqk, dL, dqg, dkg, dkgam, *, scale, interpret=False, heads=None, dLT=None,
+             cumsum=False):
     """The pull-back of `chunk_intra.prep`'s pieces on the bounded path (no segment resets),
     except bv's (dv = beta dbv and its dbeta term are the caller's).
 
@@ -262,7 +299,8 @@ def prep_bwd(q, k, G, beta, ddecay, dAqk, dL, dqg, dkg, dkgam, *, scale, interpr
     With `heads` = H: q, k, G and dq, dk, dg are [B, N C, H, K] instead (the inputs' layout, BH =
     B H): the caller's chunking transposes then cancel against its un-chunking ones. With `dLT`
     [N, BH, C, C]: dL comes masked already and dLT is its transpose (as `mosaic_wy_bwd` writes
-    them), taken as they are.
+    them), taken as they are. With `cumsum`: G holds the gates g themselves and the kernel forms
+    their chunk-local cumsum (no XLA pass over g writing G).
     """
     if heads:
         B, Tp, H, K = q.shape
@@ -288,12 +326,14 @@ def prep_bwd(q, k, G, beta, ddecay, dAqk, dL, dqg, dkg, dkgam, *, scale, interpr
         raise ValueError(f"prep_bwd: dLT has shape {dLT.shape}; expected dL's {dL.shape}")
     dq, dk, dg, db = _prep_bwd(q.astype(bf), k.astype(bf), G.astype(jnp.float32), beta.astype(jnp.float32),
                                ddecay.astype(jnp.float32), dAm, T(dAm), cast(dL), cast(dLT), cast(dqg), cast(dkg),
-                               cast(dkgam), scale=float(scale), interpret=bool(interpret), heads=heads)
+                               cast(dkgam), scale=float(scale), interpret=bool(interpret), heads=heads,
+                               cumsum=bool(cumsum))
     return dq, dk, dg, jnp.sum(db, axis=2)
 
 
-@lowered_once("scale", "interpret", "heads")
-def _prep_bwd(q, k, G, beta, ddecay, dA, dAT, dL, dLT, dqg, dkg, dkgam, *, scale, interpret, heads=None):
+@lowered_once("scale", "interpret", "heads", "cumsum")
+def _prep_bwd(q, k, G, beta, ddecay, dA, dAT, dL, dLT, dqg, dkg, dkgam, *, scale, interpret, heads=None,
+              cumsum=False):
     N, BH = beta.shape[:2]
     K = q.shape[-1]
     KH = K // HW
@@ -301,7 +341,7 @@ def _prep_bwd(q, k, G, beta, ddecay, dA, dAT, dL, dLT, dqg, dkg, dkgam, *, scale
     f32 = jnp.float32
     tile = lambda n, dtype: _smem((n, C, HW), dtype)  # noqa: E731
     scratch = [
-        _smem((C, HW), f32),  # G -> dg
+        plgpu.RefUnion(_smem((C, HW), f32), plgpu.SMEM((C, HW), f32)),  # (g ->) G -> dg; unswizzled view
         plgpu.RefUnion(_narrow((4, C, HW), dt), tile(4, dt)),  # dA, dA^T, dL, dL^T -> dqg, dkg, dkgam -> E parts
         plgpu.RefUnion(_narrow((6, C, HW), dt),  # Kl, sRq, bRk as hi + lo
                        _smem((3, C, HW), f32),  # the stash (Pq's tile unused)
@@ -317,7 +357,7 @@ def _prep_bwd(q, k, G, beta, ddecay, dA, dAT, dL, dLT, dqg, dkg, dkgam, *, scale
     sds = lambda dtype, *s: jax.ShapeDtypeStruct((N, BH, *s), dtype)  # noqa: E731
     tiles = (lambda dtype: jax.ShapeDtypeStruct(q.shape, dtype)) if heads else (lambda dtype: sds(dtype, C, K))  # noqa: E731
     out_type = (tiles(dt), tiles(dt), tiles(f32), sds(f32, KH, C))
-    body = functools.partial(_body, scale=scale, dt=dt, grid=grid, interpret=interpret, heads=heads)
+    body = functools.partial(_body, scale=scale, dt=dt, grid=grid, interpret=interpret, heads=heads, cumsum=cumsum)
     return plgpu.kernel(
         body,
         out_type=out_type,

@@ -87,6 +87,28 @@ def test_token_major_layout_gives_the_same(rng):
                                  interpret=True, heads=2)
 
 
+@pytest.mark.parametrize("heads", [None, 3])
+def test_cumsum_in_the_kernel(rng, heads):
+    """cumsum=True: the kernel takes g and forms G and its anchors itself; its results equal those
+    from G (the XLA cumsum) to float32 rounding, in both layouts."""
+    from kernels.kda.chunk_intra import from_chunks
+
+    (q, k, g, beta, scale, ct), want_ad = _case(rng, 2, 3, 64)
+    flat = lambda x: x.reshape(x.shape[0], -1, *x.shape[3:])  # noqa: E731
+    lay = from_chunks if heads else flat
+    rest = (flat(beta), flat(ct["decay"]), flat(ct["Aqk"]), flat(ct["L"]), flat(ct["qg"]), flat(ct["kg"]),
+            flat(ct["kgam"]))
+    run = lambda G, **kw: mosaic_prep_bwd.prep_bwd(lay(q), lay(k), lay(G), *rest, scale=scale, interpret=True,  # noqa: E731
+                                                   heads=heads, **kw)
+    want, got = run(jnp.cumsum(g, axis=-2)), run(g, cumsum=True)
+    for name, a, b, tol in zip(("dq", "dk", "dg", "dbeta"), got, want, (1e-2, 1e-2, 1e-5, 1e-5)):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert rel_rms(b, a) < tol, (name, rel_rms(b, a))
+    if heads is None:  # and autodiff of `prep`, at the chunk-major test's tolerances
+        for name, a, b, tol in zip(("dq", "dk", "dg", "dbeta"), got, want_ad, (4e-3, 4e-3, 1e-4, 1e-5)):
+            assert rel_rms(b, np.asarray(a, np.float32).reshape(b.shape)) < tol, name
+
+
 def test_kda_gradients_with_the_kernel(rng):
     """KDA's gradients (bf16, bounded gate, T not a multiple of 64) with the kernel's pull-back
     equal XLA's to bf16 rounding, and both stay as close to the token-serial reference."""

@@ -142,3 +142,22 @@ def test_gpu_kernel_pieces_match_xla_pieces(rng):
     assert rel_rms(o_x, o) < 1e-2 and rel_rms(S_x, S) < 1e-2
     for name, a, b in zip(NAMES, got, want):
         assert rel_rms(b, a) < 1e-2, (name, rel_rms(b, a))
+
+
+def test_pull_back_forms_the_cumsum_itself(rng, monkeypatch):
+    """chunk.settings(prep_bwd_cumsum="kernel"): the pull-back kernel takes g and forms G itself;
+    the training gradients equal those with XLA's cumsum to float32 rounding of G (bf16 outputs)."""
+    from kernels.kda import mosaic_prep_bwd
+
+    seen, prep_bwd = [], mosaic_prep_bwd.prep_bwd
+    monkeypatch.setattr(mosaic_prep_bwd, "prep_bwd", lambda *a, **kw: seen.append(kw["cumsum"]) or prep_bwd(*a, **kw))
+    args, do, dS = _inputs(rng, 1, 150, 2, 64, 64)
+    with chunk.settings(**KERNELS):
+        _, _, want = _run("chunk_mosaic", args, do, dS)
+    with chunk.settings(prep_bwd_cumsum="kernel", **KERNELS):
+        _, _, got = _run("chunk_mosaic", args, do, dS)
+    assert seen == [False, True]
+    for name, a, b in zip(NAMES, got, want):
+        assert rel_rms(b, a) < 1e-2, (name, rel_rms(b, a))
+    with pytest.raises(ValueError, match="prep_bwd_cumsum"), chunk.settings(prep_bwd_cumsum="scan"):
+        pass
