@@ -231,7 +231,7 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
     # Pieces as the intra-chunk kernel writes them (`pallas_gpu.TRAIN_INTRA`): Aqk^T, Ai^T and
     # k exp(G) for Aqk, Ai and kgam = beta k exp(G); the kernels below take them so.
     intra_form = pieces is not None and "AqkT" in pieces
-    if intra_form:
+    if intra_form and kernel is None:  # XLA's pull-back: its P, the forward's state-pass operands
         P = dict(P, **{key: pieces[key] for key in ("qg", "kg", "decay")})
     if pieces is not None:  # the forward's (`RESIDUALS` "pieces", which keeps v' too)
         Ai, w = pieces["AiT" if intra_form else "Ai"], pieces["w"]

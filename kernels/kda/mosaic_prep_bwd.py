@@ -119,7 +119,7 @@ def _body(q_ref, k_ref, G_ref, b_ref, dd_ref, dA_ref, dAT_ref, dL_ref, dLT_ref, 
     load = lambda ref: plgpu.load(ref, layout=_W).astype(f32)  # noqa: E731
 
     if cumsum:  # G_ref held g: G = Tri g and the anchors Sel g, g as three bf16 parts (about float32)
-        _chunk_cumsum(G_s, G_plain, ops_w, an_s, dt)
+        _chunk_cumsum(G_s, G_plain, ops_w, an_s, dt, r1, c1)
 
     def local_decay():
         """D = G - a_I [C, HW] from G's tile and the block anchors."""
@@ -247,16 +247,15 @@ def _body(q_ref, k_ref, G_ref, b_ref, dd_ref, dA_ref, dAT_ref, dL_ref, dLT_ref, 
     phase(None)
 
 
-def _chunk_cumsum(G_s, G_plain, ops_w, an_s, dt):
+def _chunk_cumsum(G_s, G_plain, ops_w, an_s, dt, r1, c1):
     """g in G_s -> G = Tri g in G_s and the anchors (G at each 16-row block's first row, G_last) in
     an_s, on the tensor cores: g as hi + mid + lo bf16 in ops_w[0:3] (free before the operands are
     formed), the 0/1 matrix in ops_w[3], first Sel (row I < NB sums rows 0 .. 16 I, row NB all of
     them) through the unswizzled view of G's memory, whose rows can be read, then Tri (s <= t) into
     G's place. ptxas (deviceless, K = 128) reports 100 bytes of spills for the kernel with this
-    phase, none without it (the Tri product alone already spills 96)."""
+    phase, none without it (the Tri product alone already spills 96). r1, c1: the body's row and
+    column index vectors."""
     f32 = jnp.float32
-    r1 = plgpu.broadcasted_iota(jnp.int32, (C,), 0, layout=_W.reduce(1))
-    c1 = plgpu.broadcasted_iota(jnp.int32, (C,), 0, layout=_W.reduce(0))
     rows, cols = lax.broadcast_in_dim(r1, (C, C), [0]), lax.broadcast_in_dim(c1, (C, C), [1])
     for i, part in enumerate(_three_parts(plgpu.load(G_s, layout=_W), dt)):
         ops_w.at[i][...] = part
