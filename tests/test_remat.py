@@ -96,12 +96,12 @@ def test_dots16_keeps_the_kda_chunk_states(impl, monkeypatch):
     cannot take the interpreter's callbacks); the gradients are compared on a GPU."""
     from jax._src.ad_checkpoint import saved_residuals
 
-    from kernels.kda import hopper, kda, mosaic_scan, pallas_gpu
+    from kernels.kda import chunk_mosaic, hopper, kda, pallas_gpu
     from kimi_jax import remat
 
     run = impl == "chunk" or hopper.device_kind() == "hopper"
     if not run:
-        for module, name in ((hopper, "device_kind"), (mosaic_scan, "_device_kind"), (pallas_gpu, "_device_kind")):
+        for module, name in ((hopper, "device_kind"), (chunk_mosaic, "_device_kind"), (pallas_gpu, "_device_kind")):
             monkeypatch.setattr(module, name, lambda: "hopper")
 
     B, T, H, K = 1, 128, 2, 64

@@ -247,7 +247,6 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
     # pass adds it to kg dS and rounds their sum to it), and the pieces' cotangents below.
     compact = cotangents() == "compute" and nm.cd.itemsize < jnp.dtype(nm.sdt).itemsize
     # Output o = qg S + Aqk v'.
-    dAqk = nm.mm("nbhrv,nbhcv->nbhrc", do, vn)
     aqk, aqk_spec = (pieces["AqkT"], "nbhcr") if intra_form else (P["Aqk"], "nbhrc")
     aqk_do = lambda: nm.mm(f"{aqk_spec},nbhrv->nbhcv", aqk, do, out=nm.cd if compact else None)  # noqa: E731
     dS_final = dS_final.astype(nm.sdt)
@@ -269,17 +268,21 @@ def _core_bwd_scoped(scale, bounded, delta, state_pass, scores, res, cts):
             scan = lambda dS, c, src, **kw: ms.grad_scan_chunks(  # noqa: E731
                 dS, c[0], c[1], c[2], src[0], None if own else src[1], c[3], cd=nm.cd, interpret=interpret,
                 dhs_dtype=nm.cd if compact else jnp.float32, aqk=c[4] if own else None,
-                aqk_transposed=intra_form, **kw)
+                aqk_transposed=intra_form, do_tokens=kernel is not None, **kw)
             chunked = (w, P["kg"], P["qg"], P["decay"]) + ((aqk,) if own else ())
             sources = (do,) if own else (do, aqk_do())
     dhs, dvn, dh0 = chunk_segments.grad_scan(scan, dS_final, chunked, sources, chunk_segments.SEGMENTS)
     if compact:  # the XLA and transition passes write float32
         dhs = dhs.astype(nm.cd)
-    ct = dict(Aqk=dAqk)
-    if delta:  # bv, kgam, L; with the WY kernel's state products (`chunk_wy.WY_STATE`) qg, kg, decay too
+    ct = {}
+    if delta:  # bv, kgam, L; with the WY kernel's state products (`chunk_wy.WY_STATE`) qg, kg, decay too,
+        # and for the pieces' pull-back kernel Aqk's cotangent with its transpose
         ct.update(chunk_wy.pull_back(nm, dvn, states, Ai, v, beta, pieces["kexp"] if intra_form else P["kgam"],
                                      compact, state_pass, do=do, vn=vn, dhs=dhs, intra_form=intra_form,
-                                     dl_transposed=kernel is not None))
+                                     dl_transposed=kernel is not None, score_cotangents=kernel is not None,
+                                     token_values=kernel is not None))
+    if "Aqk" not in ct:
+        ct["Aqk"] = nm.mm("nbhrv,nbhcv->nbhrc", do, vn)
     if "qg" not in ct:
         ct.update(state_products(nm, do, states, vn, dhs))
     if compact:

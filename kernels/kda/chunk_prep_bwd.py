@@ -25,8 +25,9 @@ PREP_BWD = "auto"
 # "xla" (`chunk_intra.chunk_cumsum`, a GEMM reading g and writing G: 0.54 GB and 0.21 ms of a
 # forward+backward at 8,4096,16,128 on an H100, `kda-profile-8x4096-h100-20261206T1011.json`) or
 # "kernel" (the kernel reads g and forms G and its anchors on the tensor cores, g in three bf16
-# parts; ptxas reports 100 bytes of spills for that kernel, none for the other). "kernel" is not
-# yet timed on a GPU: "xla" stays the default until it is.
+# parts; ptxas reports 100 bytes of spills for that kernel, none for the other). Timed beside "xla"
+# on an H100 (kda-cumsum-fla-h100-20261206T1150.json), forward+backward 4.86 / 4.57 ms at
+# 8,4096,16,128 and 9.89 / 10.15 at 1,65536,16,128 (level at the other two shapes): "xla" stays.
 PREP_BWD_CUMSUM_CHOICES = ("xla", "kernel")
 PREP_BWD_CUMSUM = "xla"
 _prep_warned: set = set()
@@ -70,7 +71,7 @@ def prep_bwd_mode(nm, K, bounded, delta, counts, state_pass, compute_cotangents)
 
 def kernel_pull_back(q, k, v, g, beta, ct, *, scale, interpret):
     """`prep`'s VJP on the bounded delta-rule path by `mosaic_prep_bwd.prep_bwd` (bv's term in
-    XLA): the cotangents (dq, dk, dv, dg, dbeta) of the chunked inputs from the pieces' `ct`."""
+    XLA, or as the WY kernel gives it in `ct`: "dv", "dbeta_v"): the cotangents (dq, dk, dv, dg, dbeta) of the chunked inputs from the pieces' `ct`."""
     from kernels.kda import mosaic_prep_bwd
 
     N, B, H = q.shape[:3]
@@ -85,10 +86,14 @@ def kernel_pull_back(q, k, v, g, beta, ct, *, scale, interpret):
     dq, dk, dg, db = mosaic_prep_bwd.prep_bwd(
         tok(q), tok(k), G, flat(beta), flat(ct["decay"]), flat(ct["Aqk"]), flat(ct["L"]), flat(ct["qg"]),
         flat(ct["kg"]), flat(ct["kgam"]), scale=scale, interpret=interpret, heads=H,
-        dLT=flat(ct["LT"]) if "LT" in ct else None, cumsum=in_kernel)
-    dbv = ct["bv"]
-    dv = (beta[..., None] * dbv).astype(v.dtype)
-    dbeta = back(db) + jnp.sum(dbv * v.astype(dbv.dtype), axis=-1)
+        dLT=flat(ct["LT"]) if "LT" in ct else None, dAT=flat(ct["AqkT"]) if "AqkT" in ct else None,
+        cumsum=in_kernel)
     chunks = chunk_intra.to_chunks
+    if "dv" in ct:  # v's cotangent and beta's v term from the WY kernel (`chunk_wy.pull_back(token_values=True)`)
+        dv, dbeta = chunks(ct["dv"]).astype(v.dtype), back(db) + ct["dbeta_v"]
+    else:
+        dbv = ct["bv"]
+        dv = (beta[..., None] * dbv).astype(v.dtype)
+        dbeta = back(db) + jnp.sum(dbv * v.astype(dbv.dtype), axis=-1)
     return (chunks(dq).astype(q.dtype), chunks(dk).astype(k.dtype), dv, chunks(dg).astype(g.dtype),
             dbeta.astype(beta.dtype))

@@ -58,7 +58,7 @@ def traced_key() -> tuple:
     """The value of every setting in SETTINGS (those read while tracing): part of the jit cache key
     of this op and of any jitted caller that must not reuse a program traced under other settings."""
     ck = _chunk()
-    ms = sys.modules.get("kernels.kda.mosaic_scan")  # "forward_only" exists once the kernels are imported
+    ms = sys.modules.get("kernels.kda.chunk_mosaic")  # "forward_only" exists once the impl is imported
     mst = sys.modules.get("kernels.kda.mosaic_state")
     pg = sys.modules.get("kernels.kda.pallas_gpu")
     return chunk_intra.traced_settings() + (ck.DEFAULT_SCORES, chunk_segments.SEGMENTS,
@@ -83,7 +83,7 @@ def _train_intra_setting():
 
 
 def _forward_only_setting():
-    from kernels.kda import mosaic_scan as ms  # Mosaic GPU is only imported when a kernel setting is asked for
+    from kernels.kda import chunk_mosaic as ms  # imported when the setting is asked for
 
     return ms, "FORWARD_ONLY", ms.FORWARD_ONLY_CHOICES
 

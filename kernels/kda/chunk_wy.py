@@ -91,14 +91,19 @@ def wy_bwd_mode(state_pass: str | None = None) -> str:
 
 
 def pull_back(nm, dvn, states, Ai, v, beta, kgam, compact, state_pass: str | None = None, *, do=None, vn=None,
-              dhs=None, intra_form=False, dl_transposed=False) -> dict:
+              dhs=None, intra_form=False, dl_transposed=False, score_cotangents=False, token_values=False) -> dict:
     """The cotangents of the pieces bv, kgam and L (state dtype) as `WY_BWD` says, by piece name;
     arguments as `wy_bwd_reference`'s, and the backward's serial pass for "auto". With do, vn (v')
     and dhs in the compute dtype, where the kernel runs with WY_STATE "kernel", also those of qg,
     kg and decay (the caller forms any it does not get). `intra_form`: Ai holds Ai^T and kgam
     holds k exp(G), as the intra-chunk kernel writes them (`mosaic_wy_bwd.wy_bwd`'s intra_form).
     `dl_transposed`: where the kernel runs, L's cotangent comes masked to its strictly lower part
-    and its transpose as "LT" too (for `mosaic_prep_bwd`; the XLA ops give "L" alone)."""
+    and its transpose as "LT" too (for `mosaic_prep_bwd`; the XLA ops give "L" alone).
+    `score_cotangents`: where the kernel forms the state products, also Aqk's cotangent do v'^T
+    masked to r >= c and its transpose, as "Aqk" and "AqkT" (the caller forms them otherwise).
+    `token_values`: where the kernel runs, it reads v (and do) in the inputs' [B, T, H, V] layout and gives
+    v's cotangent there ("dv", = beta d bv, in the compute dtype) and beta's term sum_v d bv v
+    ("dbeta_v", [N, B, H, C]) instead of "bv"."""
     names = ("bv", "kgam", "L")
     mode = wy_bwd_mode(state_pass)
 
@@ -123,8 +128,19 @@ def pull_back(nm, dvn, states, Ai, v, beta, kgam, compact, state_pass: str | Non
         return reference()
     state = wy_bwd_setting()[2] == "kernel" and do is not None
     more = dict(do=do.astype(nm.cd), vn=vn.astype(nm.cd), dhs=dhs.astype(nm.cd)) if state else {}
+    scores = score_cotangents and state
+    if token_values:  # the chunking transposes the caller applied to v and do cancel against these
+        from kernels.kda.chunk_intra import from_chunks
+
+        v = from_chunks(v)
+        if state:
+            more["do"] = from_chunks(more["do"])
     outs = mosaic_wy_bwd.wy_bwd(dvn.astype(nm.cd), states.astype(nm.cd), Ai, v, beta, kgam,
                                 interpret=mode == "interpret", form=WY_FORM, intra_form=intra_form,
-                                dl_transposed=dl_transposed, **more)
-    names += ("qg", "kg", "decay")[:len(outs) - 3 - dl_transposed] + (("LT",) if dl_transposed else ())
-    return dict(zip(names, (o.astype(nm.sdt) for o in outs)))
+                                dl_transposed=dl_transposed, score_cotangents=scores, token_values=token_values,
+                                **more)
+    names = ("dv" if token_values else "bv",) + names[1:] + (("qg", "kg", "decay") if state else ())
+    names += (("LT",) if dl_transposed else ()) + (("Aqk", "AqkT") if scores else ())
+    names += ("dbeta_v",) if token_values else ()
+    assert len(names) == len(outs), (names, len(outs))
+    return {name: o if name == "dv" else o.astype(nm.sdt) for name, o in zip(names, outs)}

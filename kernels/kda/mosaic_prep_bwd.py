@@ -287,7 +287,7 @@ def supported(K: int, cd) -> str | None:
 
 
 def prep_bwd(q, k, G, beta, ddecay, dAqk, dL, dqg, dkg, dkgam, *, scale, interpret=False, heads=None, dLT=None,
-             cumsum=False):
+             dAT=None, cumsum=False):
     """The pull-back of `chunk_intra.prep`'s pieces on the bounded path (no segment resets),
     except bv's (dv = beta dbv and its dbeta term are the caller's).
 
@@ -298,7 +298,8 @@ def prep_bwd(q, k, G, beta, ddecay, dAqk, dL, dqg, dkg, dkgam, *, scale, interpr
     With `heads` = H: q, k, G and dq, dk, dg are [B, N C, H, K] instead (the inputs' layout, BH =
     B H): the caller's chunking transposes then cancel against its un-chunking ones. With `dLT`
     [N, BH, C, C]: dL comes masked already and dLT is its transpose (as `mosaic_wy_bwd` writes
-    them), taken as they are. With `cumsum`: G holds the gates g themselves and the kernel forms
+    them), taken as they are; likewise `dAT` for dAqk (masked to r >= c). With `cumsum`: G holds
+    the gates g themselves and the kernel forms
     their chunk-local cumsum (no XLA pass over g writing G).
     """
     if heads:
@@ -315,16 +316,20 @@ def prep_bwd(q, k, G, beta, ddecay, dAqk, dL, dqg, dkg, dkgam, *, scale, interpr
                          f"{reason}")
     r = jnp.arange(C)
     bf = jnp.bfloat16
-    dAm = jnp.where(r[:, None] >= r[None, :], dAqk, 0).astype(bf)
     T = lambda x: jnp.swapaxes(x, -1, -2)  # noqa: E731
     cast = lambda x: x.astype(bf)  # noqa: E731
+    if dAT is None:
+        dAm = jnp.where(r[:, None] >= r[None, :], dAqk, 0).astype(bf)
+        dAqk, dAT = dAm, T(dAm)
+    elif dAT.shape != dAqk.shape:
+        raise ValueError(f"prep_bwd: dAT has shape {dAT.shape}; expected dAqk's {dAqk.shape}")
     if dLT is None:
         dLm = jnp.where(r[:, None] > r[None, :], dL, 0).astype(bf)
         dL, dLT = dLm, T(dLm)
     elif dLT.shape != dL.shape:
         raise ValueError(f"prep_bwd: dLT has shape {dLT.shape}; expected dL's {dL.shape}")
     dq, dk, dg, db = _prep_bwd(q.astype(bf), k.astype(bf), G.astype(jnp.float32), beta.astype(jnp.float32),
-                               ddecay.astype(jnp.float32), dAm, T(dAm), cast(dL), cast(dLT), cast(dqg), cast(dkg),
+                               ddecay.astype(jnp.float32), cast(dAqk), cast(dAT), cast(dL), cast(dLT), cast(dqg), cast(dkg),
                                cast(dkgam), scale=float(scale), interpret=bool(interpret), heads=heads,
                                cumsum=bool(cumsum))
     return dq, dk, dg, jnp.sum(db, axis=2)

@@ -21,7 +21,6 @@ roundings of `chunk.py`'s XLA passes.
 from __future__ import annotations
 
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -29,13 +28,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels.kda import chunk, chunk_segments
-from kernels.kda.hopper import SUPPORTED_DIMS, per_shard, unsupported_reason
-from kernels.kda.hopper import device_kind as _device_kind
+from kernels.kda import chunk_segments
+from kernels.kda.hopper import SUPPORTED_DIMS
 from kernels.kda.mosaic_state import _smem, check_segments, launch_bh_v, load_carried
 from kernels.lowering import lowered_once
-
-log = logging.getLogger(__name__)
 
 C = 64  # chunk length
 
@@ -66,12 +62,16 @@ def _program(BH, NT):
 def _loader(ins, bars, bh, vs, first, chunk_major=True):
     """issue(n, slot): TMA every input's chunk first + n into its buffer `slot` (barrier 2 i + slot);
     inputs [N, BH, ...], or [BH, N, ...] without `chunk_major`. An input's `by_v`: False (all of
-    it), True (the program's V columns `vs`) or its own column slice."""
+    it), True (the program's V columns `vs`) or its own column slice. An input given with a fourth
+    entry H is token-major instead, [B, N C, H, D] (BH = B H)."""
 
     def issue(n, slot):
         n = first + n
-        for i, (src, dst, by_v) in enumerate(ins):
-            src = src.at[n, bh] if chunk_major else src.at[bh, n]
+        for i, (src, dst, by_v, *tok) in enumerate(ins):
+            if tok:
+                src = src.at[lax.div(bh, tok[0]), pl.ds(n * C, C), lax.rem(bh, tok[0])]
+            else:
+                src = src.at[n, bh] if chunk_major else src.at[bh, n]
             src = src.at[:, by_v if isinstance(by_v, pl.Slice) else vs] if by_v is not False else src
             plgpu.copy_gmem_to_smem(src, dst.at[slot], bars.at[2 * i + slot])
 
@@ -245,7 +245,7 @@ def segment_starts(w, u, kg, decay, h0, segments, *, interpret=False, chunk_majo
     return starts.reshape(segments * BH, K, V), final.reshape(BH, K, V)
 
 
-def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact, aqk_in=False, aqk_t=False):
+def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact, aqk_in=False, aqk_t=False, do_heads=None):
     ins_refs, (dhs_ref, dvn_ref, dh0_ref), scratch = _outputs(refs, 7 if delta else 6, final_only)
     if delta:
         w_ref, kg_ref, qg_ref, do_ref, dvi_ref, d_ref, dS_ref = ins_refs
@@ -257,7 +257,8 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact, aqk_i
         ins = ()
     # `aqk_in`: the fifth input is Aqk [C, C] per chunk (all of V's blocks read it; Aqk^T with
     # `aqk_t`), else Aqk^T do.
-    ins += ((kg_ref, kg_s, False), (qg_ref, qg_s, False), (do_ref, do_s, True), (dvi_ref, dvi_s, not aqk_in),
+    do_in = (do_ref, do_s, True) + ((do_heads,) if do_heads else ())  # `do_heads`: do as [B, T, H, V]
+    ins += ((kg_ref, kg_s, False), (qg_ref, qg_s, False), do_in, (dvi_ref, dvi_s, not aqk_in),
             (d_ref, d_s, False))
 
     def step(n, slot, dS, at):
@@ -351,7 +352,7 @@ def _bwd_body(*refs, NT, BH, K, BV, dt, delta, final_only, early, compact, aqk_i
 
 
 def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, final_only=False, segments=1,
-              dhs_dtype=jnp.float32, aqk=None, aqk_transposed=False):
+              dhs_dtype=jnp.float32, aqk=None, aqk_transposed=False, do_heads=None):
     """Reverse pass. w, kg, qg [N, BH, C, K] (w None: linear attention) and do [N, BH, C, V] in one
     compute dtype; dvn_intra [N, BH, C, V] (Aqk^T do) in float32 or the compute dtype; decay
     [N, BH, K] f32; dS_final [segments * BH, K, V] f32 (segments > 1: each run of N / segments
@@ -361,21 +362,27 @@ def grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, interpret=False, fin
     the per-chunk outputs never written. `dhs_dtype` float32 or the compute dtype: the latter
     writes the rounded copy the kg dS product reads (half the bytes). `aqk` [N, BH, C, C] in the
     compute dtype (delta rule only, with dvn_intra None): the pass forms Aqk^T do itself; with
-    `aqk_transposed` it holds Aqk^T (as `mosaic_intra_bf16` writes it)."""
+    `aqk_transposed` it holds Aqk^T (as `mosaic_intra_bf16` writes it). `do_heads` = H: do comes
+    in the inputs' layout [B, N C, H, V] (BH = B H), read there (no chunking transpose)."""
     if (aqk is None) == (dvn_intra is None):
         raise ValueError("grad_scan takes exactly one of dvn_intra (Aqk^T do) and aqk")
     if aqk is not None and w is None:
         raise ValueError("grad_scan: aqk is for the delta rule's pass (w given)")
+    if do_heads is not None:
+        N, BH = kg.shape[:2]
+        if do.ndim != 4 or do.shape[0] * do_heads != BH or do.shape[1:3] != (N * C, do_heads):
+            raise ValueError(f"grad_scan(do_heads={do_heads}): do has shape {do.shape}; expected [B, {N} * {C}, "
+                             f"{do_heads}, V] with B * {do_heads} = {BH}")
     BV = chunk_segments.block_v(programs64=segments * kg.shape[1] * max(do.shape[-1] // 64, 1))  # read while tracing
     return _grad_scan(w, kg, qg, do, dvn_intra if aqk is None else aqk, decay, dS_final, BV=BV,
                       early=chunk_segments.grad_issue() == "early", interpret=interpret, final_only=final_only,
                       segments=segments, dhs_dtype=jnp.dtype(dhs_dtype), aqk_in=aqk is not None,
-                      aqk_t=aqk is not None and bool(aqk_transposed))
+                      aqk_t=aqk is not None and bool(aqk_transposed), do_heads=do_heads)
 
 
-@lowered_once("BV", "early", "interpret", "final_only", "segments", "dhs_dtype", "aqk_in", "aqk_t")
+@lowered_once("BV", "early", "interpret", "final_only", "segments", "dhs_dtype", "aqk_in", "aqk_t", "do_heads")
 def _grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, BV, early, interpret, final_only, segments, dhs_dtype,
-               aqk_in=False, aqk_t=False):
+               aqk_in=False, aqk_t=False, do_heads=None):
     N, BH, Cc, K = kg.shape
     check_segments(N, segments, dS_final, BH)
     V = do.shape[-1]
@@ -407,7 +414,8 @@ def _grad_scan(w, kg, qg, do, dvn_intra, decay, dS_final, *, BV, early, interpre
     args = ((w,) if delta else ()) + (kg, qg, do, dvn_intra, decay, dS_final)
     body = functools.partial(_bwd_body, NT=N // segments, BH=BH, K=K, BV=BV, dt=dt, delta=delta,
                              final_only=final_only, early=early,
-                             compact=jnp.dtype(dhs_dtype) != jnp.dtype(f32), aqk_in=aqk_in, aqk_t=aqk_t)
+                             compact=jnp.dtype(dhs_dtype) != jnp.dtype(f32), aqk_in=aqk_in, aqk_t=aqk_t,
+                             do_heads=do_heads)
     out = launch_bh_v(body, out_type, scratch, args, BH=segments * BH, V=V, BV=BV, interpret=interpret)
     return (None, None, out[0]) if final_only else out
 
@@ -438,61 +446,25 @@ def state_scan_chunks(h0, w, u, kg, decay, *, cd, interpret=False, final_only=Fa
 
 
 def grad_scan_chunks(dS, w, kg, qg, do, dvn_intra, decay, *, cd, interpret=False, final_only=False, segments=1,
-                     dhs_dtype=jnp.float32, aqk=None, aqk_transposed=False):
+                     dhs_dtype=jnp.float32, aqk=None, aqk_transposed=False, do_tokens=False):
     """`grad_scan` on `chunk.py`'s arrays ([N, B, H, ...]; dS [segments * B, H, K, V]); dvn_intra in
     the compute dtype `cd` stays so, any other dtype goes in as float32; `aqk` (instead of
-    dvn_intra) goes in the compute dtype."""
+    dvn_intra) goes in the compute dtype. `do_tokens`: do is given chunked as the others but read
+    in the inputs' layout (`chunk_intra.from_chunks`, which XLA cancels against the caller's
+    chunking of the cotangent)."""
     N, B, H = kg.shape[:3]
     K, V = dS.shape[-2:]
     op = lambda x: None if x is None else _flat(x).astype(cd)
     f32 = lambda x: _flat(x).astype(jnp.float32)
     dvi = None if dvn_intra is None else op(dvn_intra) if dvn_intra.dtype == jnp.dtype(cd) else f32(dvn_intra)
-    out = grad_scan(op(w), op(kg), op(qg), op(do), dvi, f32(decay),
+    if do_tokens:
+        from kernels.kda.chunk_intra import from_chunks
+
+        do_in = from_chunks(do).astype(cd)
+    else:
+        do_in = op(do)
+    out = grad_scan(op(w), op(kg), op(qg), do_in, dvi, f32(decay),
                     dS.reshape(-1, K, V).astype(jnp.float32), interpret=interpret,
                     final_only=final_only, segments=segments, dhs_dtype=dhs_dtype, aqk=op(aqk),
-                    aqk_transposed=aqk_transposed)
+                    aqk_transposed=aqk_transposed, do_heads=H if do_tokens else None)
     return _unflat(out, N, B, H, dS.shape)
-
-
-_warned: set = set()
-# Calls with a bounded gate (lower_bound >= -5) and no segment resets go through impl="pallas_gpu"
-# with its bf16 intra kernel ("pallas_gpu"): calls that are not differentiated (evaluation,
-# inference) run its all-kernel forward, on an H200 1.24x (8,4096,16,128) and 1.34x
-# (4,4096,16,128) faster than this impl's own forward (benchmarks/results/kda-intrabf16-h200-
-# 20261130T1551.json, as pallas_gpu:mosaic_bf16); under differentiation its custom VJP runs this
-# impl's forward and backward (pallas_gpu train_forward="chunk"). "chunk": always this impl
-# (`chunk.settings(forward_only="chunk")`).
-FORWARD_ONLY = "pallas_gpu"
-FORWARD_ONLY_CHOICES = ("pallas_gpu", "chunk")
-
-
-def kda_impl(
-    q, k, v, g, beta, *, scale, initial_state, segment_ids, lower_bound=None, output_final_state=True, interpret=None
-):
-    """impl="chunk_mosaic": `chunk.kda_impl` with both serial passes in these kernels, once per
-    (batch, head) shard under a mesh (`hopper.per_shard`). Falls back to the XLA passes (logged
-    once per reason) where the kernels do not apply. `interpret` None
-    means the interpreter on a CPU-only machine, compiled kernels on a GPU."""
-    if interpret is None:
-        interpret = _device_kind() == "cpu"
-    reason = unsupported_reason(q.shape[-1], v.shape[-1], q.dtype, interpret)
-    if reason is not None and reason not in _warned:
-        _warned.add(reason)
-        log.warning("kda impl='chunk_mosaic' runs the XLA state passes: %s", reason)
-    state_pass = "xla" if reason else ("mosaic_interpret" if interpret else "mosaic")
-
-    def run(q, k, v, g, beta, initial_state, segment_ids):
-        return chunk.kda_impl(q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids,
-                              lower_bound=lower_bound, output_final_state=output_final_state, state_pass=state_pass)
-
-    if reason:  # plain XLA: the partitioner shards it like any other computation
-        return run(q, k, v, g, beta, initial_state, segment_ids)
-    if FORWARD_ONLY not in FORWARD_ONLY_CHOICES:
-        raise ValueError(f"mosaic_scan.FORWARD_ONLY={FORWARD_ONLY!r}; expected one of {FORWARD_ONLY_CHOICES}")
-    from kernels.kda import pallas_gpu
-
-    kernel_forward = pallas_gpu.resolve_intra("mosaic_bf16", lower_bound, segment_ids, q.dtype) == "mosaic_bf16"
-    if FORWARD_ONLY == "pallas_gpu" and kernel_forward:
-        run = functools.partial(pallas_gpu.run, scale=scale, intra="mosaic_bf16", interpret=interpret,
-                                chunk_bounded=chunk.use_bounded_path(lower_bound, q.dtype), train_forward="chunk")
-    return per_shard(run, q, k, v, g, beta, initial_state, segment_ids)

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 IMPLS = {
     "naive": "kernels.kda.naive",
     "chunk": "kernels.kda.chunk",
-    "chunk_mosaic": "kernels.kda.mosaic_scan",
+    "chunk_mosaic": "kernels.kda.chunk_mosaic",
     "pallas_gpu": "kernels.kda.pallas_gpu",
     "pallas_tpu": "kernels.kda.pallas_tpu",
 }

@@ -219,7 +219,8 @@ def test_gpu_kernel_matches_autodiff(rng):
 
 @pytest.mark.gpu
 def test_gpu_training_gradients_with_the_kernel(rng):
-    """chunk_mosaic's gradients at 2,4096,16,128 with the kernel's pull-back equal XLA's."""
+    """chunk_mosaic's gradients at 2,4096,16,128 with the kernel's pull-back equal XLA's, with G
+    from XLA's cumsum or formed in the kernel (`prep_bwd_cumsum`)."""
     B, T, H, K = 2, 4096, 16, 128
     q, k, v, g, beta = _token_inputs(rng, B, T, H, K)
     do = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.bfloat16)
@@ -236,6 +237,9 @@ def test_gpu_training_gradients_with_the_kernel(rng):
         got = grads()
     with chunk.settings(prep_bwd="mosaic", residuals="pieces"):
         kept = grads()
-    for name, a, b, c in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want, kept):
+    with chunk.settings(prep_bwd="mosaic", residuals="pieces", prep_bwd_cumsum="kernel"):
+        cumsum = grads()
+    for name, a, b, c, d in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want, kept, cumsum):
         assert rel_rms(b, a) < 1e-2, (name, rel_rms(b, a))
         assert rel_rms(a, c) < 1e-3, (name, rel_rms(a, c))
+        assert rel_rms(c, d) < 1e-3, (name, rel_rms(c, d))

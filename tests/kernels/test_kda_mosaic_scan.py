@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.kda import chunk, chunk_segments, mosaic_scan
+from kernels.kda import chunk, chunk_mosaic, chunk_segments, mosaic_scan
 from kernels.kda.chunk import _Numerics, _grad_scan, _state_scan
 from kernels.testing import assert_close
 from tests.kernels.test_kda_chunk import BF16_TOL, F32_TOL, GRADS, _fwd_bwd, _traced, make_inputs
@@ -147,6 +147,25 @@ def test_reverse_pass_takes_aqk_transposed(rng):
         assert_close(name, r, b, 1e-2)
 
 
+@pytest.mark.parametrize("segments", [1, 3])
+def test_reverse_pass_reads_do_in_the_token_layout(rng, segments):
+    """do_heads=H (do as [B, N C, H, V]) gives exactly what chunk-major do gives, in one and in
+    several segments (each program's chunks located by their global index)."""
+    N, B, H, C, K, V = 3, 2, 2, 64, 64, 128
+    f = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.bfloat16)  # noqa: E731
+    w, kg, qg, do = f(N, B * H, C, K), f(N, B * H, C, K), f(N, B * H, C, K), f(N, B * H, C, V)
+    aqk = jnp.tril(f(N, B * H, C, C))
+    decay = jnp.asarray(rng.uniform(0.3, 1.0, (N, B * H, K)), jnp.float32)
+    dS = jnp.asarray(rng.standard_normal((segments * B * H, K, V)), jnp.float32)
+    do_tok = do.reshape(N, B, H, C, V).transpose(1, 0, 3, 2, 4).reshape(B, N * C, H, V)
+    run = lambda d, **kw: mosaic_scan.grad_scan(w, kg, qg, d, None, decay, dS, interpret=True, aqk=aqk,  # noqa: E731
+                                                segments=segments, **kw)
+    for name, a, b in zip(("dhs", "dvn", "dh0"), run(do), run(do_tok, do_heads=H)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+    with pytest.raises(ValueError, match="do_heads"):
+        run(do_tok, do_heads=2 * H)
+
+
 def test_grad_scan_takes_one_intra_source(rng):
     N, BH, C, K, V = 2, 1, 64, 64, 64
     z = lambda *s: jnp.zeros(s, jnp.bfloat16)  # noqa: E731
@@ -199,11 +218,11 @@ def test_forward_only_calls_run_the_bounded_kernel_forward(rng, monkeypatch):
     assert calls == [1]
     with chunk.settings(forward_only="chunk"):
         jax.eval_shape(lambda: run("chunk_mosaic"))
-    assert calls == [1] and mosaic_scan.FORWARD_ONLY == "pallas_gpu"
+    assert calls == [1] and chunk_mosaic.FORWARD_ONLY == "pallas_gpu"
     with pytest.raises(ValueError, match="forward_only"):
         with chunk.settings(forward_only="pallas"):
             pass
-    monkeypatch.setattr(mosaic_scan, "FORWARD_ONLY", "pallas")
+    monkeypatch.setattr(chunk_mosaic, "FORWARD_ONLY", "pallas")
     with pytest.raises(ValueError, match="FORWARD_ONLY"):
         run("chunk_mosaic")
 
@@ -228,19 +247,19 @@ def test_linear_attention_state_passes(rng):
 def test_falls_back_once_with_reason(rng, caplog):
     """K = 32 is not a kernel size: the XLA passes run, the reason is logged once."""
     q, k, v, g, beta, h0, _ = make_inputs(rng, 1, 70, 1, 32, 64, "channel")
-    mosaic_scan._warned.clear()
-    run = lambda impl: chunk.kda_impl if impl == "chunk" else mosaic_scan.kda_impl
+    chunk_mosaic._warned.clear()
+    run = lambda impl: chunk.kda_impl if impl == "chunk" else chunk_mosaic.kda_impl
     args = [jnp.asarray(x) for x in (q, k, v, g, beta)]
     kw = dict(scale=32**-0.5, initial_state=jnp.asarray(h0), segment_ids=None)
-    with caplog.at_level(logging.WARNING, logger="kernels.kda.mosaic_scan"):
+    with caplog.at_level(logging.WARNING, logger="kernels.kda.chunk_mosaic"):
         got = run("chunk_mosaic")(*args, **kw)
         run("chunk_mosaic")(*args, **kw)
     msgs = [r.getMessage() for r in caplog.records if "chunk_mosaic" in r.getMessage()]
     assert len(msgs) == 1 and "K=32" in msgs[0]
     want = run("chunk")(*args, **kw)
     assert_close("o", want[0], got[0], 0.0)
-    assert mosaic_scan.unsupported_reason(128, 128, jnp.float32, interpret=False) is not None
-    assert mosaic_scan.unsupported_reason(128, 64, jnp.float32, interpret=True) is None
+    assert chunk_mosaic.unsupported_reason(128, 128, jnp.float32, interpret=False) is not None
+    assert chunk_mosaic.unsupported_reason(128, 64, jnp.float32, interpret=True) is None
 
 
 @pytest.mark.parametrize("B, T, H, K, block_v, grad_issue, grad_intra", [
@@ -279,7 +298,7 @@ def test_forward_only_lowers_for_cuda(monkeypatch, block_v, extra):
     segments, the segments' pass 1 too)."""
     from kernels.kda import hopper, kda
 
-    monkeypatch.setattr(mosaic_scan, "_device_kind", lambda: "hopper")
+    monkeypatch.setattr(chunk_mosaic, "_device_kind", lambda: "hopper")
     monkeypatch.setattr(hopper, "device_kind", lambda: "hopper")
     B, T, H, K = 2, 256, 2, 128
     sd = jax.ShapeDtypeStruct

@@ -97,6 +97,75 @@ def test_transposed_dl_output(rng, form, state, intra_form):
     assert rel_rms(jnp.swapaxes(got[2], -1, -2), dlt) < 1e-2
 
 
+@pytest.mark.parametrize("K, V, intra_form", [(64, 64, True), (128, 64, False), (64, 128, True)])
+def test_score_cotangents_output(rng, K, V, intra_form):
+    """`score_cotangents=True` (state products, per-chunk form): do v'^T masked to r >= c and its
+    transpose, last (the transpose from its own product, so equal to bf16 rounding of float64's);
+    every other output unchanged, including with dl_transposed (v' memory reuse)."""
+    dvn, S, Ai, v, beta, kgam = _pieces(rng, (3,), K, V)
+    ai = Ai.astype(jnp.bfloat16)
+    if intra_form:
+        ai, kgam = jnp.swapaxes(ai, -1, -2), kgam.astype(jnp.bfloat16)
+    n = lambda *s: jnp.asarray(rng.standard_normal((3, *s)), jnp.bfloat16)  # noqa: E731
+    do, vn = n(64, V), n(64, V)
+    run = lambda **kw: mosaic_wy_bwd.wy_bwd(dvn, S, ai, v, beta, kgam, interpret=True, do=do, vn=vn,  # noqa: E731
+                                             dhs=n(K, V) if not kw.pop("same", False) else dhs,
+                                             intra_form=intra_form, dl_transposed=True, **kw)
+    dhs = n(K, V)
+    want, got = run(same=True), run(same=True, score_cotangents=True)
+    assert len(got) == len(want) + 2
+    for name, g, w in zip(("d bv", "d kgam", "d L", "dqg", "dkg", "d decay", "d L^T"), got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32), err_msg=name)
+    da, dat = got[-2:]
+    assert da.shape == dat.shape == (3, 64, 64) and da.dtype == dat.dtype == jnp.bfloat16
+    f = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    r = np.arange(64)
+    full = f(do) @ np.swapaxes(f(vn), -1, -2)
+    assert rel_rms(np.where(r[:, None] >= r[None, :], full, 0), da) < 5e-3
+    assert not np.any(np.asarray(da, np.float32)[..., r[:, None] < r[None, :]])
+    assert not np.any(np.asarray(dat, np.float32)[..., r[:, None] > r[None, :]])
+    assert rel_rms(np.swapaxes(f(da), -1, -2), dat) < 5e-3
+    with pytest.raises(ValueError, match="score_cotangents"):
+        mosaic_wy_bwd.wy_bwd(dvn, S, ai, v, beta, kgam, interpret=True, score_cotangents=True)
+
+
+@pytest.mark.parametrize("form, state, K, V", [("per_chunk", True, 64, 128), ("per_chunk", False, 128, 64),
+                                               ("persistent", False, 64, 64)])
+def test_token_values(rng, form, state, K, V):
+    """`token_values=True`: v (and do) read as [B, N C, H, V], dv = beta d bv written there and beta's term
+    sum_v d bv v last, both against float64 from the same operands; the other outputs as with
+    chunk-major v (dAi's bv^T product is scaled by beta after it, so equal to bf16 rounding)."""
+    N, B, H = 2, 2, 3
+    dvn, S, Ai, v, beta, kgam = _pieces(rng, (N, B, H), K, V)
+    ai = Ai.astype(jnp.bfloat16)
+    more = {}
+    if state:
+        n = lambda *s: jnp.asarray(rng.standard_normal((N, B, H, *s)), jnp.bfloat16)  # noqa: E731
+        more = dict(do=n(64, V), vn=n(64, V), dhs=n(K, V), score_cotangents=True)
+    run = lambda v, **kw: mosaic_wy_bwd.wy_bwd(dvn, S, ai, v, beta, kgam, interpret=True, form=form,  # noqa: E731
+                                                programs=5, dl_transposed=True, **{**more, **kw})
+    tok = lambda x: jnp.moveaxis(x, 0, 1).transpose(0, 1, 3, 2, 4).reshape(B, N * 64, H, V)  # noqa: E731 - [N,B,H,C,V] -> [B,NC,H,V]
+    v_tok = tok(v)
+    want = run(v)
+    got = run(v_tok, token_values=True, **(dict(do=tok(more["do"])) if state else {}))
+    assert len(got) == len(want) + 1
+    dv, db = got[0], got[-1]
+    assert dv.shape == v_tok.shape and dv.dtype == jnp.bfloat16 and db.shape == (N, B, H, 64) and db.dtype == jnp.float32
+    for i, (g, w) in enumerate(zip(got[1:-1], want[1:])):
+        assert rel_rms(w, g) < 1e-2, (i, rel_rms(w, g))
+    f = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    AiT = np.swapaxes(f(ai), -1, -2)
+    d_bv = AiT @ f(dvn)  # [N, B, H, C, V]
+    want_dv = (f(beta)[..., None] * d_bv).transpose(1, 0, 3, 2, 4).reshape(B, N * 64, H, V)
+    assert rel_rms(want_dv, dv) < 1e-2
+    assert rel_rms(np.sum(d_bv * f(v), axis=-1), db) < 1e-5
+    with pytest.raises(ValueError, match="token_values"):
+        run(v, token_values=True)
+    if state:  # do in the chunk layout beside token-major v
+        with pytest.raises(ValueError, match="do has shape"):
+            run(v_tok, token_values=True)
+
+
 @pytest.mark.parametrize("wy_state", chunk_wy.WY_STATES)
 def test_kda_gradients_with_the_kernel(rng, wy_state):
     """KDA's gradients (bf16, bounded gate, packed documents) with the kernel's pull-back (and,

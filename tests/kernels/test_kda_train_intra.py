@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.kda import chunk, kda, mosaic_intra_bf16, pallas_gpu
+from kernels.kda import chunk, kda, mosaic_intra_bf16, mosaic_wy_bwd, pallas_gpu
 from kernels.testing import rel_rms
 
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -64,9 +64,13 @@ def test_kernel_pieces_match_xla_pieces(rng, monkeypatch, K, V, T, levers):
         o_x, S_x, want = _run("chunk_mosaic", args, do, dS)
     assert calls == []  # under differentiation the forward is chunk.py's, with XLA's pieces
     starts.clear()
+    wy_calls, wy_bwd = [], mosaic_wy_bwd.wy_bwd
+    monkeypatch.setattr(mosaic_wy_bwd, "wy_bwd", lambda *a, **kw: wy_calls.append(kw) or wy_bwd(*a, **kw))
     with chunk.settings(train_intra="kernel", **{**KERNELS, **levers}):
         o, S, got = _run("chunk_mosaic", args, do, dS)
     assert calls == [True], "the training form of the intra kernel did not run"
+    if "wy_bwd" not in levers:  # the WY kernel gave the pull-back kernel Aqk's cotangents and dv in v's layout
+        assert [(kw["score_cotangents"], kw["token_values"]) for kw in wy_calls] == [(True, True)], wy_calls
     if "forward_segments" in levers:  # the kernel's forward ran its state pass in segments, from w itself
         assert [kw["w_negated"] for kw in starts] == [False], starts
     assert rel_rms(o_x, o) < 1e-2 and rel_rms(S_x, S) < 1e-2
