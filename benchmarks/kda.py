@@ -76,7 +76,9 @@ from benchmarks.common import (  # noqa: E402
     markdown_table,
     roofline,
     time_jax,
+    time_jax_stream,
     time_torch,
+    time_torch_stream,
     write_json,
 )
 from kernels.kda import kda  # noqa: E402
@@ -97,6 +99,23 @@ args_timing = dict(warmup=3, iters=10)  # set from the flags in `main`
 STEPS = ("both", "fwd")
 steps = dict(backward=True)  # --steps fwd: forward+backward not timed (set in `main`)
 rounds = dict(n=1)  # --rounds: timing rounds over all rows of a shape, each row's median kept (set in `main`)
+# --timing: "call" (each call dispatched and waited for: what a caller that reads every result
+# sees, host round trip included) or "stream" (calls back to back, one wait per burst: the device
+# time); both for ours and the peers alike (set in `main`)
+TIMINGS = ("call", "stream")
+timing = dict(mode="call")
+
+
+def _time_jax(fn, *args):
+    if timing["mode"] == "stream":
+        return time_jax_stream(fn, *args, warmup=args_timing["warmup"], iters=args_timing["iters"])
+    return time_jax(fn, *args, **args_timing)
+
+
+def _time_torch(fn):
+    if timing["mode"] == "stream":
+        return time_torch_stream(fn, warmup=args_timing["warmup"], iters=args_timing["iters"])
+    return time_torch(fn, **args_timing)
 
 
 def kda_model(B, T, H, K, V):
@@ -144,8 +163,8 @@ def _jax_timings(f, x, args):
         return o, vjp(do.astype(o.dtype))
 
     def again():
-        fb = time_jax(fwd_bwd, *args, **args_timing) if steps["backward"] else None
-        return time_jax(fwd, *args, **args_timing), fb
+        fb = _time_jax(fwd_bwd, *args) if steps["backward"] else None
+        return _time_jax(fwd, *args), fb
 
     o = fwd(*args)
     return (*again(), o, again)
@@ -253,8 +272,8 @@ def _fla(x):
     o = fwd().float().cpu().numpy()
 
     def again():
-        fb = time_torch(fwd_bwd, **args_timing) if steps["backward"] else None
-        return time_torch(fwd, **args_timing), fb
+        fb = _time_torch(fwd_bwd) if steps["backward"] else None
+        return _time_torch(fwd), fb
 
     return (*again(), o, again)
 
@@ -498,6 +517,9 @@ def main(argv=None):
                    help="time every row of a shape this many times, row after row (compiled once), keeping medians")
     p.add_argument("--steps", default="both", choices=STEPS,
                    help="time the forward and the forward+backward, or the forward only (no backward compiled)")
+    p.add_argument("--timing", default="call", choices=TIMINGS,
+                   help="call: each call dispatched and waited for (the host round trip included); stream: calls "
+                        "back to back, one wait per burst (the device time)")
     p.add_argument("--decode", action="store_true", help="time one decoding step (kda_step) instead")
     p.add_argument("--decode_blocks", default="",
                    help="with --decode: extra decode_step_pipelined settings programs.slots.block_v, comma-separated")
@@ -515,6 +537,7 @@ def main(argv=None):
     shapes = _parse_shapes(a.shapes) if a.shapes else list(QUICK_SHAPES if a.quick else SHAPES)
     args_timing.update(warmup=1 if a.quick else a.warmup, iters=3 if a.quick else a.iters)
     steps.update(backward=a.steps == "both")
+    timing.update(mode=a.timing)
     if a.rounds < 1:
         p.error(f"--rounds {a.rounds}: at least 1")
     rounds.update(n=a.rounds)
@@ -540,7 +563,7 @@ def main(argv=None):
         return result
     rows, path = [], a.out
     config = dict(shapes=[list(s) for s in shapes], impls=impls, peers=peers, lower_bound=LOWER_BOUND, steps=a.steps,
-                  rounds=a.rounds, **args_timing)
+                  rounds=a.rounds, timing=a.timing, **args_timing)
     if cache is not None:
         config["triton_cache"] = cache
 

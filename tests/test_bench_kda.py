@@ -59,6 +59,32 @@ def test_benchmark_forward_only_steps(tmp_path):
         bench.main(["--quick", "--steps", "bwd"])
 
 
+def test_benchmark_stream_timing(tmp_path, monkeypatch):
+    """--timing stream times calls dispatched back to back (common.time_jax_stream), not one by one,
+    and records the mode in the config."""
+    import json
+
+    from benchmarks import kda as bench
+
+    used = []
+    real = bench.time_jax_stream
+    monkeypatch.setattr(bench, "time_jax_stream", lambda *a, **kw: used.append(kw) or real(*a, **kw))
+    monkeypatch.setattr(bench, "time_jax", lambda *a, **kw: pytest.fail("per-call timing under --timing stream"))
+    out = tmp_path / "kda.json"
+    try:
+        bench.main(["--quick", "--shapes", "1x70x1x16", "--impls", "chunk", "--peers", "none", "--timing", "stream",
+                    "--out", str(out)])
+    finally:
+        bench.timing.update(mode="call")
+    res = json.loads(out.read_text())
+    (row,) = res["rows"]
+    assert res["config"]["timing"] == "stream"
+    assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0 and row["error"] is None
+    assert len(used) == 2 and all(kw["iters"] == 3 for kw in used)  # forward and forward+backward, --quick's 3
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--timing", "async"])
+
+
 def test_benchmark_rounds_time_every_row_again_without_retracing(tmp_path, monkeypatch):
     """--rounds 3: every row timed three times (its times the medians of its rounds), the impls
     traced no more often than with one round, and a settings variant still runs its settings."""
