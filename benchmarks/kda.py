@@ -72,14 +72,18 @@ from benchmarks.common import (  # noqa: E402
     PEAK_TFLOPS,
     attempt,
     environment,
-    fmt,
-    markdown_table,
-    roofline,
     time_jax,
     time_jax_stream,
     time_torch,
     time_torch_stream,
     write_json,
+)
+from benchmarks.kda_rows import ratio, table, table_row  # noqa: E402
+from benchmarks.triton_cache import (  # noqa: E402,F401 - re-exported: the tests and callers use bench.<name>
+    count_autotune_results,
+    load_autotune_archive,
+    save_autotune_archive,
+    use_triton_cache,
 )
 from kernels.kda import kda  # noqa: E402
 from kernels.kda.chunk_intra import SCORES  # noqa: E402
@@ -93,7 +97,6 @@ IMPLS = ("naive", "chunk", "chunk_mosaic", "pallas_gpu")
 PALLAS_INTRA = ("chunk", "xla", "mosaic", "mosaic_bf16")
 PEERS = ("fla", "jla", "cudnn")
 LOWER_BOUND = -5.0
-CHUNK = 64
 NAIVE_MAX_BYTES = 2 * 2**30  # the naive impl's autodiff keeps one float32 state per token
 args_timing = dict(warmup=3, iters=10)  # set from the flags in `main`
 STEPS = ("both", "fwd")
@@ -116,21 +119,6 @@ def _time_torch(fn):
     if timing["mode"] == "stream":
         return time_torch_stream(fn, warmup=args_timing["warmup"], iters=args_timing["iters"])
     return time_torch(fn, **args_timing)
-
-
-def kda_model(B, T, H, K, V):
-    """(forward FLOPs, forward+backward FLOPs, forward bytes, forward+backward bytes)."""
-    n = B * T * H
-    f = n * (6 * CHUNK * K + 4 * CHUNK * V + 6 * K * V)
-    inputs = n * (2 * (2 * K + V) + 4 * K + 4)
-    fwd_bytes = inputs + n * 2 * V
-    return f, 3 * f, fwd_bytes, fwd_bytes + inputs + n * 2 * V + inputs
-
-
-def attention_model(B, T, H, D):
-    f = 2 * B * H * T * T * D
-    b = B * T * H * D * 2
-    return f, 3.5 * f, 4 * b, 12 * b
 
 
 def make_inputs(shape, seed=0):
@@ -317,7 +305,7 @@ def run_shape(shape, impls, peers, on_row=None):
     for impl in impls:
         _check_impl(impl)
         res, err = _ours(impl, x, shape)
-        row = _row(f"{impl}", "ours", shape, res, err)
+        row = table_row(f"{impl}", "ours", shape, res, err)
         name, _, opt = impl.partition(":")
         if name in ("chunk", "chunk_mosaic") and chunk_settings(opt).get("block_v") == "auto":
             from kernels.kda import chunk_segments  # the width "auto" resolves to at this shape
@@ -326,14 +314,14 @@ def run_shape(shape, impls, peers, on_row=None):
         add(row, res)
     for name in peers:
         for label, (res, err) in _peer(name, x):
-            add(_row(label, "peer", shape, res, err), res)
+            add(table_row(label, "peer", shape, res, err), res)
     _more_rounds(rows, agains, shape, on_row)
     ref = outs.get("chunk")
     for row in rows:
         if ref is not None and row["name"] in outs:
             row["o_rel_err_vs_chunk"] = rel_rms(ref, outs[row["name"]])
         row["ratios"] = {
-            p["name"]: dict(fwd=_ratio(row["fwd_ms"], p["fwd_ms"]), fwd_bwd=_ratio(row["fwd_bwd_ms"], p["fwd_bwd_ms"]))
+            p["name"]: dict(fwd=ratio(row["fwd_ms"], p["fwd_ms"]), fwd_bwd=ratio(row["fwd_bwd_ms"], p["fwd_bwd_ms"]))
             for p in rows
             if p["kind"] == "peer" and p["fwd_ms"] is not None and row["kind"] == "ours"
         }
@@ -356,7 +344,7 @@ def _more_rounds(rows, agains, shape, on_row=None):
         print(f"  round {i + 1} of {rounds['n']} done", flush=True)
     for r in timed:
         med = lambda ts: None if ts[0] is None else statistics.median(ts)  # noqa: E731
-        r.update(_row(r["name"], r["kind"], shape, (med(r["rounds"]["fwd"]), med(r["rounds"]["fwd_bwd"])),
+        r.update(table_row(r["name"], r["kind"], shape, (med(r["rounds"]["fwd"]), med(r["rounds"]["fwd_bwd"])),
                       r["error"]))
         fmt_ms = lambda ts: "-" if ts[0] is None else " ".join(f"{t:.3f}" for t in ts)  # noqa: E731
         print(f"  {r['name']}: rounds fwd {fmt_ms(r['rounds']['fwd'])}, fwd+bwd {fmt_ms(r['rounds']['fwd_bwd'])}",
@@ -400,105 +388,11 @@ def _check_impl(impl):
                          f"or chunk[_mosaic]:<{'|'.join(SCORES)}> or chunk[_mosaic]:key=value/... (chunk.SETTINGS)")
 
 
-def _ratio(a, b):
-    return None if a is None or b is None else a / b
-
-
-def _row(name, kind, shape, res, err):
-    B, T, H, D = shape
-    model = attention_model(B, T, H, D) if name.startswith("cudnn") else kda_model(B, T, H, D, D)
-    fwd_ms, fb_ms = (None, None) if res is None else (res[0], res[1])
-    tf_f, gb_f = roofline(fwd_ms, model[0], model[2])
-    tf_b, gb_b = roofline(fb_ms, model[1], model[3])
-    return dict(
-        name=name, kind=kind, shape=list(shape), fwd_ms=fwd_ms, fwd_bwd_ms=fb_ms, error=err,
-        fwd_tflops=tf_f, fwd_gbps=gb_f, fwd_bwd_tflops=tf_b, fwd_bwd_gbps=gb_b,
-        flops=dict(fwd=model[0], fwd_bwd=model[1]), bytes=dict(fwd=model[2], fwd_bwd=model[3]),
-    )  # fmt: skip
-
-
-def table(rows) -> str:
-    peers = sorted({p for r in rows for p in r.get("ratios", {})})
-    header = ["B,T,H,D", "impl", "ms fwd", "ms fwd+bwd", "TFLOP/s f+b", "GB/s f+b", "% peak f+b"]
-    header += [f"x {p} (fwd / f+b)" for p in peers] + ["o err vs chunk", "note"]
-    out = []
-    for r in rows:
-        pk = None
-        if r["fwd_bwd_tflops"] is not None:
-            pk = 100 * max(r["fwd_bwd_tflops"] / PEAK_TFLOPS, r["fwd_bwd_gbps"] / (1e3 * PEAK_TBPS))
-        cells = [",".join(map(str, r["shape"])), r["name"], fmt(r["fwd_ms"]), fmt(r["fwd_bwd_ms"])]
-        cells += [fmt(r["fwd_bwd_tflops"], 1), fmt(r["fwd_bwd_gbps"], 0), fmt(pk, 1)]
-        for p in peers:
-            rr = r.get("ratios", {}).get(p)
-            cells.append("–" if rr is None else f"{fmt(rr['fwd'])} / {fmt(rr['fwd_bwd'])}")
-        err = r.get("o_rel_err_vs_chunk")
-        cells += [fmt(err, 4) if err is not None else "–", (r["error"] or "").replace("|", "/")]
-        out.append(cells)
-    return markdown_table(header, out)
-
-
 def _parse_shapes(s):
     try:
         return [tuple(int(n) for n in item.lower().split("x")) for item in s.split(",") if item]
     except ValueError:
         raise ValueError(f"--shapes must look like 8x4096x16x128[,BxTxHxD...]; got {s!r}") from None
-
-
-def count_autotune_results(folder: str) -> int:
-    """Triton's on-disk autotuning results (`<kernel>.autotune.json`) under `folder`."""
-    return sum(name.endswith(".autotune.json") for _, _, names in os.walk(folder) for name in names)
-
-
-def use_triton_cache(folder: str) -> dict:
-    """Point Triton's cache (compiled kernels and, with fla's `cache_results`, autotuning results) at
-    `folder`; must run before torch or triton are imported, else Triton has read its default."""
-    if "triton" in sys.modules:
-        raise RuntimeError("--triton_cache must be set before triton is imported")
-    folder = os.path.abspath(folder)
-    os.makedirs(folder, exist_ok=True)
-    os.environ["TRITON_CACHE_DIR"] = folder
-    os.environ.setdefault("FLA_CACHE_RESULTS", "1")
-    found = count_autotune_results(folder)
-    print(f"# Triton cache {folder}: {found} autotuning results", flush=True)
-    # no host paths in results: the folder relative to the repo, or only its name
-    shown = os.path.relpath(folder) if folder.startswith(os.getcwd() + os.sep) else os.path.basename(folder)
-    return dict(dir=shown, autotune_results_before=found, autotune_results_after=found)
-
-
-AUTOTUNE_SUFFIX = ".autotune.json"
-
-
-def load_autotune_archive(archive: str, folder: str) -> int:
-    """Extract the autotuning results of `archive` (a .tgz of `<hash>/<kernel>.autotune.json`) into
-    the Triton cache `folder`; returns how many. A missing archive is not an error (a first run)."""
-    import tarfile
-
-    if not os.path.exists(archive):
-        return 0
-    with tarfile.open(archive, "r:gz") as tar:
-        members = [m for m in tar.getmembers() if m.isfile() and m.name.endswith(AUTOTUNE_SUFFIX)]
-        for m in members:
-            parts = os.path.normpath(m.name).split(os.sep)
-            if m.name.startswith("/") or ".." in parts:
-                raise ValueError(f"{archive}: unsafe member path {m.name!r}")
-        tar.extractall(folder, members=members, filter="data")
-    return len(members)
-
-
-def save_autotune_archive(folder: str, archive: str) -> int:
-    """Write every autotuning result under the Triton cache `folder` into `archive` (.tgz, paths
-    relative to the folder); returns how many."""
-    import tarfile
-
-    found = sorted(os.path.relpath(os.path.join(root, n), folder) for root, _, names in os.walk(folder)
-                   for n in names if n.endswith(AUTOTUNE_SUFFIX))
-    os.makedirs(os.path.dirname(os.path.abspath(archive)), exist_ok=True)
-    tmp = archive + ".tmp"
-    with tarfile.open(tmp, "w:gz") as tar:
-        for rel in found:
-            tar.add(os.path.join(folder, rel), arcname=rel)
-    os.replace(tmp, archive)  # a run killed while writing keeps the previous archive
-    return len(found)
 
 
 def main(argv=None):
