@@ -123,7 +123,8 @@ def _compute(t, bufs, wait, outs, *, dw_ready=False, intra_form=False, dlt_ref=N
         _store(-_mm(dw_fn, (C, K)), dw_s)
     if tok is None:
         _store(bv, bv_s)
-    # dAi = dv' bv^T + dw kgam^T, one float32 accumulator (S's memory now takes dAi).
+    # dAi = dv' bv^T + dw kgam^T, one float32 accumulator, or with `tok` two (dv' v^T scaled by beta
+    # after its product); S's memory now takes dAi.
     wait("kgam")
     if intra_form:  # kgam = beta k exp(G) in place, as bv
         beta_k = lax.broadcast_in_dim(plgpu.load(beta_s, layout=_W.reduce(1)), (C, K), [0])
