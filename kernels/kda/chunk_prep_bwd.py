@@ -71,7 +71,8 @@ def prep_bwd_mode(nm, K, bounded, delta, counts, state_pass, compute_cotangents)
 
 def kernel_pull_back(q, k, v, g, beta, ct, *, scale, interpret):
     """`prep`'s VJP on the bounded delta-rule path by `mosaic_prep_bwd.prep_bwd` (bv's term in
-    XLA, or as the WY kernel gives it in `ct`: "dv", "dbeta_v"): the cotangents (dq, dk, dv, dg, dbeta) of the chunked inputs from the pieces' `ct`."""
+    XLA, or as the WY kernel gives it in `ct`: "dv", "dbeta_v"): the cotangents (dq, dk, dv, dg,
+    dbeta) of the chunked inputs from the pieces' `ct`."""
     from kernels.kda import mosaic_prep_bwd
 
     N, B, H = q.shape[:3]

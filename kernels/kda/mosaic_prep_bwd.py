@@ -314,22 +314,25 @@ def prep_bwd(q, k, G, beta, ddecay, dAqk, dL, dqg, dkg, dkgam, *, scale, interpr
     if Cc != C or reason:
         raise ValueError(f"prep_bwd takes chunks of {C} tokens and K a multiple of {HW} in bf16; got C={Cc}: "
                          f"{reason}")
-    r = jnp.arange(C)
     bf = jnp.bfloat16
-    T = lambda x: jnp.swapaxes(x, -1, -2)  # noqa: E731
     cast = lambda x: x.astype(bf)  # noqa: E731
-    if dAT is None:
-        dAm = jnp.where(r[:, None] >= r[None, :], dAqk, 0).astype(bf)
-        dAqk, dAT = dAm, T(dAm)
-    elif dAT.shape != dAqk.shape:
-        raise ValueError(f"prep_bwd: dAT has shape {dAT.shape}; expected dAqk's {dAqk.shape}")
-    if dLT is None:
-        dLm = jnp.where(r[:, None] > r[None, :], dL, 0).astype(bf)
-        dL, dLT = dLm, T(dLm)
-    elif dLT.shape != dL.shape:
-        raise ValueError(f"prep_bwd: dLT has shape {dLT.shape}; expected dL's {dL.shape}")
+
+    def with_transpose(x, xT, name, diagonal):
+        """(x, x^T) as the kernel takes them: given (masked already), or masked here (r >= c with the
+        diagonal, else r > c) and transposed."""
+        if xT is not None:
+            if xT.shape != x.shape:
+                raise ValueError(f"prep_bwd: {name}T has shape {xT.shape}; expected {name}'s {x.shape}")
+            return cast(x), cast(xT)
+        r = jnp.arange(C)
+        keep = r[:, None] >= r[None, :] if diagonal else r[:, None] > r[None, :]
+        xm = cast(jnp.where(keep, x, 0))
+        return xm, jnp.swapaxes(xm, -1, -2)
+
+    dA, dAT = with_transpose(dAqk, dAT, "dA", diagonal=True)
+    dL, dLT = with_transpose(dL, dLT, "dL", diagonal=False)
     dq, dk, dg, db = _prep_bwd(q.astype(bf), k.astype(bf), G.astype(jnp.float32), beta.astype(jnp.float32),
-                               ddecay.astype(jnp.float32), cast(dAqk), cast(dAT), cast(dL), cast(dLT), cast(dqg), cast(dkg),
+                               ddecay.astype(jnp.float32), dA, dAT, dL, dLT, cast(dqg), cast(dkg),
                                cast(dkgam), scale=float(scale), interpret=bool(interpret), heads=heads,
                                cumsum=bool(cumsum))
     return dq, dk, dg, jnp.sum(db, axis=2)

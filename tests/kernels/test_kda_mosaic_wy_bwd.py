@@ -144,13 +144,15 @@ def test_token_values(rng, form, state, K, V):
         more = dict(do=n(64, V), vn=n(64, V), dhs=n(K, V), score_cotangents=True)
     run = lambda v, **kw: mosaic_wy_bwd.wy_bwd(dvn, S, ai, v, beta, kgam, interpret=True, form=form,  # noqa: E731
                                                 programs=5, dl_transposed=True, **{**more, **kw})
-    tok = lambda x: jnp.moveaxis(x, 0, 1).transpose(0, 1, 3, 2, 4).reshape(B, N * 64, H, V)  # noqa: E731 - [N,B,H,C,V] -> [B,NC,H,V]
+    # [N, B, H, C, V] -> [B, N C, H, V]
+    tok = lambda x: jnp.moveaxis(x, 0, 1).transpose(0, 1, 3, 2, 4).reshape(B, N * 64, H, V)  # noqa: E731
     v_tok = tok(v)
     want = run(v)
     got = run(v_tok, token_values=True, **(dict(do=tok(more["do"])) if state else {}))
     assert len(got) == len(want) + 1
     dv, db = got[0], got[-1]
-    assert dv.shape == v_tok.shape and dv.dtype == jnp.bfloat16 and db.shape == (N, B, H, 64) and db.dtype == jnp.float32
+    assert dv.shape == v_tok.shape and dv.dtype == jnp.bfloat16
+    assert db.shape == (N, B, H, 64) and db.dtype == jnp.float32
     for i, (g, w) in enumerate(zip(got[1:-1], want[1:])):
         assert rel_rms(w, g) < 1e-2, (i, rel_rms(w, g))
     f = lambda x: np.asarray(x, np.float64)  # noqa: E731
