@@ -233,7 +233,7 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
     scores = pl.run_scoped(products, *[plgpu.ACC((C, SUB), f32) for _ in range(2 * NB)])
     AT, LT = jnp.concatenate(scores[:NB], axis=1), jnp.concatenate(scores[NB:], axis=1)
     phase("scores_out")
-    for j in range(VH):  # v lands while the inverse runs (its memory held the scores)
+    for j in range(VH):  # v lands while the inverse runs (its memory held the scores' operand)
         plgpu.copy_gmem_to_smem(v_ref.at[b, rows_t, h, half(j)], v_s.at[j], bars.at[len(loads) + j])
     # rows: column c of the scores; cols: row r.
     beta_r = lax.broadcast_in_dim(plgpu.load(b_s, layout=_W.reduce(0)), (C, C), [1])
