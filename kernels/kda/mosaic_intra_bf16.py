@@ -13,11 +13,14 @@ is straight-line code run once per program, and at about 9300 instructions (146 
 unrolled its warps spent half their cycles waiting for instruction fetch (Nsight Compute on an
 H100: 6.7 of 12.8 cycles per issued instruction stalled on "no instruction").
 
-  * D = G - a_I, the block-local cumsum (a_I = G at the first row of 16-row block I), is
-    BlockTri (g_hi + g_lo) on the tensor cores (split bf16, about 2^-17 relative); the anchors
+  * The gates enter in base-2 units (g log2(e)), so each exponential is one ex2 instruction.
+    D = G - a_I, the block-local cumsum (a_I = G at the first row of 16-row block I), is
+    BlockTri (g_hi + g_lo) on the tensor cores (split bf16, about 2^-16 relative); the anchors
     a_I and G_last are Sel (g_hi + g_lo) beside it, 0/1 rows that sum each prefix. Formed here,
     not by XLA, they cost no second and third pass over g (0.59 of the forward's 2.68 GB at
-    8,4096,16,128 by the compiled HLO's count).
+    8,4096,16,128 by the compiled HLO's count). G itself as Tri (g_hi + g_lo) in D's round trip
+    (a third register operand) gave wrong qg, kg at random on an H100 with ptxas 13.0, a
+    register-operand wgmma hazard; G = D + a_I keeps two.
   * Row side, one half per loop step after its D: Rq = q exp(D), Rk = k exp(D) (factors <= 1),
     Kl = k exp(-D) (<= exp(15 * 5)).
   * Scores, transposed, per row block I: column operand Kc_I = Kl times exp(a_I - a_J) (<= 1) on
@@ -47,7 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import profiling
 from kernels.lowering import lowered_once
-from kernels.kda.mosaic_intra import MAX_EXP, _split_store, per_block as _per_block, split_parts
+from kernels.kda.mosaic_intra import MAX_EXP, per_block as _per_block
 from kernels.kda.mosaic_state import C, _smem, flat_grid, grid_indices
 
 SUB = 16
@@ -55,6 +58,20 @@ NB = C // SUB  # row blocks per chunk
 HW = 64  # column half width
 assert HW == C, "one [C, HW] row/column index serves the [C, C] score tiles too"
 _W = plgpu.Layout.WGMMA
+LOG2E = 1.4426950408889634  # the gates enter in base-2 units: each exponential is one ex2
+
+
+def split_parts(X, dt):
+    """f32 X as (hi, lo) in bf16, X ~ hi + lo to about 2^-16 relative: hi is X with its low 16 bits
+    cleared (exact in bf16), so forming it takes a mask, not a rounding conversion and one back."""
+    if dt != jnp.bfloat16:
+        raise ValueError(f"split_parts takes bf16 parts; got {dt}")
+    hi = lax.bitcast_convert_type(lax.bitcast_convert_type(X, jnp.int32) & -65536, jnp.float32)
+    return hi.astype(dt), (X - hi).astype(dt)
+
+
+def _split_store(X, hi_ref, lo_ref, dt):
+    hi_ref[...], lo_ref[...] = split_parts(X, dt)
 
 
 def _distinct(mats):
@@ -154,7 +171,7 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
     # them, and G_last out for the chunk decay. The halves are unrolled here: a store into an_s
     # takes no loop index.
     for j in range(KH):
-        _split_store(plgpu.load(g_s.at[j], layout=_W), parts.at[j, 0], parts.at[j, 1], dt)
+        _split_store(plgpu.load(g_s.at[j], layout=_W) * LOG2E, parts.at[j, 0], parts.at[j, 1], dt)
     plgpu.commit_smem()
     for j in range(KH):
         def anchors(acc, j=j):
@@ -177,22 +194,22 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
     def row_half(j):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous half's staged outputs are read
         with sub("block_cumsum"):
-            def cumsum(acc):
-                plgpu.wgmma(acc, bt, parts.at[j, 0])
-                plgpu.wgmma(acc, bt, parts.at[j, 1])
-                return acc[...]
+            def cumsum(acc_d):
+                for part in range(2):
+                    plgpu.wgmma(acc_d, bt, parts.at[j, part])
+                return acc_d[...]
 
             D = pl.run_scoped(cumsum, plgpu.ACC((C, HW), f32))
-        e = jnp.exp(D)
-        G = D + blocks(lambda I: anchor(I, j))  # the chunk-local cumsum itself, <= 0
+        e = jnp.exp2(D)
+        G = D + blocks(lambda I: anchor(I, j))
         qf = plgpu.load(q_s.at[j], layout=_W).astype(f32)
         q_s.at[j][...] = (qf * e).astype(dt)
-        st_s.at[0][...] = (qf * jnp.exp(G) * scale).astype(dt)  # qg = scale Rq exp(a_I)
+        st_s.at[0][...] = (qf * jnp.exp2(G) * scale).astype(dt)  # qg = scale Rq exp(a_I)
         kf = plgpu.load(k_s.at[j], layout=_W).astype(f32)
         k_s.at[j][...] = (kf * e).astype(dt)
-        kl_s.at[j][...] = (kf * jnp.exp(jnp.minimum(-D, MAX_EXP))).astype(dt)
+        kl_s.at[j][...] = (kf * jnp.exp2(jnp.minimum(-D, MAX_EXP * LOG2E))).astype(dt)
         G_last = lax.broadcast_in_dim(anchor(NB, j), (C, HW), [1])
-        st_s.at[1][...] = (kf * jnp.exp(G_last - G)).astype(dt)  # kg = Kl exp(G_last - a_I), exponent <= 0
+        st_s.at[1][...] = (kf * jnp.exp2(G_last - G)).astype(dt)  # kg = Kl exp(G_last - a_I), exponent <= 0
         plgpu.commit_smem()
         with sub("row_side_out"):
             plgpu.copy_smem_to_gmem(st_s.at[0], out(qg_ref, slice(None), half(j)))
@@ -215,7 +232,7 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
             for I in range(NB):
                 if I:
                     with sub("scores_operand"):
-                        f = jnp.exp(jnp.minimum(anchor(I, j) - anchor(I - 1, j), 0.0))
+                        f = jnp.exp2(jnp.minimum(anchor(I, j) - anchor(I - 1, j), 0.0))
                         before = lax.broadcast_in_dim(r1 < I * SUB, (C, HW), [0])
                         kc = kc * jnp.where(before, lax.broadcast_in_dim(f, (C, HW), [1]), 1.0)
                 plgpu.wgmma_wait(2)  # the products that read this buffer (block I - 2) are done
@@ -242,7 +259,7 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
 
     def k_exp_g(j):  # k exp(G) = Rk exp(a_I) in place for w (Rk's last reads were the scores)
         rk = plgpu.load(k_s.at[j], layout=_W).astype(f32)
-        k_s.at[j][...] = (rk * jnp.exp(blocks(lambda I: anchor(I, j)))).astype(dt)
+        k_s.at[j][...] = (rk * jnp.exp2(blocks(lambda I: anchor(I, j)))).astype(dt)
 
     halves(k_exp_g)
     plgpu.commit_smem()
@@ -370,4 +387,4 @@ def _intra_bf16(q, k, v, g, beta_t, *, scale, interpret, pieces):
         compiler_params=profiling.compiler_params(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q, k, v, g, beta_t)
-    return (qg, wn, kg, u, a, jnp.exp(G_last), *extra)
+    return (qg, wn, kg, u, a, jnp.exp2(G_last), *extra)
