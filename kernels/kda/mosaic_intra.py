@@ -150,9 +150,18 @@ def split_parts(X, dt):
     return hi, (X - hi.astype(jnp.float32)).astype(dt)
 
 
-def _split_store(X, hi_ref, lo_ref, dt):
-    """Store f32 X as hi + lo in `dt` (`split_parts`) into two SMEM refs."""
-    hi_ref[...], lo_ref[...] = split_parts(X, dt)
+def truncated_parts(X, dt):
+    """f32 X as (hi, lo) in bf16, X ~ hi + lo to about 2^-16 relative: hi is X with its low 16 bits
+    cleared (exact in bf16), so forming it takes a mask, not a rounding conversion and one back."""
+    if dt != jnp.bfloat16:
+        raise ValueError(f"truncated_parts takes bf16 parts; got {dt}")
+    hi = lax.bitcast_convert_type(lax.bitcast_convert_type(X, jnp.int32) & -65536, jnp.float32)
+    return hi.astype(dt), (X - hi).astype(dt)
+
+
+def _split_store(X, hi_ref, lo_ref, dt, parts=split_parts):
+    """Store f32 X as hi + lo in `dt` (`parts`: `split_parts` or `truncated_parts`) into two SMEM refs."""
+    hi_ref[...], lo_ref[...] = parts(X, dt)
 
 
 def _mm_split(X, Y, *, m_s, dt):

@@ -50,7 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import profiling
 from kernels.lowering import lowered_once
-from kernels.kda.mosaic_intra import MAX_EXP, per_block as _per_block
+from kernels.kda.mosaic_intra import MAX_EXP, _split_store, per_block as _per_block, truncated_parts
 from kernels.kda.mosaic_state import C, _smem, flat_grid, grid_indices
 
 SUB = 16
@@ -59,19 +59,6 @@ HW = 64  # column half width
 assert HW == C, "one [C, HW] row/column index serves the [C, C] score tiles too"
 _W = plgpu.Layout.WGMMA
 LOG2E = 1.4426950408889634  # the gates enter in base-2 units: each exponential is one ex2
-
-
-def split_parts(X, dt):
-    """f32 X as (hi, lo) in bf16, X ~ hi + lo to about 2^-16 relative: hi is X with its low 16 bits
-    cleared (exact in bf16), so forming it takes a mask, not a rounding conversion and one back."""
-    if dt != jnp.bfloat16:
-        raise ValueError(f"split_parts takes bf16 parts; got {dt}")
-    hi = lax.bitcast_convert_type(lax.bitcast_convert_type(X, jnp.int32) & -65536, jnp.float32)
-    return hi.astype(dt), (X - hi).astype(dt)
-
-
-def _split_store(X, hi_ref, lo_ref, dt):
-    hi_ref[...], lo_ref[...] = split_parts(X, dt)
 
 
 def _distinct(mats):
@@ -91,10 +78,10 @@ def _mm_pair(pairs, m_s, dt, a_s=None):
     ys, xs = _distinct([Y for _, Y in pairs]), _distinct([X for X, _ in pairs])
     assert len(ys) <= 2 and len(xs) <= 2, "two distinct operands per side"
     for i, Y in enumerate(ys):
-        _split_store(Y, m_s.at[2 * i], m_s.at[2 * i + 1], dt)
+        _split_store(Y, m_s.at[2 * i], m_s.at[2 * i + 1], dt, truncated_parts)
     if a_s is not None:
         for i, X in enumerate(xs):
-            _split_store(X, a_s.at[2 * i], a_s.at[2 * i + 1], dt)
+            _split_store(X, a_s.at[2 * i], a_s.at[2 * i + 1], dt, truncated_parts)
     plgpu.commit_smem()
     index = lambda ms, M: next(i for i, m in enumerate(ms) if m is M)  # noqa: E731
 
@@ -102,7 +89,7 @@ def _mm_pair(pairs, m_s, dt, a_s=None):
         if a_s is not None:
             i = 2 * index(xs, X)
             return a_s.at[i], a_s.at[i + 1]
-        return split_parts(X, dt)
+        return truncated_parts(X, dt)
 
     def prod(*accs):
         for acc, (X, Y) in zip(accs, pairs):
@@ -171,7 +158,8 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
     # them, and G_last out for the chunk decay. The halves are unrolled here: a store into an_s
     # takes no loop index.
     for j in range(KH):
-        _split_store(plgpu.load(g_s.at[j], layout=_W) * LOG2E, parts.at[j, 0], parts.at[j, 1], dt)
+        g_j = plgpu.load(g_s.at[j], layout=_W) * LOG2E
+        _split_store(g_j, parts.at[j, 0], parts.at[j, 1], dt, truncated_parts)
     plgpu.commit_smem()
     for j in range(KH):
         def anchors(acc, j=j):
@@ -293,7 +281,7 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
     # w = (Ai diag beta)(k exp G), u = (Ai diag beta) v: the A operand is the transposed view of
     # diag(beta) Ai^T, stored as hi + lo bf16 in m_s[0], m_s[1]; -w goes to m_s[2:].
     beta_c = lax.broadcast_in_dim(plgpu.load(b_s, layout=_W.reduce(1)), (C, C), [0])
-    _split_store(AiT * beta_c, m_s.at[0], m_s.at[1], dt)
+    _split_store(AiT * beta_c, m_s.at[0], m_s.at[1], dt, truncated_parts)
     if pieces:  # Ai^T for the backward in a^T's memory, once a^T's copy has read it
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         a_o[...] = AiT.astype(dt)
