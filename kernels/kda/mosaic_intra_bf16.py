@@ -28,7 +28,9 @@ H100: 6.7 of 12.8 cycles per issued instruction stalled on "no instruction").
     64x16 wgmmas into [C, 16] accumulators (eight, held over the column halves' loop). Kc_I is
     Kc_{I-1} times one column vector exp(a_I - a_{I-1}) on the rows before block I, so the operand
     costs a multiply per element, not an exponential and a select per block (0.90 -> 0.78 ms at
-    8,4096,16,128 on an H100, `intra-revisions-scores-carry-h100-20261206T1410.json`).
+    8,4096,16,128 on an H100, `intra-revisions-scores-carry-h100-20261206T1410.json`). Kc_I is
+    wgmma's register A operand: no SMEM store and fence per block (0.74 -> 0.70 ms with g loaded
+    first, `intra-revisions-scores-rega-h100-20261206T1852.json`).
   * (I + L^T)^{-1} = Ai^T in split-bf16 products, two independent products per round trip:
     Dg = (I - Ud)(I + Ud^2)(I + Ud^4)(I + Ud^8) for the 16x16 diagonal blocks Ud, then with
     N = Dg Uo (N^4 = 0): Ai^T = (I - N)(I + N^2) Dg.
@@ -115,13 +117,13 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
     out = lambda ref, *idx: ref.at[(n, bh, *idx) if pieces else (bh, n, *idx)]  # noqa: E731 - this chunk-head's output
     rows_t = pl.ds(n * C, C)
     half = lambda j: pl.ds(j * HW, HW)  # noqa: E731
-    loads = [(q_ref.at[b, rows_t, h, half(j)], q_s.at[j]) for j in range(KH)]
+    loads = [(g_ref.at[b, rows_t, h, half(j)], g_s.at[j]) for j in range(KH)]
+    loads += [(q_ref.at[b, rows_t, h, half(j)], q_s.at[j]) for j in range(KH)]
     loads += [(k_ref.at[b, rows_t, h, half(j)], k_s.at[j]) for j in range(KH)]
-    loads += [(g_ref.at[b, rows_t, h, half(j)], g_s.at[j]) for j in range(KH)]
     loads += [(b_ref.at[b, h, rows_t], b_s)]
     for i, (src, dst) in enumerate(loads):
         plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
-    for i in range(len(loads)):
+    for i in range(KH):  # g; q, k and beta land while the cumsum and the anchors run
         plgpu.barrier_wait(bars.at[i])
     f32 = jnp.float32
     # Tile indices (HW == C: also the [C, C] ones) as a row and a column vector, broadcast where a
@@ -203,6 +205,8 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
             plgpu.copy_smem_to_gmem(st_s.at[0], out(qg_ref, slice(None), half(j)))
             plgpu.copy_smem_to_gmem(st_s.at[1], out(kg_ref, slice(None), half(j)))
 
+    for i in range(KH, len(loads)):
+        plgpu.barrier_wait(bars.at[i])
     halves(row_half)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -212,7 +216,8 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
     # one column vector, exp(a_I - a_{I-1}) <= 1, on the rows before block I: no exponential or
     # block select per element. Rows after block I still hold Kl (finite); they land only in A^T's
     # entries that the masks below drop. One column half per loop step, the row blocks unrolled in
-    # it (an accumulator cannot follow a loop index); the operand alternates between two buffers.
+    # it (an accumulator cannot follow a loop index). Kc_I goes to the products from registers;
+    # the interpreter's operand alternates between two SMEM buffers instead.
     def products(*accs):
         def half_scores(j):
             with sub("scores_operand"):
@@ -223,13 +228,17 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
                         f = jnp.exp2(jnp.minimum(anchor(I, j) - anchor(I - 1, j), 0.0))
                         before = lax.broadcast_in_dim(r1 < I * SUB, (C, HW), [0])
                         kc = kc * jnp.where(before, lax.broadcast_in_dim(f, (C, HW), [1]), 1.0)
-                plgpu.wgmma_wait(2)  # the products that read this buffer (block I - 2) are done
-                kc_s.at[I % 2][...] = kc.astype(dt)
-                plgpu.commit_smem()
+                if a_s:  # the interpreter takes wgmma operands from SMEM only
+                    plgpu.wgmma_wait(2)  # the products that read this buffer (block I - 2) are done
+                    kc_s.at[I % 2][...] = kc.astype(dt)
+                    plgpu.commit_smem()
+                    kop = kc_s.at[I % 2]
+                else:
+                    kop = kc.astype(dt)
                 with sub("scores_issue"):
                     blk = pl.ds(I * SUB, SUB)
-                    plgpu.wgmma(accs[I], kc_s.at[I % 2], q_s.at[j, blk].transpose((1, 0)))
-                    plgpu.wgmma(accs[NB + I], kc_s.at[I % 2], k_s.at[j, blk].transpose((1, 0)))
+                    plgpu.wgmma(accs[I], kop, q_s.at[j, blk].transpose((1, 0)))
+                    plgpu.wgmma(accs[NB + I], kop, k_s.at[j, blk].transpose((1, 0)))
 
         halves(half_scores)
         with sub("scores_drain"):
@@ -344,7 +353,7 @@ def _intra_bf16(q, k, v, g, beta_t, *, scale, interpret, pieces):
     union = plgpu.RefUnion(
         (half(KH, f32), half(2, dt)),  # g; one half's qg, kg staged
         _smem((KH, 2, C, HW), dt),  # g as hi + lo (half j's over g's half j)
-        half(2, dt),  # column operand of the scores, two buffers
+        half(2, dt),  # column operand of the scores, two buffers (the interpreter's; on a GPU it is in registers)
         (half(VH, dt), _smem((4, C, C), dt)),  # v -> u; split operands of the inverse, then Ai diag(beta), -w
         (half(KH, f32), plgpu.SMEM((C, HW), f32)),  # (g's place;) one half's anchor product, in st_s's place
     )
