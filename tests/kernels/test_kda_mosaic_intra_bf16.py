@@ -22,6 +22,17 @@ def _inputs(rng, B, T, H, K, V):
     return inputs(B, T, H, K, V=V, rng=rng)
 
 
+def _float64_inverse(k, g, beta, C):
+    """k, g [B, T, H, K], beta [B, T, H] -> chunk-major [NT, BH, C, *] float64 k, G (the chunk-local
+    cumsum of g), L = strict_lower(beta (k e^G)(k e^-G)^T) and Ai = (I + L)^{-1}."""
+    B, T, H, _ = k.shape
+    NT = T // C
+    chunked = lambda x: np.asarray(x, np.float64).reshape(B, NT, C, H, -1).transpose(1, 0, 3, 2, 4).reshape(NT, B * H, C, -1)  # noqa: E731
+    kc, G, bc = chunked(k), np.cumsum(chunked(g), axis=2), chunked(beta)[..., 0]
+    L = np.tril(np.einsum("...rk,...ck->...rc", kc * np.exp(G), kc * np.exp(-G)), -1) * bc[..., None]
+    return kc, G, L, np.linalg.inv(np.eye(C) + L)
+
+
 @pytest.mark.parametrize("K, V", [(128, 64), (64, 128)])
 def test_operands_match_exact_stage(rng, K, V):
     """Every output against the float32 XLA stage, to bf16 rounding (K != V, both column-half
@@ -59,12 +70,7 @@ def test_training_pieces_match_float32(rng, K, V):
         assert out.dtype == jnp.bfloat16 and out.shape == ref.shape
         assert_close(name, ref, out.astype(jnp.float32), 0.005)
     assert_close("d", major(p["d"]), outs[5], 1e-5)
-    # [NT, BH, C, *] float64 references: G the chunk-local cumsum, L = strict_lower(beta (k e^G)(k e^-G)^T)
-    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
-    chunked = lambda x: f64(x).reshape(B, NT, C, H, -1).transpose(1, 0, 3, 2, 4).reshape(NT, B * H, C, -1)  # noqa: E731
-    kc, G, bc = chunked(k), np.cumsum(chunked(g), axis=2), chunked(beta)[..., 0]
-    L = np.tril(np.einsum("...rk,...ck->...rc", kc * np.exp(G), kc * np.exp(-G)), -1) * bc[..., None]
-    Ai = np.linalg.inv(np.eye(C) + L)
+    kc, G, _, Ai = _float64_inverse(k, g, beta, C)
     ai_t, k_exp = outs[6:]
     assert ai_t.dtype == k_exp.dtype == jnp.bfloat16 and ai_t.shape == (NT, B * H, C, C)
     assert_close("Ai^T", jnp.asarray(np.swapaxes(Ai, -1, -2), jnp.float32), ai_t.astype(jnp.float32), 0.005)
@@ -78,22 +84,18 @@ def test_inverse_stays_accurate_on_correlated_keys(rng):
     correction of degree 4) keeps Ai^T within bf16 operand error there; squaring the whole L
     instead passes the random-key tests above and is off by 1e11 here."""
     B, T, H, K, C = 1, 128, 2, 64, 64
-    NT = T // C
     base = rng.standard_normal(K)
     k = base + 0.03 * rng.standard_normal((B, T, H, K))
     k /= np.linalg.norm(k, axis=-1, keepdims=True)
     q, v = rng.standard_normal((2, B, T, H, K))
     g = -1e-3 * rng.random((B, T, H, K))
     beta = np.full((B, H, T), 0.99)
-    bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
-    outs = mosaic_intra_bf16.intra_bf16(bf(q), bf(k), bf(v), jnp.asarray(g, jnp.float32), jnp.asarray(beta, jnp.float32),
-                                        scale=K**-0.5, interpret=True, pieces=True)
-    chunked = lambda x: np.asarray(x, np.float64).reshape(B, NT, C, H, -1).transpose(1, 0, 3, 2, 4).reshape(NT, B * H, C, -1)  # noqa: E731
-    kc, G = chunked(np.asarray(bf(k), np.float64)), np.cumsum(chunked(g), axis=2)
-    L = np.tril(np.einsum("...rk,...ck->...rc", kc * np.exp(G), kc * np.exp(-G)), -1) * 0.99
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    g, beta = jnp.asarray(g, jnp.float32), jnp.asarray(beta, jnp.float32)
+    outs = mosaic_intra_bf16.intra_bf16(q, k, v, g, beta, scale=K**-0.5, interpret=True, pieces=True)
+    _, _, L, Ai = _float64_inverse(k, g, jnp.moveaxis(beta, 1, 2), C)
     assert np.abs(L[..., 1:, :1]).min() > 0.9  # the near-singular case this test is for
-    Ai_t = np.swapaxes(np.linalg.inv(np.eye(C) + L), -1, -2)
-    assert_close("Ai^T", jnp.asarray(Ai_t, jnp.float32), outs[6].astype(jnp.float32), 0.03)
+    assert_close("Ai^T", jnp.asarray(np.swapaxes(Ai, -1, -2), jnp.float32), outs[6].astype(jnp.float32), 0.03)
 
 
 @pytest.mark.gpu
