@@ -16,7 +16,8 @@ H100: 6.7 of 12.8 cycles per issued instruction stalled on "no instruction").
   * The gates enter in base-2 units (g log2(e)), so each exponential is one ex2 instruction.
     D = G - a_I, the block-local cumsum (a_I = G at the first row of 16-row block I), is
     BlockTri (g_hi + g_lo) on the tensor cores (split bf16, about 2^-16 relative); the anchors
-    a_I and G_last are Sel (g_hi + g_lo) beside it, 0/1 rows that sum each prefix. Formed here,
+    a_I and G_last are Sel (g_hi + g_lo) beside it, 0/1 rows that sum each prefix (both
+    column halves in one product, the second's Sel shifted down). Formed here,
     not by XLA, they cost no second and third pass over g (0.59 of the forward's 2.68 GB at
     8,4096,16,128 by the compiled HLO's count). G itself as Tri (g_hi + g_lo) in D's round trip
     (a third register operand) gave wrong qg, kg at random on an H100 with ptxas 13.0, a
@@ -58,6 +59,7 @@ from kernels.kda.mosaic_state import C, _smem, flat_grid, grid_indices
 SUB = 16
 NB = C // SUB  # row blocks per chunk
 HW = 64  # column half width
+ROW = 8  # rows between the column halves' anchors in their one product
 assert HW == C, "one [C, HW] row/column index serves the [C, C] score tiles too"
 _W = plgpu.Layout.WGMMA
 LOG2E = 1.4426950408889634  # the gates enter in base-2 units: each exponential is one ex2
@@ -109,7 +111,7 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
           grid, pieces):
     ai_ref, kx_ref = rest[:2] if pieces else (None, None)
     q_s, k_s, kl_s, an_s, b_s, a_o, union, bars, *a_s = rest[2:] if pieces else rest
-    (g_s, st_s), parts, kc_s, (v_s, m_s), (_, an_full) = union
+    (g_s, st_s), parts, kc_s, (v_s, m_s), (_, an_full), (_, sel1_s) = union
     phase = profiling.phases()  # named profiler ranges (kernels.profiling), free when not profiling
     phase("load")
     n, bh = grid_indices(grid)
@@ -155,25 +157,33 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
         bt, sel = a_s[0].at[0], a_s[0].at[1]
 
     # g as hi + lo parts in g's own memory (Pallas's barrier before each store: every warp has
-    # read it), then the anchors of both halves, Sel (g_hi + g_lo): rows 0 .. NB of the product go
-    # through SMEM (st_s's memory, free until the first half's outputs) to where every warp reads
-    # them, and G_last out for the chunk decay. The halves are unrolled here: a store into an_s
-    # takes no loop index.
+    # read it), then the anchors of both halves in one product: Sel (g_hi + g_lo) for the first
+    # half, Sel shifted down ROW rows for the second, so one wgmma wait, one tile store and two
+    # fences serve both (0.692 -> 0.672 ms at 8,4096,16,128 on an H100,
+    # `intra-revisions-anchors-h100-20261206T2016.json`). Its rows go through SMEM (st_s's memory,
+    # free until the first half's outputs) to where every warp reads them, and G_last out for the
+    # chunk decay. The halves are unrolled here: a store into an_s takes no loop index.
     for j in range(KH):
         g_j = plgpu.load(g_s.at[j], layout=_W) * LOG2E
         _split_store(g_j, parts.at[j, 0], parts.at[j, 1], dt, truncated_parts)
+    if KH == 2:  # Sel shifted down by ROW rows: the second half's anchors land beside the first's
+        rs = rows() - ROW
+        sel1_s[...] = jnp.where((rs >= 0) & (((rs < NB) & (cols() <= rs * SUB)) | (rs == NB)), 1.0, 0.0).astype(dt)
+    plgpu.commit_smem()
+
+    def anchors(acc):  # half j's anchors in rows ROW * j .. ROW * j + NB of one product
+        for j in range(KH):
+            for part in range(2):
+                plgpu.wgmma(acc, sel if j == 0 else sel1_s, parts.at[j, part])
+        return acc[...]
+
+    an_full[...] = pl.run_scoped(anchors, plgpu.ACC((C, HW), f32))  # over sel1_s: its products are done
     plgpu.commit_smem()
     for j in range(KH):
-        def anchors(acc, j=j):
-            for part in range(2):
-                plgpu.wgmma(acc, sel, parts.at[j, part])
-            return acc[...]
-
-        an_full[...] = pl.run_scoped(anchors, plgpu.ACC((C, HW), f32))
-        plgpu.commit_smem()
         for i in range(NB + 1):
-            an_s.at[j, i][...] = plgpu.load(an_full.at[i], layout=_W.reduce(0))
-        plgpu.commit_smem()
+            an_s.at[j, i][...] = plgpu.load(an_full.at[ROW * j + i], layout=_W.reduce(0))
+    plgpu.commit_smem()
+    for j in range(KH):
         plgpu.copy_smem_to_gmem(an_s.at[j, NB], out(gl_ref, half(j)))
 
     phase("row_side")
@@ -355,7 +365,8 @@ def _intra_bf16(q, k, v, g, beta_t, *, scale, interpret, pieces):
         _smem((KH, 2, C, HW), dt),  # g as hi + lo (half j's over g's half j)
         half(2, dt),  # column operand of the scores, two buffers (the interpreter's; on a GPU it is in registers)
         (half(VH, dt), _smem((4, C, C), dt)),  # v -> u; split operands of the inverse, then Ai diag(beta), -w
-        (half(KH, f32), plgpu.SMEM((C, HW), f32)),  # (g's place;) one half's anchor product, in st_s's place
+        (half(KH, f32), plgpu.SMEM((C, HW), f32)),  # (g's place;) the anchor product, in st_s's place
+        (half(KH, f32), _smem((C, C), dt)),  # the second half's Sel, under the anchor product
     )
     scratch = [
         half(KH, dt),  # q -> Rq -> qg
