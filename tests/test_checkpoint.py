@@ -43,7 +43,7 @@ def test_round_trip_into_new_shardings_and_keep_last(tmp_path):
 def test_a_save_killed_midway_is_never_loaded(tmp_path):
     """A process saves step 1, starts the asynchronous save of step 2 and dies at once."""
     script = textwrap.dedent(f"""
-        import os, sys
+        import os, sys, time
         sys.path.insert(0, {ROOT!r})
         import jax.numpy as jnp
         from kimi_jax import checkpoint
@@ -53,7 +53,12 @@ def test_a_save_killed_midway_is_never_loaded(tmp_path):
         ckpt.wait()
         big = {{"params": {{"w": jnp.full((32, 1024, 1024), 7.0)}}, "rest": {{}}, "opt_state": {{"c": jnp.zeros(())}}}}
         ckpt.save(2, big, {{"step": 2}})
-        os._exit(0)  # killed mid-save
+        root = checkpoint.checkpoint_dir({str(tmp_path)!r})
+        for _ in range(20000):  # killed mid-save: once its temporary folder exists (made in the background)
+            if any(e.startswith("2.") for e in os.listdir(root)):
+                break
+            time.sleep(0.0005)
+        os._exit(0)
     """)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=300)
