@@ -107,7 +107,7 @@ def _mm_pair(pairs, m_s, dt, a_s=None):
     return pl.run_scoped(prod, *[plgpu.ACC((C, C), jnp.float32) for _ in pairs])
 
 
-def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_ref, gl_ref, *rest, H, KH, VH, scale, dt,
+def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, H, KH, VH, scale, dt,
           grid, pieces):
     ai_ref, kx_ref = rest[:2] if pieces else (None, None)
     q_s, k_s, kl_s, an_s, b_s, a_o, union, bars, *a_s = rest[2:] if pieces else rest
@@ -139,7 +139,7 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
     same_block = lambda: (lax.broadcast_in_dim(block_of(r1), (C, HW), [0])  # noqa: E731
                           == lax.broadcast_in_dim(block_of(c1), (C, HW), [1]))
     blocks = lambda fn: _per_block((C, HW), fn, NB)  # noqa: E731 - rows of block I hold fn(I) [HW]
-    # [HW] anchor i of column half j (j may be a loop index: an_s is [KH, NB + 1, HW])
+    # [HW] anchor i of column half j (j may be a loop index: an_s is [KH, NB + 2, HW])
     anchor = lambda i, j: plgpu.load(an_s.at[j, i], layout=_W.reduce(0))  # noqa: E731
     halves = lambda fn: lax.fori_loop(0, KH, lambda j, c: fn(j) or c, None)  # noqa: E731 - one copy of fn's code
 
@@ -161,8 +161,9 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
     # half, Sel shifted down ROW rows for the second, so one wgmma wait, one tile store and two
     # fences serve both (0.692 -> 0.672 ms at 8,4096,16,128 on an H100,
     # `intra-revisions-anchors-h100-20261206T2016.json`). Its rows go through SMEM (st_s's memory,
-    # free until the first half's outputs) to where every warp reads them, and G_last out for the
-    # chunk decay. The halves are unrolled here: a store into an_s takes no loop index.
+    # free until the first half's outputs) to where every warp reads them, and the chunk decay
+    # exp(G_last) out (here, not as an XLA op after the kernel). The halves are unrolled here: a
+    # store into an_s takes no loop index.
     for j in range(KH):
         g_j = plgpu.load(g_s.at[j], layout=_W) * LOG2E
         _split_store(g_j, parts.at[j, 0], parts.at[j, 1], dt, truncated_parts)
@@ -182,9 +183,10 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
     for j in range(KH):
         for i in range(NB + 1):
             an_s.at[j, i][...] = plgpu.load(an_full.at[ROW * j + i], layout=_W.reduce(0))
+        an_s.at[j, NB + 1][...] = jnp.exp2(plgpu.load(an_full.at[ROW * j + NB], layout=_W.reduce(0)))
     plgpu.commit_smem()
     for j in range(KH):
-        plgpu.copy_smem_to_gmem(an_s.at[j, NB], out(gl_ref, half(j)))
+        plgpu.copy_smem_to_gmem(an_s.at[j, NB + 1], out(d_ref, half(j)))
 
     phase("row_side")
     # Half by half: D, then Rq, Rk in place of q, k; Kl; and from the same registers the outputs
@@ -372,7 +374,7 @@ def _intra_bf16(q, k, v, g, beta_t, *, scale, interpret, pieces):
         half(KH, dt),  # q -> Rq -> qg
         half(KH, dt),  # k -> Rk -> k exp(G)
         half(KH, dt),  # Kl -> kg
-        plgpu.SMEM((KH, NB + 1, HW), f32),  # anchors a_0..a_3, G_last, by column half
+        plgpu.SMEM((KH, NB + 2, HW), f32),  # anchors a_0..a_3, G_last, the decay exp(G_last), by column half
         plgpu.SMEM((C,), f32),  # beta
         _smem((C, C), dt),  # a^T
         union,
@@ -386,7 +388,7 @@ def _intra_bf16(q, k, v, g, beta_t, *, scale, interpret, pieces):
     if pieces:
         out_type += (sds(C, C), sds(C, K))
     body = functools.partial(_body, H=H, KH=KH, VH=VH, scale=float(scale), dt=dt, grid=(NT, B * H), pieces=pieces)
-    qg, wn, kg, u, a, G_last, *extra = plgpu.kernel(
+    return plgpu.kernel(
         body,
         out_type=out_type,
         scratch_types=scratch,
@@ -395,4 +397,3 @@ def _intra_bf16(q, k, v, g, beta_t, *, scale, interpret, pieces):
         compiler_params=profiling.compiler_params(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q, k, v, g, beta_t)
-    return (qg, wn, kg, u, a, jnp.exp2(G_last), *extra)

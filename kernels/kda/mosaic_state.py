@@ -143,8 +143,10 @@ def _mm(fn, shape):
     return pl.run_scoped(fn, plgpu.ACC(shape, jnp.float32))
 
 
-def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *rest, NT, K, BV, dt, with_states, heads,
-          chunk_major, a_transposed, with_vn=False, w_negated=True, single=False, BH=None):
+def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, with_states, heads,
+          chunk_major, a_transposed, with_vn=False, w_negated=True, single=False, BH=None, zero_h0=False):
+    h0_ref, rest = (None, rest) if zero_h0 else (rest[0], rest[1:])
+    o_ref, ht_ref, *rest = rest
     st_ref, rest = (rest[0], rest[1:]) if with_states else (None, rest)
     vn_ref, rest = (rest[0], rest[1:]) if with_vn else (None, rest)
     if single:  # BUFFERS "single": the scratch `_state_output` lays out
@@ -176,7 +178,11 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, h0_ref, o_ref, ht_ref, *r
             plgpu.copy_gmem_to_smem(chunk_src(x, n), ops[x][1], sbars.at[i])
 
     # with `single` the carried tile first: its buffer is qg's and kg's
-    S = load_carried(0, issue, h0_ref.at[p, :, vs], h_s, h_bar.at[0], carried_first=single)
+    if zero_h0:  # no initial state: zeros in registers, not a zero tile read from HBM
+        issue(0, 0)
+        S = plgpu.layout_cast(jnp.zeros((K, BV), jnp.float32), plgpu.Layout.WGMMA)
+    else:
+        S = load_carried(0, issue, h0_ref.at[p, :, vs], h_s, h_bar.at[0], carried_first=single)
     if single:
         issue_sgl(0)
 
@@ -250,7 +256,8 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
     """Run the inter-chunk kernel.
 
     qg, wn, kg [BH, NT, C, K]; u [BH, NT, C, V]; a [BH, NT, C, C] (one operand
-    dtype, bf16 on GPU); d [BH, NT, K] f32; h0 [BH, K, V] f32. wn holds -W, or W itself with
+    dtype, bf16 on GPU); d [BH, NT, K] f32; h0 [BH, K, V] f32, or None for zeros (no
+    XLA op writes a zero state for the kernel to read; one segment only). wn holds -W, or W itself with
     `w_negated=False` (v' = u - W S either way).
     Returns (o [BH, NT, C, V] out_dtype, final state [BH, K, V] f32), and with `with_states`
     also the incoming state of every chunk [NT, BH, K, V] in the operand dtype (the rounding
@@ -267,7 +274,10 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
     """
     BH = qg.shape[1] if chunk_major else qg.shape[0]
     NT = qg.shape[0] if chunk_major else qg.shape[1]
-    check_segments(NT, segments, h0, BH)
+    if h0 is None and segments != 1:
+        raise ValueError(f"state_output with segments={segments} needs every segment's starting state h0, not None")
+    if h0 is not None:
+        check_segments(NT, segments, h0, BH)
     BV = chunk_segments.block_v(block_v, programs64=segments * BH * max(u.shape[-1] // 64, 1))  # read while tracing
     return _state_output(qg, wn, kg, u, a, d, h0, out_dtype=jnp.dtype(out_dtype), interpret=interpret,
                          with_states=with_states, heads=heads, chunk_major=chunk_major, a_transposed=a_transposed,
@@ -321,6 +331,6 @@ def _state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret, with_states,
         out_type += (jax.ShapeDtypeStruct((NT, BH, C, V), dt),)
     body = functools.partial(_body, NT=NT // segments, K=K, BV=BV, dt=dt, with_states=with_states, heads=heads,
                              chunk_major=chunk_major, a_transposed=a_transposed, with_vn=with_vn,
-                             w_negated=w_negated, single=single, BH=BH)
-    return launch_bh_v(body, out_type, scratch, (qg, wn, kg, u, a, d, h0), BH=segments * BH, V=V, BV=BV,
-                       interpret=interpret)
+                             w_negated=w_negated, single=single, BH=BH, zero_h0=h0 is None)
+    args = (qg, wn, kg, u, a, d) + (() if h0 is None else (h0,))
+    return launch_bh_v(body, out_type, scratch, args, BH=segments * BH, V=V, BV=BV, interpret=interpret)

@@ -203,7 +203,7 @@ def _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, inte
     w_negated = intra != "chunk" and not pieces
     with_states = with_states or pieces
     NT = ops[0].shape[0 if chunk_major else 1]
-    h0 = h0.reshape(B * H, K, V)
+    h0 = None if h0 is None else h0.reshape(B * H, K, V)  # None: zeros, formed in the state kernel
     asked = chunk_segments.forward_segments()
     segments = chunk_segments.effective_segments(NT, asked, chunk_segments.pass_programs(B * H, V),
                                                  auto=chunk_segments.auto_forward_segments)
@@ -217,6 +217,7 @@ def _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, inte
         from kernels.kda import mosaic_scan
 
         _, wn, kg, u, _, d = ops
+        h0 = jnp.zeros((B * H, K, V), jnp.float32) if h0 is None else h0
         h0, final = mosaic_scan.segment_starts(wn, u, kg, d, h0, segments, interpret=interpret,
                                                chunk_major=chunk_major, w_negated=w_negated)
     out = mosaic_state.state_output(*ops, h0, out_dtype=v.dtype, interpret=interpret,
@@ -312,7 +313,8 @@ def _kda_fwd(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret, 
 
         args, counts, _ = _chunked_inputs(q, k, v, g, beta, seg)
         keep = ck.kept_pieces(q.dtype, q.shape[-1], chunk_bounded, True, counts, defaults[0])
-        o, S, states, vn, *pieces = ck._forward(*args, h0, counts, scale, chunk_bounded, True, *defaults, keep=keep)
+        h0z = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32) if h0 is None else h0
+        o, S, states, vn, *pieces = ck._forward(*args, h0z, counts, scale, chunk_bounded, True, *defaults, keep=keep)
         o = from_chunks(o)[:, : q.shape[1]].astype(v.dtype)
     else:  # the kernels do not write v': the backward recomputes it
         o, S, states = _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret,
@@ -350,7 +352,8 @@ def _kda_bwd(scale, intra, chunk_bounded, interpret, train_forward, res, cts):
     dq, dk, dv, dg, dbeta = (from_chunks(x)[:, :T] for x in grads[:5])
     dh0 = grads[5]
     cast = lambda x, ref: x.astype(ref.dtype)
-    return cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g), cast(dbeta, beta), cast(dh0, h0), None
+    dh0 = None if h0 is None else cast(dh0, h0)  # no initial state: no cotangent for it
+    return cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g), cast(dbeta, beta), dh0, None
 
 
 _kda.defvjp(_kda_fwd, _kda_bwd)
@@ -361,9 +364,10 @@ def run(q, k, v, g, beta, h0, seg, *, scale, intra, interpret, chunk_bounded=Fal
     `resolve_intra`; `train_forward` in TRAIN_FORWARDS) -> (o [B, T, H, V], S [B, H, K, V])."""
     if train_forward not in TRAIN_FORWARDS:
         raise ValueError(f"train_forward={train_forward!r}; expected one of {TRAIN_FORWARDS}")
-    if h0 is None:
-        h0 = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-    return _kda(q, k, v, g, beta, h0.astype(jnp.float32), seg, scale, intra, chunk_bounded, interpret, train_forward)
+    # No initial state stays None: the state kernel starts from zeros in registers (no XLA op
+    # writes a [B, H, K, V] zero state for it to read); the training forward forms zeros itself.
+    h0 = None if h0 is None else h0.astype(jnp.float32)
+    return _kda(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, interpret, train_forward)
 
 
 def kda_impl(

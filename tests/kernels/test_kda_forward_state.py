@@ -91,6 +91,56 @@ def test_single_buffers_match_double(rng, layout):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
 
 
+def _zero_state_pairs(rng, N, BH, interpret, **layout):
+    """state_output with h0=None and with a zero h0 (double and single buffers): both outputs."""
+    K = V = 128
+    f = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.bfloat16)  # noqa: E731
+    lead = (N, BH) if layout.get("chunk_major") else (BH, N)
+    qg, wn, kg, u, a = f(*lead, 64, K), f(*lead, 64, K), f(*lead, 64, K), f(*lead, 64, V), f(*lead, 64, 64)
+    d = jnp.asarray(rng.uniform(0.5, 1.0, (*lead, K)), jnp.float32)
+    outs = []
+    for buffers in mosaic_state.BUFFERS_CHOICES:
+        with chunk.settings(state_buffers=buffers):
+            for h0 in (None, jnp.zeros((BH, K, V), jnp.float32)):
+                run = jax.jit(lambda *x, h0=h0: mosaic_state.state_output(
+                    *x, h0, out_dtype=jnp.bfloat16, interpret=interpret, **layout))
+                outs.append(run(qg, wn, kg, u, a, d))
+    return outs
+
+
+def _assert_zero_state_pairs_equal(outs, n_out):
+    for none, zero in zip(outs[::2], outs[1::2]):
+        assert len(none) == len(zero) == n_out
+        for x, y in zip(none, zero):
+            np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    assert np.any(np.asarray(outs[0][1]) != 0)  # the final state moved away from the zeros it started at
+
+
+@pytest.mark.parametrize("layout", [
+    dict(chunk_major=True, with_states=True, with_vn=True, w_negated=False),
+    dict(heads=2, a_transposed=True),
+])
+def test_no_initial_state_starts_from_zeros(rng, layout):
+    """h0=None: the kernel's state starts as zeros in registers, no zero tile read from HBM; every
+    output equals the zero h0's bit for bit, with either buffer layout."""
+    outs = _zero_state_pairs(rng, 3, 4, True, **layout)
+    _assert_zero_state_pairs_equal(outs, 2 + layout.get("with_states", False) + layout.get("with_vn", False))
+
+
+def test_no_initial_state_needs_one_segment(rng):
+    x = jnp.zeros((4, 2, 64, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="segments=2 needs every segment's starting state"):
+        mosaic_state.state_output(x, x, x, x, x, jnp.ones((4, 2, 64), jnp.float32), None, out_dtype=jnp.bfloat16,
+                                  interpret=True, chunk_major=True, segments=2)
+
+
+@pytest.mark.gpu
+def test_gpu_no_initial_state_starts_from_zeros(rng):
+    """The compiled kernels (both buffer layouts) at the forward's layout, 64 chunks of 64 heads."""
+    outs = _zero_state_pairs(rng, 64, 64, False, heads=16, a_transposed=True)
+    _assert_zero_state_pairs_equal(outs, 2)
+
+
 def test_single_buffers_lower_for_cuda():
     text = cuda_train_module(2, 256, 2, 128, forward_state="output", state_buffers="single")
     assert text.count("mosaic_gpu") >= 2

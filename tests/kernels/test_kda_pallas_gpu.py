@@ -210,6 +210,8 @@ def test_kernels_lower_for_cuda():
     args = (bf(BH, NT, C, K), bf(BH, NT, C, K), bf(BH, NT, C, K), bf(BH, NT, C, V), bf(BH, NT, C, C),
             f32(BH, NT, K), f32(BH, K, V))
     assert "mosaic_gpu" in state.trace(*args).lower(lowering_platforms=("cuda",)).as_text()[:4000]
+    no_h0 = jax.jit(lambda *a: mosaic_state.state_output(*a, None, out_dtype=jnp.bfloat16))  # zeros in registers
+    assert "mosaic_gpu" in no_h0.trace(*args[:6]).lower(lowering_platforms=("cuda",)).as_text()[:4000]
     for kernel in (mosaic_decode.decode_step, functools.partial(mosaic_decode.decode_step_pipelined, programs=132),
                    functools.partial(mosaic_decode.decode_step_pipelined, programs=132, slots=2, block_v=32)):
         for vt in (f32, bf):  # bf16 v in, bf16 o out: the kda_step path
