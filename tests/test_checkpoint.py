@@ -41,7 +41,8 @@ def test_round_trip_into_new_shardings_and_keep_last(tmp_path):
 
 
 def test_a_save_killed_midway_is_never_loaded(tmp_path):
-    """A process saves step 1, starts the asynchronous save of step 2 and dies at once."""
+    """A process saves step 1, starts the asynchronous save of step 2 and dies once that save has
+    made its temporary folder."""
     script = textwrap.dedent(f"""
         import os, sys, time
         sys.path.insert(0, {ROOT!r})
