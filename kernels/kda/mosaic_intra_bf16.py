@@ -150,7 +150,10 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
     bt = jnp.where(same_block() & (cols() <= rows()) & later_col, 1.0, 0.0).astype(dt)
     # The anchors, Sel (g_hi + g_lo): Sel's row I < NB sums rows 0 .. 16 I (a_I = G at block I's
     # first row), row NB all 64 (G_last); its other rows are zero.
-    sel = jnp.where(((rows() < NB) & (cols() <= rows() * SUB)) | (rows() == NB), 1.0, 0.0).astype(dt)
+    def sel_rows(r):  # r: each element's row of Sel (negative: a zero row)
+        return jnp.where((r >= 0) & (((r < NB) & (cols() <= r * SUB)) | (r == NB)), 1.0, 0.0).astype(dt)
+
+    sel = sel_rows(rows())
     if a_s:  # the interpreter takes wgmma operands from SMEM only (see _mm_pair)
         a_s[0].at[0][...] = bt
         a_s[0].at[1][...] = sel
@@ -168,8 +171,7 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
         g_j = plgpu.load(g_s.at[j], layout=_W) * LOG2E
         _split_store(g_j, parts.at[j, 0], parts.at[j, 1], dt, truncated_parts)
     if KH == 2:  # Sel shifted down by ROW rows: the second half's anchors land beside the first's
-        rs = rows() - ROW
-        sel1_s[...] = jnp.where((rs >= 0) & (((rs < NB) & (cols() <= rs * SUB)) | (rs == NB)), 1.0, 0.0).astype(dt)
+        sel1_s[...] = sel_rows(rows() - ROW)
     plgpu.commit_smem()
 
     def anchors(acc):  # half j's anchors in rows ROW * j .. ROW * j + NB of one product
