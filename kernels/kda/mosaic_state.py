@@ -19,7 +19,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src.state import primitives as state_primitives  # `_acc_set` in the interpreter
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -45,20 +44,6 @@ MAX_Y = 65535
 # kda-levers-both-h100-20261206T0529.json): "double" stays.
 BUFFERS_CHOICES = ("double", "single")
 BUFFERS = "double"
-
-
-# The order of a step's products with double buffers (`chunk.settings(state_order=...)`; read while
-# tracing): "plain" (V', then O and the state update together, O stored before the next step) or
-# "pipelined" (`_pipelined_body`: the next chunk's V' product is issued before O is read).
-ORDER_CHOICES = ("pipelined", "plain")
-ORDER = "plain"
-
-
-def order() -> str:
-    """ORDER, checked (read while tracing)."""
-    if ORDER not in ORDER_CHOICES:
-        raise ValueError(f"mosaic_state.ORDER={ORDER!r}; expected one of {ORDER_CHOICES}")
-    return ORDER
 
 
 def buffers() -> str:
@@ -158,17 +143,6 @@ def _mm(fn, shape):
     return pl.run_scoped(fn, plgpu.ACC(shape, jnp.float32))
 
 
-def _write_o(o, o_s, o_ref, bh, n, vs, heads):
-    """Chunk n's O [C, BV] to o_ref through o_s (free: its last copy was waited for): o_ref is
-    [BH, NT, C, V], or with `heads` [B, T, H, V], written straight into (no transpose afterwards)."""
-    o_s[...] = o.astype(o_s.dtype)
-    plgpu.commit_smem()
-    if heads is None:
-        plgpu.copy_smem_to_gmem(o_s, o_ref.at[bh, n, :, vs])
-    else:
-        plgpu.copy_smem_to_gmem(o_s, o_ref.at[lax.div(bh, heads), pl.ds(n * C, C), lax.rem(bh, heads), vs])
-
-
 def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, with_states, heads,
           chunk_major, a_transposed, with_vn=False, w_negated=True, single=False, BH=None, zero_h0=False):
     h0_ref, rest = (None, rest) if zero_h0 else (rest[0], rest[1:])
@@ -261,138 +235,17 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, wit
 
         S = S + dS
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_s (with `single` v') free again
-        _write_o(o, o_s, o_ref, bh, first + n, vs, heads)
+        o_s[...] = o.astype(o_s.dtype)
+        plgpu.commit_smem()
+        if heads is None:
+            plgpu.copy_smem_to_gmem(o_s, o_ref.at[bh, first + n, :, vs])
+        else:  # straight into [B, T, H, V]: no transpose afterwards
+            o_dst = o_ref.at[lax.div(bh, heads), pl.ds((first + n) * C, C), lax.rem(bh, heads), vs]
+            plgpu.copy_smem_to_gmem(o_s, o_dst)
         return S
 
     S = lax.fori_loop(0, NT, step, S)
     h_s[...] = S  # with `single`, no load is in flight: the last step issued none
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(h_s, ht_ref.at[p, :, vs])
-    plgpu.wait_smem_to_gmem(0)
-
-
-def _acc_set(acc, value, interpret):
-    """acc[...] = value for a wgmma accumulator; the Mosaic GPU interpreter has no rule for that
-    primitive, and a plain ref store is what it means there."""
-    if interpret:
-        state_primitives.ref_set(acc, (), value)
-    else:
-        acc[...] = value
-
-
-def _pipelined_body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, with_states, heads,
-                    chunk_major, a_transposed, with_vn=False, w_negated=True, BH=None, zero_h0=False, interpret=False):
-    """ORDER "pipelined" (every operand double-buffered): S lives in a wgmma accumulator, and each
-    step issues chunk n + 1's first product on S_{n+1} before it reads O_n. The chain from chunk to
-    chunk is two dependent products (Wneg S into an accumulator that starts at U, then KG^T V' into
-    one holding Diag(d) S) and their operand stores; QG S, A V', O's store and its copy run beside
-    it. One more float32 [C, BV] accumulator than "plain", and other summation orders (V' = U +
-    Wneg S and S + KG^T V' accumulated in place)."""
-    h0_ref, rest = (None, rest) if zero_h0 else (rest[0], rest[1:])
-    o_ref, ht_ref, *rest = rest
-    st_ref, rest = (rest[0], rest[1:]) if with_states else (None, rest)
-    vn_ref, rest = (rest[0], rest[1:]) if with_vn else (None, rest)
-    qg_s, wn_s, kg_s, u_s, a_s, d_s, s_s, vn_s, o_s, h_s, bars, h_bar = rest
-    p = lax.axis_index("bh")  # (segment, batch * head): segment p // BH runs chunks first .. first + NT - 1
-    bh, first = lax.rem(p, BH), lax.div(p, BH) * NT
-    vs = pl.ds(pl.multiple_of(lax.axis_index("v") * BV, BV), BV)
-    f32, wgl = jnp.float32, plgpu.Layout.WGMMA
-    ops = dict(qg=(qg_ref, qg_s, None), wn=(wn_ref, wn_s, None), kg=(kg_ref, kg_s, None), u=(u_ref, u_s, vs),
-               a=(a_ref, a_s, None), d=(d_ref, d_s, None))
-    bar = {x: 2 * i for i, x in enumerate(ops)}  # operand x's barriers: bar[x] + slot
-    early = ("qg", "wn", "kg", "u", "d")  # read by a step's middle wait; A only once O_n is read
-
-    def issue(n, slot, names):
-        for x in names:
-            src, smem, cols = ops[x]
-            src = src.at[first + n, bh] if chunk_major else src.at[bh, first + n]
-            plgpu.copy_gmem_to_smem(src if cols is None else src.at[:, cols], smem.at[slot], bars.at[bar[x] + slot])
-
-    def wait(slot, *names):
-        for x in names:
-            plgpu.barrier_wait(bars.at[bar[x] + slot])
-
-    def start_v(n, slot, S, acc_v):
-        """Chunk n's V' product on S = S_n: acc_v = U_n (-U_n for W itself), then += Wneg_n S."""
-        wait(slot, "wn", "u")
-        if with_states:  # s_s's last copy has read it (a V' copy issued since may still run)
-            plgpu.wait_smem_to_gmem(int(with_vn), wait_read_only=True)
-        s_s[...] = S.astype(dt)
-        plgpu.commit_smem()
-        if with_states:
-            plgpu.copy_smem_to_gmem(s_s, st_ref.at[first + n, bh, :, vs])
-        u = plgpu.load(u_s.at[slot], layout=wgl).astype(f32)
-        _acc_set(acc_v, u if w_negated else -u, interpret)
-        plgpu.wgmma(acc_v, wn_s.at[slot], s_s)
-
-    def start_o(slot, acc_o):
-        """Chunk n's QG S into a zeroed acc_o (s_s holds S_n)."""
-        wait(slot, "qg")
-        _acc_set(acc_o, plgpu.layout_cast(jnp.zeros((C, BV), f32), wgl), interpret)
-        plgpu.wgmma(acc_o, qg_s.at[slot], s_s)
-
-    def step(n, last, acc_v, acc_o, acc_s):
-        """Chunk n, entered with W S and QG S on S_n in flight (that order) and S_n in acc_s."""
-        slot = lax.rem(n, 2)
-        wait(slot, "d")
-        d = plgpu.load(d_s.at[slot], layout=wgl.reduce(1))
-        S = plgpu.wgmma_accumulator_load(acc_s, wait_n=None)  # no product on acc_s is in flight
-        _acc_set(acc_s, S * lax.broadcast_in_dim(d, S.shape, [0]), interpret)  # Diag(d) S, while W S runs
-        vnew = plgpu.wgmma_accumulator_load(acc_v, wait_n=1)  # W S is done; QG S may run on
-        if with_vn:  # vn_s's last copy has read it (the states' and O's copies since may still run)
-            plgpu.wait_smem_to_gmem(1 + int(with_states), wait_read_only=True)
-        vn_s[...] = (vnew if w_negated else -vnew).astype(dt)
-        plgpu.commit_smem()
-        if with_vn:
-            plgpu.copy_smem_to_gmem(vn_s, vn_ref.at[first + n, bh, :, vs])
-        wait(slot, "kg", "a")
-        a_op = a_s.at[slot]
-        plgpu.wgmma(acc_s, kg_s.at[slot].transpose((1, 0)), vn_s)
-        plgpu.wgmma(acc_o, a_op.transpose((1, 0)) if a_transposed else a_op, vn_s)
-        S = plgpu.wgmma_accumulator_load(acc_s, wait_n=1)  # S_{n+1}: only A V' may run on
-
-        @pl.when(n + 2 < NT)
-        def _():  # chunk n's QG, W, KG, U and d were read: chunk n + 2's land in their slot
-            issue(n + 2, slot, early)
-
-        if not last:
-            start_v(n + 1, 1 - slot, S, acc_v)
-        o = plgpu.wgmma_accumulator_load(acc_o, wait_n=0 if last else 1)  # A V' done (W S may run on)
-
-        @pl.when(n + 2 < NT)
-        def _():
-            issue(n + 2, slot, ("a",))
-
-        if not last:
-            start_o(1 - slot, acc_o)
-        # o_s's last copy has read it (the V' and states copies issued since may still run)
-        plgpu.wait_smem_to_gmem(int(with_vn) + int(with_states and not last), wait_read_only=True)
-        _write_o(o, o_s, o_ref, bh, first + n, vs, heads)
-        return S
-
-    for n in range(min(NT, 2)):
-        issue(n, n, tuple(ops))
-    if zero_h0:  # no initial state: zeros in registers, not a zero tile read from HBM
-        S0 = plgpu.layout_cast(jnp.zeros((K, BV), f32), wgl)
-    else:
-        plgpu.copy_gmem_to_smem(h0_ref.at[p, :, vs], h_s, h_bar.at[0])
-        plgpu.barrier_wait(h_bar.at[0])
-        S0 = plgpu.load(h_s, layout=wgl)
-
-    def run(acc_v, acc_o, acc_s):
-        _acc_set(acc_s, S0, interpret)
-        start_v(0, 0, S0, acc_v)
-        start_o(0, acc_o)
-
-        def loop_step(n, carry):
-            step(n, False, acc_v, acc_o, acc_s)
-            return carry
-
-        lax.fori_loop(0, NT - 1, loop_step, None)
-        return step(NT - 1, True, acc_v, acc_o, acc_s)
-
-    S = pl.run_scoped(run, plgpu.ACC((C, BV), f32), plgpu.ACC((C, BV), f32), plgpu.ACC((K, BV), f32))
-    h_s[...] = S
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(h_s, ht_ref.at[p, :, vs])
     plgpu.wait_smem_to_gmem(0)
@@ -429,13 +282,13 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
     return _state_output(qg, wn, kg, u, a, d, h0, out_dtype=jnp.dtype(out_dtype), interpret=interpret,
                          with_states=with_states, heads=heads, chunk_major=chunk_major, a_transposed=a_transposed,
                          BV=BV, with_vn=with_vn, w_negated=bool(w_negated), single=buffers() == "single",
-                         pipelined=buffers() == "double" and order() == "pipelined", segments=int(segments))
+                         segments=int(segments))
 
 
 @lowered_once("out_dtype", "interpret", "with_states", "heads", "chunk_major", "a_transposed", "BV", "with_vn",
-              "w_negated", "single", "pipelined", "segments")
+              "w_negated", "single", "segments")
 def _state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret, with_states, heads, chunk_major, a_transposed,
-                  BV, with_vn, w_negated, single, pipelined, segments):
+                  BV, with_vn, w_negated, single, segments):
     NT, BH, Cc, K = qg.shape if chunk_major else (qg.shape[1], qg.shape[0], *qg.shape[2:])
     V = u.shape[-1]
     if Cc != C or K % 64 or V % 64:
@@ -476,11 +329,8 @@ def _state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret, with_states,
         out_type += (jax.ShapeDtypeStruct((NT, BH, K, V), dt),)
     if with_vn:
         out_type += (jax.ShapeDtypeStruct((NT, BH, C, V), dt),)
-    kw = dict(NT=NT // segments, K=K, BV=BV, dt=dt, with_states=with_states, heads=heads, chunk_major=chunk_major,
-              a_transposed=a_transposed, with_vn=with_vn, w_negated=w_negated, BH=BH, zero_h0=h0 is None)
-    if pipelined:
-        body = functools.partial(_pipelined_body, interpret=interpret, **kw)
-    else:
-        body = functools.partial(_body, single=single, **kw)
+    body = functools.partial(_body, NT=NT // segments, K=K, BV=BV, dt=dt, with_states=with_states, heads=heads,
+                             chunk_major=chunk_major, a_transposed=a_transposed, with_vn=with_vn,
+                             w_negated=w_negated, single=single, BH=BH, zero_h0=h0 is None)
     args = (qg, wn, kg, u, a, d) + (() if h0 is None else (h0,))
     return launch_bh_v(body, out_type, scratch, args, BH=segments * BH, V=V, BV=BV, interpret=interpret)
