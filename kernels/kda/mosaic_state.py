@@ -157,6 +157,17 @@ def _mm(fn, shape):
     return pl.run_scoped(fn, plgpu.ACC(shape, jnp.float32))
 
 
+def write_o(o, o_s, o_ref, bh, n, vs, heads):
+    """Chunk n's O [C, BV] to o_ref through o_s (free: its last copy was waited for): o_ref is
+    [BH, NT, C, V], or with `heads` [B, T, H, V], written straight into (no transpose afterwards)."""
+    o_s[...] = o.astype(o_s.dtype)
+    plgpu.commit_smem()
+    if heads is None:
+        plgpu.copy_smem_to_gmem(o_s, o_ref.at[bh, n, :, vs])
+    else:
+        plgpu.copy_smem_to_gmem(o_s, o_ref.at[lax.div(bh, heads), pl.ds(n * C, C), lax.rem(bh, heads), vs])
+
+
 def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, with_states, heads,
           chunk_major, a_transposed, with_vn=False, w_negated=True, single=False, BH=None, zero_h0=False):
     h0_ref, rest = (None, rest) if zero_h0 else (rest[0], rest[1:])
@@ -249,13 +260,7 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, wit
 
         S = S + dS
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_s (with `single` v') free again
-        o_s[...] = o.astype(o_s.dtype)
-        plgpu.commit_smem()
-        if heads is None:
-            plgpu.copy_smem_to_gmem(o_s, o_ref.at[bh, first + n, :, vs])
-        else:  # straight into [B, T, H, V]: no transpose afterwards
-            o_dst = o_ref.at[lax.div(bh, heads), pl.ds((first + n) * C, C), lax.rem(bh, heads), vs]
-            plgpu.copy_smem_to_gmem(o_s, o_dst)
+        write_o(o, o_s, o_ref, bh, first + n, vs, heads)
         return S
 
     S = lax.fori_loop(0, NT, step, S)

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import profiling
-from kernels.kda.mosaic_state import C, MAX_Y, _mm, _smem
+from kernels.kda.mosaic_state import C, MAX_Y, _mm, _smem, write_o
 
 BV = 64  # V columns per warpgroup
 WGS = 2  # warpgroups per program
@@ -117,13 +117,7 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, dt, with_st
         S = S + dS
         if with_vn and len(vo) == 1:  # o over v': v''s copy has read it
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        o_s[...] = o.astype(o_s.dtype)
-        plgpu.commit_smem()
-        if heads is None:
-            plgpu.copy_smem_to_gmem(o_s, o_ref.at[bh, first + n, :, vs])
-        else:  # straight into [B, T, H, V]: no transpose afterwards
-            o_dst = o_ref.at[lax.div(bh, heads), pl.ds((first + n) * C, C), lax.rem(bh, heads), vs]
-            plgpu.copy_smem_to_gmem(o_s, o_dst)
+        write_o(o, o_s, o_ref, bh, first + n, vs, heads)
         return S
 
     S = lax.fori_loop(0, NT, step, S)
