@@ -135,10 +135,10 @@ def state_output_pairs(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret, with_st
                        a_transposed, with_vn, w_negated, segments):
     """`mosaic_state.state_output`'s kernel (its arguments, checked there) with two 64-column
     warpgroups per program; V a multiple of 128."""
-    NT, BH, _, K = qg.shape if chunk_major else (qg.shape[1], qg.shape[0], *qg.shape[2:])
+    NT, BH, Cc, K = qg.shape if chunk_major else (qg.shape[1], qg.shape[0], *qg.shape[2:])
     V = u.shape[-1]
-    if V % (WGS * BV):
-        raise ValueError(f"state_output_pairs needs V a multiple of {WGS * BV}; got V={V}")
+    if Cc != C or K % 64 or V % (WGS * BV):
+        raise ValueError(f"state_output_pairs needs C={C}, K a multiple of 64 and V of {WGS * BV}; got C={Cc}, K={K}, V={V}")
     if segments * BH > MAX_Y:
         raise ValueError(f"{segments * BH} (segment, batch * head) programs exceed CUDA's {MAX_Y} on a grid's y axis")
     dt = qg.dtype

@@ -64,6 +64,10 @@ def test_two_warpgroups_refuse_what_they_do_not_take():
     with chunk.settings(state_wgs=2, state_buffers="single"), pytest.raises(ValueError, match="double buffers"):
         mosaic_state.state_output(x, x, x, jnp.zeros((2, 1, 64, 128), jnp.bfloat16), x, d, None,
                                   out_dtype=jnp.bfloat16, interpret=True)
+    y = jnp.zeros((2, 1, 64, 96), jnp.bfloat16)
+    with chunk.settings(state_wgs=2), pytest.raises(ValueError, match="K a multiple of 64"):
+        mosaic_state.state_output(y, y, y, jnp.zeros((2, 1, 64, 128), jnp.bfloat16), x, jnp.ones((2, 1, 96)), None,
+                                  out_dtype=jnp.bfloat16, interpret=True)
 
 
 def test_two_warpgroups_lower_for_cuda():
