@@ -11,7 +11,8 @@ as one wave with the same per-step work and the same products in the same order 
 
 Per slot, a "full" barrier per K-wide operand (its copy landed) and an "empty" one both
 warpgroups arrive at once their products have read the slot and both wait for before the next
-copies into the slot are issued (by warpgroup 0; each warpgroup issues its own U). V must be a multiple of 128 columns (two blocks of 64).
+copies into the slot are issued (by warpgroup 0; each warpgroup issues its own U). V must be a
+multiple of 128 columns (two blocks of 64).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import profiling
-from kernels.kda.mosaic_state import C, MAX_Y, _mm, _smem, write_o
+from kernels.kda.mosaic_state import C, MAX_Y, _smem, out_and_state, split_refs, v_prime, write_o
 
 BV = 64  # V columns per warpgroup
 WGS = 2  # warpgroups per program
@@ -34,10 +35,7 @@ SHARED = ("qg", "wn", "kg", "a", "d")  # the K-wide operands both warpgroups rea
 
 def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, dt, with_states, heads, chunk_major,
           a_transposed, with_vn, w_negated, BH, zero_h0):
-    h0_ref, rest = (None, rest) if zero_h0 else (rest[0], rest[1:])
-    o_ref, ht_ref, *rest = rest
-    st_ref, rest = (rest[0], rest[1:]) if with_states else (None, rest)
-    vn_ref, rest = (rest[0], rest[1:]) if with_vn else (None, rest)
+    h0_ref, o_ref, ht_ref, st_ref, vn_ref, rest = split_refs(rest, zero_h0, with_states, with_vn)
     (h_s, (qg_s, wn_s)), kg_s, a_s, d_s, u_s, s_s, *vo, full, empty, u_bars, h_bars = rest
     wg = lax.axis_index("wg")
     p = lax.axis_index("bh")  # (segment, batch * head): segment p // BH runs chunks first .. first + NT - 1
@@ -92,27 +90,15 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, dt, with_st
             plgpu.copy_smem_to_gmem(s_s.at[wg], st_ref.at[first + n, bh, :, vs])
         u = plgpu.load(u_s.at[wg, slot], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
 
-        def vnew_mm(acc):
-            plgpu.wgmma(acc, wn_s.at[slot], s_s.at[wg])
-            return acc[...]
-
-        vnew = u + _mm(vnew_mm, (C, BV)) if w_negated else u - _mm(vnew_mm, (C, BV))
+        vnew = v_prime(u, wn_s.at[slot], s_s.at[wg], w_negated)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # every copy issued so far has read its tile
         vn_s[...] = vnew.astype(dt)
         plgpu.commit_smem()
         if with_vn:
             plgpu.copy_smem_to_gmem(vn_s, vn_ref.at[first + n, bh, :, vs])
 
-        def out_state_mm(acc_o, acc_s):
-            a_op = a_s.at[slot]
-            plgpu.wgmma(acc_o, qg_s.at[slot], s_s.at[wg])
-            plgpu.wgmma(acc_o, a_op.transpose((1, 0)) if a_transposed else a_op, vn_s)
-            plgpu.wgmma(acc_s, kg_s.at[slot].transpose((1, 0)), vn_s)
-            return acc_o[...], acc_s[...]
-
-        d = plgpu.load(d_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
-        S = S * lax.broadcast_in_dim(d, S.shape, [0])
-        o, dS = pl.run_scoped(out_state_mm, plgpu.ACC((C, BV), jnp.float32), plgpu.ACC((K, BV), jnp.float32))
+        o, S, dS = out_and_state(S, d_s.at[slot], qg_s.at[slot], a_s.at[slot], kg_s.at[slot], s_s.at[wg], vn_s,
+                                 a_transposed)
         plgpu.barrier_arrive(empty.at[slot])  # this warpgroup's reads of the slot are done
         S = S + dS
         if with_vn and len(vo) == 1:  # o over v': v''s copy has read it
@@ -138,7 +124,8 @@ def state_output_pairs(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret, with_st
     NT, BH, Cc, K = qg.shape if chunk_major else (qg.shape[1], qg.shape[0], *qg.shape[2:])
     V = u.shape[-1]
     if Cc != C or K % 64 or V % (WGS * BV):
-        raise ValueError(f"state_output_pairs needs C={C}, K a multiple of 64 and V of {WGS * BV}; got C={Cc}, K={K}, V={V}")
+        raise ValueError(f"state_output_pairs needs C={C}, K a multiple of 64 and V of {WGS * BV}; "
+                         f"got C={Cc}, K={K}, V={V}")
     if segments * BH > MAX_Y:
         raise ValueError(f"{segments * BH} (segment, batch * head) programs exceed CUDA's {MAX_Y} on a grid's y axis")
     dt = qg.dtype
