@@ -70,6 +70,31 @@ def test_two_warpgroups_refuse_what_they_do_not_take():
                                   out_dtype=jnp.bfloat16, interpret=True)
 
 
+def test_auto_pairs_only_past_one_wave(monkeypatch):
+    """"auto": two warpgroups where the one-warpgroup programs exceed the SMs and the paired kernel
+    applies; one elsewhere (one wave already, single buffers, narrow blocks, V not a multiple of 128)."""
+    from kernels.kda import chunk_segments
+
+    monkeypatch.setattr(chunk_segments, "_num_sms", lambda: 132)
+    with chunk.settings(state_wgs="auto"):
+        assert mosaic_state.resolve_wgs(256, 64, 128) == 2  # 8,4096,16,128: two waves at one warpgroup
+        assert mosaic_state.resolve_wgs(132, 64, 128) == 1  # one wave already
+        assert mosaic_state.resolve_wgs(256, 32, 128) == 1
+        assert mosaic_state.resolve_wgs(512, 64, 64) == 1
+    with chunk.settings(state_wgs="auto", state_buffers="single"):
+        assert mosaic_state.resolve_wgs(256, 64, 128) == 1
+    for fixed in (1, 2):
+        with chunk.settings(state_wgs=fixed):
+            assert mosaic_state.resolve_wgs(256, 32, 64) == fixed
+    # the traced choice: the paired kernel in the program only where "auto" resolves to 2
+    monkeypatch.setattr(chunk_segments, "_num_sms", lambda: 1)
+    assert "kda_mosaic_state_pair" in cuda_train_module(2, 256, 2, 128, forward_state="output", state_wgs="auto")
+    jax.clear_caches()  # the traced settings key the cached launchers, the SM count (fixed per process) does not
+    monkeypatch.setattr(chunk_segments, "_num_sms", lambda: 10_000)
+    assert "kda_mosaic_state_pair" not in cuda_train_module(2, 256, 2, 128, forward_state="output",
+                                                            state_wgs="auto")
+
+
 def test_two_warpgroups_lower_for_cuda():
     text = cuda_train_module(2, 256, 2, 128, forward_state="output", state_wgs=2)
     assert "kda_mosaic_state_pair" in text
