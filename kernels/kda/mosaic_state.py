@@ -46,32 +46,6 @@ BUFFERS_CHOICES = ("double", "single")
 BUFFERS = "double"
 
 
-# Warpgroups per program (`chunk.settings(state_wgs=...)`; read while tracing): 1, 2
-# (`mosaic_state_pair`: two 64-column blocks of a head per program, the K-wide operands loaded once
-# for both; double buffers, 64 columns, V a multiple of 128), or "auto": 2 where it applies and the
-# one-warpgroup programs would need more than one wave (more programs than SMs), else 1.
-WGS_CHOICES = (1, 2, "auto")
-WGS = 1
-
-
-def wgs() -> int | str:
-    """WGS, checked (read while tracing)."""
-    if WGS not in WGS_CHOICES:
-        raise ValueError(f"mosaic_state.WGS={WGS!r}; expected one of {WGS_CHOICES}")
-    return WGS
-
-
-def resolve_wgs(programs: int, BV: int, V: int) -> int:
-    """WGS for a pass of `programs` one-warpgroup programs of BV columns over V: "auto" takes 2
-    where the paired kernel applies (double buffers, BV = 64, V a multiple of 128) and `programs`
-    exceed the SMs (`chunk_segments._num_sms`), else 1."""
-    w = wgs()
-    if w != "auto":
-        return w
-    fits = buffers() == "double" and BV == 64 and V % 128 == 0
-    return 2 if fits and programs > chunk_segments._num_sms() else 1
-
-
 def buffers() -> str:
     """BUFFERS, checked (read while tracing)."""
     if BUFFERS not in BUFFERS_CHOICES:
@@ -331,16 +305,6 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
     if h0 is not None:
         check_segments(NT, segments, h0, BH)
     BV = chunk_segments.block_v(block_v, programs64=segments * BH * max(u.shape[-1] // 64, 1))  # read while tracing
-    if resolve_wgs(segments * BH * max(u.shape[-1] // BV, 1), BV, u.shape[-1]) == 2:
-        if buffers() != "double" or BV != 64 or u.shape[-1] % 128:
-            raise ValueError(f"state_wgs=2 takes double buffers, 64-column blocks and V a multiple of 128; got "
-                             f"state_buffers={buffers()!r}, block_v={BV}, V={u.shape[-1]}")
-        from kernels.kda.mosaic_state_pair import state_output_pairs  # noqa: PLC0415 - imports this module
-
-        return state_output_pairs(qg, wn, kg, u, a, d, h0, out_dtype=jnp.dtype(out_dtype), interpret=interpret,
-                                  with_states=with_states, heads=heads, chunk_major=chunk_major,
-                                  a_transposed=a_transposed, with_vn=with_vn, w_negated=bool(w_negated),
-                                  segments=int(segments))
     return _state_output(qg, wn, kg, u, a, d, h0, out_dtype=jnp.dtype(out_dtype), interpret=interpret,
                          with_states=with_states, heads=heads, chunk_major=chunk_major, a_transposed=a_transposed,
                          BV=BV, with_vn=with_vn, w_negated=bool(w_negated), single=buffers() == "single",
