@@ -143,58 +143,12 @@ def _mm(fn, shape):
     return pl.run_scoped(fn, plgpu.ACC(shape, jnp.float32))
 
 
-def split_refs(rest, zero_h0, with_states, with_vn):
-    """The state kernels' refs after the six chunk operands: (h0, o, final state, states, v', the
-    scratch refs), h0 None without an initial state, states / v' None unless written."""
+def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, with_states, heads,
+          chunk_major, a_transposed, with_vn=False, w_negated=True, single=False, BH=None, zero_h0=False):
     h0_ref, rest = (None, rest) if zero_h0 else (rest[0], rest[1:])
     o_ref, ht_ref, *rest = rest
     st_ref, rest = (rest[0], rest[1:]) if with_states else (None, rest)
     vn_ref, rest = (rest[0], rest[1:]) if with_vn else (None, rest)
-    return h0_ref, o_ref, ht_ref, st_ref, vn_ref, rest
-
-
-def v_prime(u, wn_op, s_op, w_negated):
-    """V' [C, BV] f32 = U + Wneg S, or U - W S with W itself (a negated W costs XLA a pass over it;
-    a subtraction here costs nothing): u f32 in registers, the operand tiles in SMEM."""
-    def mm(acc):
-        plgpu.wgmma(acc, wn_op, s_op)
-        return acc[...]
-
-    WS = _mm(mm, u.shape)
-    return u + WS if w_negated else u - WS
-
-
-def out_and_state(S, d_op, qg_op, a_op, kg_op, s_op, vn_op, a_transposed):
-    """A step's last products from SMEM tiles: O = QG S + A V' [C, BV] and the state Diag(d) S and its
-    update KG^T V' [K, BV] (f32; S in registers, its operand copy s_op). Both products are issued
-    before either is read, so they overlap on the tensor cores. Returns (O, Diag(d) S, KG^T V')."""
-    d = plgpu.load(d_op, layout=plgpu.Layout.WGMMA.reduce(1))
-    S = S * lax.broadcast_in_dim(d, S.shape, [0])
-
-    def mm(acc_o, acc_s):
-        plgpu.wgmma(acc_o, qg_op, s_op)
-        plgpu.wgmma(acc_o, a_op.transpose((1, 0)) if a_transposed else a_op, vn_op)
-        plgpu.wgmma(acc_s, kg_op.transpose((1, 0)), vn_op)
-        return acc_o[...], acc_s[...]
-
-    o, dS = pl.run_scoped(mm, plgpu.ACC((C, S.shape[1]), jnp.float32), plgpu.ACC(S.shape, jnp.float32))
-    return o, S, dS
-
-
-def write_o(o, o_s, o_ref, bh, n, vs, heads):
-    """Chunk n's O [C, BV] to o_ref through o_s (free: its last copy was waited for): o_ref is
-    [BH, NT, C, V], or with `heads` [B, T, H, V], written straight into (no transpose afterwards)."""
-    o_s[...] = o.astype(o_s.dtype)
-    plgpu.commit_smem()
-    if heads is None:
-        plgpu.copy_smem_to_gmem(o_s, o_ref.at[bh, n, :, vs])
-    else:
-        plgpu.copy_smem_to_gmem(o_s, o_ref.at[lax.div(bh, heads), pl.ds(n * C, C), lax.rem(bh, heads), vs])
-
-
-def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, with_states, heads,
-          chunk_major, a_transposed, with_vn=False, w_negated=True, single=False, BH=None, zero_h0=False):
-    h0_ref, o_ref, ht_ref, st_ref, vn_ref, rest = split_refs(rest, zero_h0, with_states, with_vn)
     if single:  # BUFFERS "single": the scratch `_state_output` lays out
         wn_s, d_s, (h_s, (qg_s, kg_s)), a_s, u_s, s_s, (vn_s, o_s), bars, sbars, h_bar = rest
     else:
@@ -250,7 +204,12 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, wit
 
         u = plgpu.load(buf("u", slot), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
 
-        vnew = v_prime(u, wn_s.at[slot], s_s, w_negated)
+        def vnew_mm(acc):
+            plgpu.wgmma(acc, wn_s.at[slot], s_s)
+            return acc[...]
+
+        # A negated W costs XLA a pass over it; a subtraction here costs nothing
+        vnew = u + _mm(vnew_mm, (C, BV)) if w_negated else u - _mm(vnew_mm, (C, BV))
         if single:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's o (over v') is read
         vn_s[...] = vnew.astype(dt)
@@ -258,8 +217,17 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, wit
         if with_vn:  # like the states: read by TMA before the wait below, so before the next step's write
             plgpu.copy_smem_to_gmem(vn_s, vn_ref.at[first + n, bh, :, vs])
 
-        o, S, dS = out_and_state(S, d_s.at[slot], buf("qg", slot), buf("a", slot), buf("kg", slot), s_s, vn_s,
-                                 a_transposed)
+        def out_state_mm(acc_o, acc_s):
+            # Both products are issued before either is read, so they overlap on the tensor cores.
+            a_op = buf("a", slot)
+            plgpu.wgmma(acc_o, buf("qg", slot), s_s)
+            plgpu.wgmma(acc_o, a_op.transpose((1, 0)) if a_transposed else a_op, vn_s)
+            plgpu.wgmma(acc_s, buf("kg", slot).transpose((1, 0)), vn_s)
+            return acc_o[...], acc_s[...]
+
+        d = plgpu.load(d_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
+        S = S * lax.broadcast_in_dim(d, S.shape, [0])
+        o, dS = pl.run_scoped(out_state_mm, plgpu.ACC((C, BV), jnp.float32), plgpu.ACC((K, BV), jnp.float32))
         if single:
             @pl.when(n + 1 < NT)
             def _load_next():  # the products have read qg, kg, A; u went to registers before a commit
@@ -267,7 +235,13 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, wit
 
         S = S + dS
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_s (with `single` v') free again
-        write_o(o, o_s, o_ref, bh, first + n, vs, heads)
+        o_s[...] = o.astype(o_s.dtype)
+        plgpu.commit_smem()
+        if heads is None:
+            plgpu.copy_smem_to_gmem(o_s, o_ref.at[bh, first + n, :, vs])
+        else:  # straight into [B, T, H, V]: no transpose afterwards
+            o_dst = o_ref.at[lax.div(bh, heads), pl.ds((first + n) * C, C), lax.rem(bh, heads), vs]
+            plgpu.copy_smem_to_gmem(o_s, o_dst)
         return S
 
     S = lax.fori_loop(0, NT, step, S)
