@@ -29,7 +29,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 STALL = "smsp__average_warps_issue_stalled_"
 STALL_SUFFIX = "_per_issue_active.ratio"
-METRICS = ("gpu__time_duration.sum", "smsp__inst_executed.sum", f"regex:{STALL}.*{STALL_SUFFIX}")
+# What each pipe is busy with, as a share of its peak while the SM is active: "tensor_op_gmma" is
+# wgmma (a kernel near 100% there is bound by the tensor cores, not by its chains), "xu" the
+# special functions (ex2), "issue_active" the schedulers' issue slots.
+PIPES = (r"regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active",
+         r"regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active",
+         "smsp__issue_active.avg.pct_of_peak_sustained_active")
+PIPE_PREFIXES = ("sm__pipe_", "sm__inst_executed_pipe_", "smsp__issue_active")
+METRICS = ("gpu__time_duration.sum", "smsp__inst_executed.sum", f"regex:{STALL}.*{STALL_SUFFIX}", *PIPES)
 KERNELS = "regex:mosaic_gpu_kernel"
 
 
@@ -52,7 +59,7 @@ def parse_csv(text: str) -> list[dict]:
         if not row.get("ID") or row.get("Metric Name") is None:
             continue
         launch = launches.setdefault(row["ID"], dict(kernel=row["Kernel Name"].split("(")[0].strip(), duration_ms=None,
-                                                     instructions=None, stalls={}))
+                                                     instructions=None, stalls={}, pipes={}))
         name, unit, value = row["Metric Name"], (row.get("Metric Unit") or "").strip(), _number(row["Metric Value"])
         if name == "gpu__time_duration.sum" and value is not None:
             launch["duration_ms"] = value * {"ns": 1e-6, "us": 1e-3, "usecond": 1e-3, "nsecond": 1e-6, "ms": 1.0,
@@ -61,6 +68,9 @@ def parse_csv(text: str) -> list[dict]:
             launch["instructions"] = value
         elif name.startswith(STALL) and name.endswith(STALL_SUFFIX) and value is not None:
             launch["stalls"][name[len(STALL):-len(STALL_SUFFIX)]] = value
+        elif name.startswith(PIPE_PREFIXES) and value is not None:
+            short = name.split(".avg.")[0].replace("sm__pipe_", "").replace("sm__inst_executed_pipe_", "inst_")
+            launch["pipes"][short.replace("_cycles_active", "").replace("smsp__", "")] = value
     return list(launches.values())
 
 
@@ -68,7 +78,8 @@ def summary(launch: dict) -> dict:
     """The launch with its stalls sorted (largest first), their total, and each one's share."""
     stalls = dict(sorted(launch["stalls"].items(), key=lambda kv: -kv[1]))
     total = sum(v for k, v in stalls.items() if k != "selected")  # "selected" is the issue cycle itself
-    return dict(launch, stalls=stalls, stall_cycles=total,
+    pipes = dict(sorted(launch.get("pipes", {}).items(), key=lambda kv: -kv[1]))
+    return dict(launch, stalls=stalls, pipes=pipes, stall_cycles=total,
                 shares={k: v / total for k, v in stalls.items() if total and k != "selected"})
 
 
@@ -79,11 +90,13 @@ def markdown(results: list[dict]) -> str:
     for r in results:
         for k in r.get("kernels", []):
             top = ", ".join(f"{name} {v:.2f} ({k['shares'].get(name, 0):.0%})" for name, v in list(k["stalls"].items())[:4])
+            busy = ", ".join(f"{name} {v:.0f}%" for name, v in list(k.get("pipes", {}).items())[:4])
             rows.append([r["case"], k["kernel"], f"{k['duration_ms']:.3f}" if k["duration_ms"] is not None else "–",
-                         f"{k['instructions']:.3g}" if k["instructions"] else "–", f"{k['stall_cycles']:.1f}", top])
+                         f"{k['instructions']:.3g}" if k["instructions"] else "–", f"{k['stall_cycles']:.1f}", top, busy or "–"])
         if not r.get("kernels"):
-            rows.append([r["case"], r.get("error", "no Mosaic GPU launch profiled"), "", "", "", ""])
-    return markdown_table(["case", "kernel", "ms", "instructions", "stall cycles / instruction", "top stalls"], rows)
+            rows.append([r["case"], r.get("error", "no Mosaic GPU launch profiled"), "", "", "", "", ""])
+    return markdown_table(["case", "kernel", "ms", "instructions", "stall cycles / instruction", "top stalls",
+                           "busiest pipes (% of peak)"], rows)
 
 
 def _child(case: str) -> None:

@@ -34,6 +34,10 @@ CSV = "\n".join([
     _row(0, "kda_intra_bf16_mosaic_gpu_kernel", _stall("long_scoreboard"), "inst", "2.08"),
     _row(0, "kda_intra_bf16_mosaic_gpu_kernel", _stall("selected"), "inst", "1.00"),
     _row(0, "kda_intra_bf16_mosaic_gpu_kernel", _stall("imc_miss"), "inst", "n/a"),
+    _row(0, "kda_intra_bf16_mosaic_gpu_kernel", "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+         "%", "41.5"),
+    _row(0, "kda_intra_bf16_mosaic_gpu_kernel", "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active", "%", "12"),
+    _row(0, "kda_intra_bf16_mosaic_gpu_kernel", "smsp__issue_active.avg.pct_of_peak_sustained_active", "%", "55.25"),
     _row(1, "kda_mosaic_state_body_mosaic_gpu_kernel", "gpu__time_duration.sum", "usecond", "260.5"),
     _row(1, "kda_mosaic_state_body_mosaic_gpu_kernel", _stall("wait"), "inst", "3.0"),
 ])
@@ -45,6 +49,8 @@ def test_parse_csv_one_entry_per_launch_in_order():
     intra, state = launches
     assert intra["duration_ms"] == pytest.approx(2.52) and intra["instructions"] == 302940355
     assert intra["stalls"] == {"no_instruction": 6.72, "long_scoreboard": 2.08, "selected": 1.0}
+    assert intra["pipes"] == {"tensor_op_gmma": 41.5, "inst_xu": 12.0, "issue_active": 55.25}
+    assert state["pipes"] == {}
     assert state["duration_ms"] == pytest.approx(0.2605) and state["instructions"] is None
     assert bench.parse_csv("no table here\n") == []
 
@@ -56,6 +62,8 @@ def test_summary_orders_stalls_and_leaves_out_the_issue_cycle():
     assert s["shares"]["no_instruction"] == pytest.approx(6.72 / 8.8) and "selected" not in s["shares"]
     md = bench.markdown([dict(case="kda_intra_bf16", kernels=[s]), dict(case="gmm", kernels=[], error="boom")])
     assert "| kda_intra_bf16 | kda_intra_bf16_mosaic_gpu_kernel | 2.520 | 3.03e+08 | 8.8 | no_instruction 6.72 (76%)" in md
+    assert "| issue_active 55%, tensor_op_gmma 42%, inst_xu 12% |" in md
+    assert list(s["pipes"]) == ["issue_active", "tensor_op_gmma", "inst_xu"]
     assert "boom" in md
 
 
