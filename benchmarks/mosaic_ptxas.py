@@ -15,6 +15,8 @@ Each row also gives the kernel's machine code size (`sass_bytes`, 16 bytes an in
 the PTX Mosaic GPU writes (MOSAIC_GPU_DUMP_PTX) assembled again with ptxas: a kernel of unrolled
 straight-line code larger than the SM's instruction cache stalls on instruction fetch (the bf16
 intra kernel at 146 KiB spent half its cycles so; Nsight Compute's "no instruction" stall).
+Where CUDA's nvdisasm is found too, `sass_opcodes` counts that code's instructions by opcode
+(HGMMA, MUFU, BAR, ...; static counts, a loop body once), to compare two forms of a kernel.
 
 Needs a Hopper GPU: on any other device the kernels run interpreted or not at all, and the script
 stops with that reason instead of writing an empty table. Or, on a machine without one:
@@ -93,7 +95,8 @@ def cuda_tool(name: str) -> str | None:
 
 
 def sass_bytes(ptx_path: str, arch: str = "sm_90a") -> int | None:
-    """Machine code bytes of one dumped PTX file, assembled again by ptxas (None without one)."""
+    """Machine code bytes of one dumped PTX file, assembled again by ptxas (None without one);
+    the cubin is left beside the PTX."""
     ptxas = cuda_tool("ptxas")
     if ptxas is None:
         return None
@@ -101,6 +104,23 @@ def sass_bytes(ptx_path: str, arch: str = "sm_90a") -> int | None:
     subprocess.run([ptxas, f"-arch={arch}", ptx_path, "-o", cubin], check=True, capture_output=True)
     with open(cubin, "rb") as f:
         return text_bytes(f.read())
+
+
+def opcode_counts(sass: str) -> dict[str, int]:
+    """nvdisasm's listing -> {opcode: static count}, opcodes without their modifiers (HGMMA, MUFU,
+    FFMA, STS, ...), largest first. Static: a loop body counts once however often it runs."""
+    counts: dict[str, int] = {}
+    for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass):
+        counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def sass_opcodes(cubin: str) -> dict[str, int] | None:
+    """Static opcode counts of a cubin's machine code by nvdisasm (None without nvdisasm)."""
+    nvdisasm = cuda_tool("nvdisasm")
+    if nvdisasm is None or not os.path.exists(cubin):
+        return None
+    return opcode_counts(subprocess.run([nvdisasm, cubin], check=True, capture_output=True, text=True).stdout)
 
 
 def _dump_index(path: str) -> int:
@@ -313,6 +333,7 @@ def run_case(name: str, sharding=None) -> dict:
         if len(ptx) == len(kernels):  # one PTX file per compiled kernel, in the same order
             for k, path in zip(kernels, ptx):
                 k["sass_bytes"] = sass_bytes(path, k["arch"])
+                k["sass_opcodes"] = sass_opcodes(path[:-4] + ".cubin")
     return dict(case=name, doc=CASES[name].__doc__, kernels=kernels, report=text)
 
 

@@ -79,6 +79,24 @@ def test_sass_bytes_of_a_small_kernel(tmp_path):
     assert all(s % 16 == 0 for s in sizes) and sizes[1] - sizes[0] >= 16 * 60
 
 
+SASS = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                 /* 0x00000a00ff017b82 */
+        /*0010*/                   MUFU.EX2 R3, R2 ;                      /* 0x0000000200037308 */
+        /*0020*/              @!P0 MUFU.EX2 R4, R2 ;
+        /*0030*/               @P1 HGMMA.64x16x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0040*/                   FFMA R5, R3, R4, R5 ;
+        /*0050*/             @UP0 FFMA R6, R3, R4, R6 ;
+        /*0060*/                   EXIT ;
+"""
+
+
+def test_opcode_counts_drop_modifiers_and_predicates():
+    assert bench.opcode_counts(SASS) == {"MUFU": 2, "FFMA": 2, "LDC": 1, "HGMMA": 1, "EXIT": 1}
+    assert list(bench.opcode_counts(SASS))[:2] == ["MUFU", "FFMA"]
+    assert bench.opcode_counts("no listing") == {}
+    assert bench.sass_opcodes("/nonexistent.cubin") is None
+
+
 def test_refuses_without_a_hopper_gpu_and_unknown_cases():
     with pytest.raises(SystemExit, match="Hopper GPU"):
         bench.main(["--cases", "kda_fwd"])
