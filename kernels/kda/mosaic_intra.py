@@ -30,7 +30,7 @@ from kernels.kda.mosaic_state import C, _mm, _smem, flat_grid, grid_indices
 
 SUB = 16
 ANCHOR_ROWS = tuple(range(0, C, SUB)) + (C - 1,)
-MAX_EXP = 80.0  # clamp for masked (never used) column factors; 15 * 5 = 75 is the bounded maximum
+MAX_EXP = 80.0  # clamp for masked (never used) column factors; 15 * 5 = 75 is the bounded maximum here, 16 * 5 in mosaic_intra_bf16
 _W = plgpu.Layout.WGMMA
 
 

@@ -14,16 +14,16 @@ unrolled its warps spent half their cycles waiting for instruction fetch (Nsight
 H100: 6.7 of 12.8 cycles per issued instruction stalled on "no instruction").
 
   * The gates enter in base-2 units (g log2(e)), so each exponential is one ex2 instruction.
-    D = G - a_I, the block-local cumsum (a_I = G at the first row of 16-row block I), is
-    BlockTri (g_hi + g_lo) on the tensor cores (split bf16, about 2^-16 relative); the anchors
-    a_I and G_last are Sel (g_hi + g_lo) beside it, 0/1 rows that sum each prefix (both
-    column halves in one product, the second's Sel shifted down). Formed here,
-    not by XLA, they cost no second and third pass over g (0.59 of the forward's 2.68 GB at
-    8,4096,16,128 by the compiled HLO's count). G itself as Tri (g_hi + g_lo) in D's round trip
-    (a third register operand) gave wrong qg, kg at random on an H100 with ptxas 13.0, a
+    D = G - a_I, the block-local cumsum (a_I = G at the last row of 16-row block I - 1, a_0 = 0),
+    is BlockTri (g_hi + g_lo) on the tensor cores (split bf16, about 2^-16 relative), formed
+    here, not by XLA (no second and third pass over g: 0.59 of the forward's 2.68 GB at
+    8,4096,16,128 by the compiled HLO's count). The anchors follow from D's last rows,
+    a_{I+1} = a_I + D[16 I + 15] (a_NB = G_last), read back as vectors, where a product of 0/1
+    selector rows with g's parts gave them before. G itself as Tri (g_hi + g_lo) in D's round
+    trip (a third register operand) gave wrong qg, kg at random on an H100 with ptxas 13.0, a
     register-operand wgmma hazard; G = D + a_I keeps two.
   * Row side, one half per loop step after its D: Rq = q exp(D), Rk = k exp(D) (factors <= 1),
-    Kl = k exp(-D) (<= exp(15 * 5)).
+    Kl = k exp(-D) (<= exp(16 * 5)).
   * Scores, transposed, per row block I: column operand Kc_I = Kl times exp(a_I - a_J) (<= 1) on
     the rows of block J <= I; Aqk^T[:, I] = scale Kc_I Rq_I^T, L^T[:, I] = Kc_I Rk_I^T diag(beta_I):
     64x16 wgmmas into [C, 16] accumulators (eight, held over the column halves' loop). Kc_I is
@@ -34,7 +34,9 @@ H100: 6.7 of 12.8 cycles per issued instruction stalled on "no instruction").
     first, `intra-revisions-scores-rega-h100-20261206T1852.json`).
   * (I + L^T)^{-1} = Ai^T in split-bf16 products, two independent products per round trip:
     Dg = (I - Ud)(I + Ud^2)(I + Ud^4)(I + Ud^8) for the 16x16 diagonal blocks Ud, then with
-    N = Dg Uo (N^4 = 0): Ai^T = (I - N)(I + N^2) Dg.
+    N = Dg Uo (N^4 = 0): Ai^T = (I - N)(I + N^2) Dg. Each matrix is four [C, 16] column blocks
+    and each product takes only its nonzero 16x16 blocks (43 of the 176 block products that
+    eleven whole 64x64x64 products hold), as m64n16k16 wgmmas on 32-byte swizzled operands.
   * qg = scale q exp(G) (= scale Rq exp(a_I)) and kg = k exp(G_last - G) (= Kl exp(G_last - a_I))
     with G = D + a_I: one exponential of a tile each, not four of the per-block anchors; staged
     one half at a time beside g; after the scores k exp(G) = Rk exp(a_I) in place, then
@@ -44,6 +46,7 @@ H100: 6.7 of 12.8 cycles per issued instruction stalled on "no instruction").
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -54,12 +57,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels import profiling
 from kernels.lowering import lowered_once
 from kernels.kda.mosaic_intra import MAX_EXP, _split_store, per_block as _per_block, truncated_parts
-from kernels.kda.mosaic_state import C, _smem, flat_grid, grid_indices
+from kernels.kda.mosaic_state import C, _smem, flat_grid, grid_indices, smem_transforms
 
 SUB = 16
 NB = C // SUB  # row blocks per chunk
 HW = 64  # column half width
-ROW = 8  # rows between the column halves' anchors in their one product
 assert HW == C, "one [C, HW] row/column index serves the [C, C] score tiles too"
 _W = plgpu.Layout.WGMMA
 LOG2E = 1.4426950408889634  # the gates enter in base-2 units: each exponential is one ex2
@@ -73,45 +75,76 @@ def _distinct(mats):
     return out
 
 
-def _mm_pair(pairs, m_s, dt, a_s=None):
-    """Products X @ Y of f32 [C, C] register matrices in split bf16 (hi*hi + hi*lo + lo*hi), one
-    or two of them in one round trip. Each distinct Y's parts go to m_s (at most two, four bf16
-    tiles); each X's parts stay in registers (wgmma's register A operand: no SMEM round trip,
-    and X = Y needs no second copy). `a_s` (four tiles, the Mosaic GPU interpreter only, which
-    does not take register operands) holds the X parts instead."""
-    ys, xs = _distinct([Y for _, Y in pairs]), _distinct([X for X, _ in pairs])
-    assert len(ys) <= 2 and len(xs) <= 2, "two distinct operands per side"
-    for i, Y in enumerate(ys):
-        _split_store(Y, m_s.at[2 * i], m_s.at[2 * i + 1], dt, truncated_parts)
-    if a_s is not None:
-        for i, X in enumerate(xs):
-            _split_store(X, a_s.at[2 * i], a_s.at[2 * i + 1], dt, truncated_parts)
-    plgpu.commit_smem()
-    index = lambda ms, M: next(i for i, m in enumerate(ms) if m is M)  # noqa: E731
+# Which 16-column blocks J of X meet block (J, c) of Y in column block c of X @ Y, for the
+# inverse's block-structured operands (None: column block c of the product is zero).
+DIAG = ((0,), (1,), (2,), (3,))  # block diagonal @ block diagonal
+DG_UO = (None, (0,), (0, 1), (0, 1, 2))  # block diagonal @ strictly block upper
+N_DG = (None, (1,), (2,), (3,))  # N (column block 0 zero) @ block diagonal
+N_N = (None, None, (1,), (1, 2))  # N @ N, both strictly block upper
+N2_Y = (None, None, (2,), (2, 3))  # N^2 (blocks two above the diagonal) @ block upper
 
-    def a_parts(X):
-        if a_s is not None:
-            i = 2 * index(xs, X)
-            return a_s.at[i], a_s.at[i + 1]
-        return truncated_parts(X, dt)
+
+def _mm_blocks(products, m_s, dt, a_s=None):
+    """Products X @ Y of f32 [C, C] register matrices held as NB column blocks [C, SUB] (None: a
+    zero block), in split bf16 (hi*hi + hi*lo + lo*hi), one or two per round trip. `products`:
+    (X, Y, terms) with terms[c] the column blocks J of X that meet block (J, c) of Y (None: none),
+    so only the nonzero 16x16 blocks go to the tensor cores: one m64n16k16 wgmma per term and part
+    (the inverse's operands are block diagonal or block triangular; a whole 64x64x64 product per
+    part is 16 such, where these take 4 to 6). Each distinct Y's parts go to m_s (at most two,
+    four bf16 tiles swizzled 32 bytes wide, so a 16x16 block is one (8, 16)-tiled slice), only
+    the column blocks some term reads; each X's parts stay in registers (wgmma's register A
+    operand, one [C, SUB] column block per term). `a_s` (the Mosaic GPU interpreter only, which
+    does not take register operands) holds the X parts instead. Returns each product's column
+    blocks (None where terms[c] is None)."""
+    ys, xs = _distinct([Y for _, Y, _ in products]), _distinct([X for X, _, _ in products])
+    assert len(ys) <= 2 and len(xs) <= 2, "two distinct operands per side"
+    index = lambda ms, M: next(i for i, m in enumerate(ms) if m is M)  # noqa: E731
+    cols = lambda c: pl.ds(c * SUB, SUB)  # noqa: E731
+    # The column blocks each Y gives (and each X) start at its first nonzero one: stored as one
+    # slice, not block by block (Pallas fences every SMEM store).
+    first_y = [min(c for X, Y, t in products if Y is M for c in range(NB) if t[c]) for M in ys]
+    read_x = [sorted({J for X, Y, t in products if X is M for c in range(NB) if t[c] for J in t[c]}) for M in xs]
+    for i, (Y, c0) in enumerate(zip(ys, first_y)):
+        tail = pl.ds(c0 * SUB, C - c0 * SUB)
+        _split_store(jnp.concatenate(Y[c0:], axis=1), m_s.at[2 * i, :, tail], m_s.at[2 * i + 1, :, tail], dt,
+                     truncated_parts)
+    x_parts = [{J: truncated_parts(X[J], dt) for J in used} for X, used in zip(xs, read_x)]
+    if a_s is not None:
+        for i, (X, used) in enumerate(zip(xs, read_x)):
+            tail = pl.ds(used[0] * SUB, C - used[0] * SUB)
+            _split_store(jnp.concatenate(X[used[0]:], axis=1), a_s.at[2 * i, :, tail], a_s.at[2 * i + 1, :, tail], dt,
+                         truncated_parts)
+        x_parts = [{J: (a_s.at[2 * i, :, cols(J)], a_s.at[2 * i + 1, :, cols(J)]) for J in used}
+                   for i, used in enumerate(read_x)]
+    plgpu.commit_smem()
+    slots = [(k, c) for k, (_, _, t) in enumerate(products) for c in range(NB) if t[c]]
 
     def prod(*accs):
-        for acc, (X, Y) in zip(accs, pairs):
-            x_hi, x_lo = a_parts(X)
-            y = 2 * index(ys, Y)
-            plgpu.wgmma(acc, x_hi, m_s.at[y])
-            plgpu.wgmma(acc, x_hi, m_s.at[y + 1])
-            plgpu.wgmma(acc, x_lo, m_s.at[y])
+        for acc, (k, c) in zip(accs, slots):
+            X, Y, terms = products[k]
+            x, y = index(xs, X), 2 * index(ys, Y)
+            for J in terms[c]:
+                x_hi, x_lo = x_parts[x][J]
+                blk = (pl.ds(J * SUB, SUB), cols(c))
+                plgpu.wgmma(acc, x_hi, m_s.at[(y, *blk)])
+                plgpu.wgmma(acc, x_hi, m_s.at[(y + 1, *blk)])
+                plgpu.wgmma(acc, x_lo, m_s.at[(y, *blk)])
         return tuple(acc[...] for acc in accs)
 
-    return pl.run_scoped(prod, *[plgpu.ACC((C, C), jnp.float32) for _ in pairs])
+    done = iter(pl.run_scoped(prod, *[plgpu.ACC((C, SUB), jnp.float32) for _ in slots]))
+    return [[next(done) if t[c] else None for c in range(NB)] for _, _, t in products]
+
+
+def _blocks_op(op, X, Y):
+    """op on two block lists (None: a zero block)."""
+    return [x if y is None else (op(0.0, y) if x is None else op(x, y)) for x, y in zip(X, Y)]
 
 
 def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, H, KH, VH, scale, dt,
           grid, pieces):
     ai_ref, kx_ref = rest[:2] if pieces else (None, None)
     q_s, k_s, kl_s, an_s, b_s, a_o, union, bars, *a_s = rest[2:] if pieces else rest
-    (g_s, st_s), parts, kc_s, (v_s, m_s), (_, an_full), (_, sel1_s) = union
+    (g_s, st_s), parts, kc_s, (v_s, m_s), (_, d_rows), (_, m32_s) = union
     phase = profiling.phases()  # named profiler ranges (kernels.profiling), free when not profiling
     phase("load")
     n, bh = grid_indices(grid)
@@ -139,53 +172,46 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
     same_block = lambda: (lax.broadcast_in_dim(block_of(r1), (C, HW), [0])  # noqa: E731
                           == lax.broadcast_in_dim(block_of(c1), (C, HW), [1]))
     blocks = lambda fn: _per_block((C, HW), fn, NB)  # noqa: E731 - rows of block I hold fn(I) [HW]
-    # [HW] anchor i of column half j (j may be a loop index: an_s is [KH, NB + 2, HW])
+    # [HW] anchor row i of column half j (j may be a loop index: an_s is [KH, 2 NB + 2, HW])
     anchor = lambda i, j: plgpu.load(an_s.at[j, i], layout=_W.reduce(0))  # noqa: E731
     halves = lambda fn: lax.fori_loop(0, KH, lambda j, c: fn(j) or c, None)  # noqa: E731 - one copy of fn's code
 
     phase("cumsum")
     # D = G - a_I, the block-local cumsum: BlockTri (g_hi + g_lo), BlockTri[r, s] = 1 for s in
-    # r's block, after its first row, up to r. BlockTri is the products' register operand.
-    later_col = lax.broadcast_in_dim(block_of(c1) * SUB != c1, (C, HW), [1])  # not a block's first column
-    bt = jnp.where(same_block() & (cols() <= rows()) & later_col, 1.0, 0.0).astype(dt)
-    # The anchors, Sel (g_hi + g_lo): Sel's row I < NB sums rows 0 .. 16 I (a_I = G at block I's
-    # first row), row NB all 64 (G_last); its other rows are zero.
-    def sel_rows(r):  # r: each element's row of Sel (negative: a zero row)
-        return jnp.where((r >= 0) & (((r < NB) & (cols() <= r * SUB)) | (r == NB)), 1.0, 0.0).astype(dt)
-
-    sel = sel_rows(rows())
-    if a_s:  # the interpreter takes wgmma operands from SMEM only (see _mm_pair)
+    # r's block up to r, so a_I is G at the last row of block I - 1 (a_0 = 0). BlockTri is the
+    # product's register operand. D goes to g's own memory (its parts are read by then), and the
+    # anchors come from its rows: a_{I+1} = a_I + D[16 I + 15], a_NB = G_last.
+    bt = jnp.where(same_block() & (cols() <= rows()), 1.0, 0.0).astype(dt)
+    if a_s:  # the interpreter takes wgmma operands from SMEM only (see _mm_blocks)
         a_s[0].at[0][...] = bt
-        a_s[0].at[1][...] = sel
-        bt, sel = a_s[0].at[0], a_s[0].at[1]
-
-    # g as hi + lo parts in g's own memory (Pallas's barrier before each store: every warp has
-    # read it), then the anchors of both halves in one product: Sel (g_hi + g_lo) for the first
-    # half, Sel shifted down ROW rows for the second, so one wgmma wait, one tile store and two
-    # fences serve both (0.692 -> 0.672 ms at 8,4096,16,128 on an H100,
-    # `intra-revisions-anchors-h100-20261206T2016.json`). Its rows go through SMEM (st_s's memory,
-    # free until the first half's outputs) to where every warp reads them, and the chunk decay
-    # exp(G_last) out (here, not as an XLA op after the kernel). The halves are unrolled here: a
-    # store into an_s takes no loop index.
-    for j in range(KH):
+        bt = a_s[0].at[0]
+    for j in range(KH):  # unrolled: a store into an_s takes no loop index
         g_j = plgpu.load(g_s.at[j], layout=_W) * LOG2E
         _split_store(g_j, parts.at[j, 0], parts.at[j, 1], dt, truncated_parts)
-    if KH == 2:  # Sel shifted down by ROW rows: the second half's anchors land beside the first's
-        sel1_s[...] = sel_rows(rows() - ROW)
-    plgpu.commit_smem()
+        plgpu.commit_smem()
 
-    def anchors(acc):  # half j's anchors in rows ROW * j .. ROW * j + NB of one product
-        for j in range(KH):
+        def cumsum(acc_d):
             for part in range(2):
-                plgpu.wgmma(acc, sel if j == 0 else sel1_s, parts.at[j, part])
-        return acc[...]
+                plgpu.wgmma(acc_d, bt, parts.at[j, part])
+            return acc_d[...]
 
-    an_full[...] = pl.run_scoped(anchors, plgpu.ACC((C, HW), f32))  # over sel1_s: its products are done
+        D = pl.run_scoped(cumsum, plgpu.ACC((C, HW), f32))
+        g_s.at[j][...] = D  # over parts j: its products are done
+        d_rows[...] = D
+        plgpu.commit_smem()
+        an_s.at[j, 0][...] = plgpu.layout_cast(jnp.zeros((HW,), f32), _W.reduce(0))
+        a = None
+        for I in range(NB):
+            d = plgpu.load(d_rows.at[I * SUB + SUB - 1], layout=_W.reduce(0))
+            a = d if a is None else a + d
+            an_s.at[j, I + 1][...] = a
+        an_s.at[j, NB + 1][...] = jnp.exp2(a)  # the chunk decay exp(G_last)
     plgpu.commit_smem()
-    for j in range(KH):
-        for i in range(NB + 1):
-            an_s.at[j, i][...] = plgpu.load(an_full.at[ROW * j + i], layout=_W.reduce(0))
-        an_s.at[j, NB + 1][...] = jnp.exp2(plgpu.load(an_full.at[ROW * j + NB], layout=_W.reduce(0)))
+    # exp(a_I) for qg = scale Rq exp(a_I) and k exp(G) = Rk exp(a_I) (products of factors <= 1,
+    # where exp(G) of the tile was an exponential per element), in a layout that holds each
+    # anchor once across the warpgroup, not once per row as a tile's column vector does.
+    strided = plgpu.Layout.WG_STRIDED((KH, NB, HW), vec_size=2)
+    an_s.at[:, pl.ds(NB + 2, NB)][...] = jnp.exp2(plgpu.load(an_s.at[:, pl.ds(0, NB)], layout=strided))
     plgpu.commit_smem()
     for j in range(KH):
         plgpu.copy_smem_to_gmem(an_s.at[j, NB + 1], out(d_ref, half(j)))
@@ -197,23 +223,18 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
 
     def row_half(j):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous half's staged outputs are read
-        with sub("block_cumsum"):
-            def cumsum(acc_d):
-                for part in range(2):
-                    plgpu.wgmma(acc_d, bt, parts.at[j, part])
-                return acc_d[...]
-
-            D = pl.run_scoped(cumsum, plgpu.ACC((C, HW), f32))
+        D = plgpu.load(g_s.at[j], layout=_W)
         e = jnp.exp2(D)
-        G = D + blocks(lambda I: anchor(I, j))
-        qf = plgpu.load(q_s.at[j], layout=_W).astype(f32)
-        q_s.at[j][...] = (qf * e).astype(dt)
-        st_s.at[0][...] = (qf * jnp.exp2(G) * scale).astype(dt)  # qg = scale Rq exp(a_I)
+        rq = plgpu.load(q_s.at[j], layout=_W).astype(f32) * e
+        q_s.at[j][...] = rq.astype(dt)
+        st_s.at[0][...] = (rq * blocks(lambda I: anchor(NB + 2 + I, j)) * scale).astype(dt)  # qg = scale Rq exp(a_I)
         kf = plgpu.load(k_s.at[j], layout=_W).astype(f32)
         k_s.at[j][...] = (kf * e).astype(dt)
         kl_s.at[j][...] = (kf * jnp.exp2(jnp.minimum(-D, MAX_EXP * LOG2E))).astype(dt)
+        # kg = k exp(G_last - G), G = D + a_I: the exponent is <= 0 (Kl exp(G_last - a_I) could underflow
+        # in its second factor where kg does not)
         G_last = lax.broadcast_in_dim(anchor(NB, j), (C, HW), [1])
-        st_s.at[1][...] = (kf * jnp.exp2(G_last - G)).astype(dt)  # kg = Kl exp(G_last - a_I), exponent <= 0
+        st_s.at[1][...] = (kf * jnp.exp2(G_last - D - blocks(lambda I: anchor(I, j)))).astype(dt)
         plgpu.commit_smem()
         with sub("row_side_out"):
             plgpu.copy_smem_to_gmem(st_s.at[0], out(qg_ref, slice(None), half(j)))
@@ -259,18 +280,16 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
             return tuple(acc[...] for acc in accs)
 
     scores = pl.run_scoped(products, *[plgpu.ACC((C, SUB), f32) for _ in range(2 * NB)])
-    AT, LT = jnp.concatenate(scores[:NB], axis=1), jnp.concatenate(scores[NB:], axis=1)
+    AT = jnp.concatenate(scores[:NB], axis=1)
     phase("scores_out")
     for j in range(VH):  # v lands while the inverse runs (its memory held the scores' operand)
         plgpu.copy_gmem_to_smem(v_ref.at[b, rows_t, h, half(j)], v_s.at[j], bars.at[len(loads) + j])
     # rows: column c of the scores; cols: row r.
-    beta_r = lax.broadcast_in_dim(plgpu.load(b_s, layout=_W.reduce(0)), (C, C), [1])
     a_o[...] = (jnp.where(cols() >= rows(), AT, 0.0) * scale).astype(dt)  # Aqk^T
-    U = jnp.where(cols() > rows(), LT * beta_r, 0.0)  # L^T
 
     def k_exp_g(j):  # k exp(G) = Rk exp(a_I) in place for w (Rk's last reads were the scores)
         rk = plgpu.load(k_s.at[j], layout=_W).astype(f32)
-        k_s.at[j][...] = (rk * jnp.exp2(blocks(lambda I: anchor(I, j)))).astype(dt)
+        k_s.at[j][...] = (rk * blocks(lambda I: anchor(NB + 2 + I, j))).astype(dt)
 
     halves(k_exp_g)
     plgpu.commit_smem()
@@ -281,24 +300,33 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
 
     phase("inverse")
     # (I + U)^{-1} = Ai^T, U = L^T strictly upper: diagonal blocks Dg = (I + Ud)^{-1}, then
-    # I + U = (I + Ud)(I + Dg Uo) with N = Dg Uo block-nilpotent (N^4 = 0).
-    eye = jnp.where(rows() == cols(), 1.0, 0.0)
-    Ud = jnp.where(same_block(), U, 0.0)
-    Uo = U - Ud
-    mm = functools.partial(_mm_pair, m_s=m_s, dt=dt, a_s=a_s[0] if a_s else None)
-    (P,) = mm([(Ud, Ud)])
+    # I + U = (I + Ud)(I + Dg Uo) with N = Dg Uo block-nilpotent (N^4 = 0). Every matrix is held
+    # as its four [C, SUB] column blocks (the scores' accumulators), so the products take only
+    # the blocks that are not zero (see _mm_blocks).
+    r_blk = lambda: lax.broadcast_in_dim(block_of(r1), (C, SUB), [0])  # noqa: E731 - each row's block
+    c1b = plgpu.broadcasted_iota(jnp.int32, (SUB,), 0, layout=_W.reduce(0))
+    r_in = lambda c: lax.broadcast_in_dim(r1 - c * SUB, (C, SUB), [0])  # noqa: E731 - row - first column
+    c_in = lambda: lax.broadcast_in_dim(c1b, (C, SUB), [1])  # noqa: E731
+    beta_b = lambda c: lax.broadcast_in_dim(plgpu.load(b_s.at[pl.ds(c * SUB, SUB)], layout=_W.reduce(0)),  # noqa: E731
+                                            (C, SUB), [1])
+    U = [jnp.where(c_in() > r_in(c), scores[NB + c] * beta_b(c), 0.0) for c in range(NB)]  # L^T
+    Ud = [jnp.where(r_blk() == c, U[c], 0.0) for c in range(NB)]
+    Uo = [jnp.where(r_blk() < c, U[c], 0.0) for c in range(NB)]
+    mm = functools.partial(_mm_blocks, m_s=m32_s, dt=dt, a_s=a_s[0] if a_s else None)
+    (P,) = mm([(Ud, Ud, DIAG)])
 
     def square(_, XP):  # X (I + P), P <- P^2: with P = Ud^2, Ud^4, Ud^8 (the last P^2 = Ud^16 = 0 unused:
         X, P = XP          # one loop body in the code costs less than a third product's own copy)
-        XP, P = mm([(X, P), (P, P)])
-        return X + XP, P
+        XP, P = mm([(X, P, DIAG), (P, P, DIAG)])
+        return [x + xp for x, xp in zip(X, XP)], P
 
-    Dg, _ = lax.fori_loop(0, 3, square, (eye - Ud, P))
-    (N,) = mm([(Dg, Uo)])
-    NDg, N2 = mm([(N, Dg), (N, N)])
-    Y = Dg - NDg
-    (N2Y,) = mm([(N2, Y)])
-    AiT = Y + N2Y
+    eye_minus_ud = [jnp.where(c_in() == r_in(c), 1.0, 0.0) - Ud[c] for c in range(NB)]
+    Dg, _ = lax.fori_loop(0, 3, square, (eye_minus_ud, P))
+    (N,) = mm([(Dg, Uo, DG_UO)])
+    NDg, N2 = mm([(N, Dg, N_DG), (N, N, N_N)])
+    Y = _blocks_op(operator.sub, Dg, NDg)
+    (N2Y,) = mm([(N2, Y, N2_Y)])
+    AiT = jnp.concatenate(_blocks_op(operator.add, Y, N2Y), axis=1)
 
     phase("wy")
     # w = (Ai diag beta)(k exp G), u = (Ai diag beta) v: the A operand is the transposed view of
@@ -336,6 +364,11 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
     phase(None)
 
 
+def _smem16(shape, dtype):
+    """SMEM tiles swizzled 32 bytes wide: any 16x16 bf16 block is one (8, 16)-tiled slice."""
+    return plgpu.SMEM(shape, dtype, transforms=smem_transforms(SUB, dtype))
+
+
 def intra_bf16(q, k, v, g, beta_t, *, scale, interpret=False, pieces=False):
     """Intra-chunk stage for bounded gates (every g >= -5), no segment resets.
 
@@ -366,17 +399,17 @@ def _intra_bf16(q, k, v, g, beta_t, *, scale, interpret, pieces):
     half = lambda n, dtype: _smem((n, C, HW), dtype)  # noqa: E731
     union = plgpu.RefUnion(
         (half(KH, f32), half(2, dt)),  # g; one half's qg, kg staged
-        _smem((KH, 2, C, HW), dt),  # g as hi + lo (half j's over g's half j)
+        _smem((KH, 2, C, HW), dt),  # g as hi + lo (half j's over g's half j), then D over them (g_s)
         half(2, dt),  # column operand of the scores, two buffers (the interpreter's; on a GPU it is in registers)
         (half(VH, dt), _smem((4, C, C), dt)),  # v -> u; split operands of the inverse, then Ai diag(beta), -w
-        (half(KH, f32), plgpu.SMEM((C, HW), f32)),  # (g's place;) the anchor product, in st_s's place
-        (half(KH, f32), _smem((C, C), dt)),  # the second half's Sel, under the anchor product
+        (half(KH, f32), plgpu.SMEM((C, HW), f32)),  # one half's D unswizzled (its rows read as vectors), in st_s's place
+        (half(VH, dt), _smem16((4, C, C), dt)),  # m_s's memory as the inverse's 16x16-block operands
     )
     scratch = [
         half(KH, dt),  # q -> Rq -> qg
         half(KH, dt),  # k -> Rk -> k exp(G)
         half(KH, dt),  # Kl -> kg
-        plgpu.SMEM((KH, NB + 2, HW), f32),  # anchors a_0..a_3, G_last, the decay exp(G_last), by column half
+        plgpu.SMEM((KH, 2 * NB + 2, HW), f32),  # anchors a_0..a_3, G_last, the decay exp(G_last), exp(a_0..a_3)
         plgpu.SMEM((C,), f32),  # beta
         _smem((C, C), dt),  # a^T
         union,
