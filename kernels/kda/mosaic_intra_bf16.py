@@ -4,7 +4,7 @@ Same outputs as `mosaic_intra.intra_bounded` (the operands of `mosaic_state.stat
 bf16 operands where bf16 suffices (like flash-linear-attention's kernels); its training form
 (`pieces=True`) also writes what `chunk.py`'s backward reads besides them (Ai^T from the inverse's
 registers through a^T's SMEM once a^T is sent, k exp(G) from w's operand), chunk-major. One program (one
-warpgroup) per (chunk, head), about 107 KiB of SMEM so two programs share an SM. Every [C, K]
+warpgroup) per (chunk, head), about 110 KiB of SMEM so two programs share an SM. Every [C, K]
 tile is handled as K / 64 column halves of [C, 64]: a float32 half is 32 registers per thread,
 so no phase holds more than a few (the whole-width version spilled at 255 registers).
 

@@ -6,7 +6,7 @@ its all-matmul path when lower_bound >= -5), "xla" (`pallas_gpu_prep.prepare`, f
 for any gate g <= 0 and with segment resets), or with `lower_bound >= -5` and no resets a
 Mosaic GPU kernel on the tensor cores: "mosaic" (`mosaic_intra.intra_bounded`, split-bf16
 products, one program per SM; slower than XLA on an H200) or "mosaic_bf16"
-(`mosaic_intra_bf16.intra_bf16`: bf16 operands like flash-linear-attention's, ~107 KiB of SMEM
+(`mosaic_intra_bf16.intra_bf16`: bf16 operands like flash-linear-attention's, ~110 KiB of SMEM
 so two programs share an SM; on an H200 the fastest forward: 3.07 ms at (8, 4096, 16, 128)
 against 3.42 for the default path, benchmarks/results/kda-intrabf16-h200-20261130T1551.json).
 The inter-chunk stage (state
