@@ -37,8 +37,9 @@ H100: 6.7 of 12.8 cycles per issued instruction stalled on "no instruction").
     N = Dg Uo (N^4 = 0): Ai^T = (I - N)(I + N^2) Dg. Each matrix is four [C, 16] column blocks
     and each product takes only its nonzero 16x16 blocks (43 of the 176 block products that
     eleven whole 64x64x64 products hold), as m64n16k16 wgmmas on 32-byte swizzled operands.
-  * qg = scale q exp(G) (= scale Rq exp(a_I)) and kg = k exp(G_last - G) (= Kl exp(G_last - a_I))
-    with G = D + a_I: one exponential of a tile each, not four of the per-block anchors; staged
+  * qg = scale q exp(G) = scale Rq exp(a_I), with exp(a_I) formed once per anchor (not per
+    element), and kg = k exp(G_last - G) with G = D + a_I, one exponential of a tile (its
+    exponent <= 0, where Kl exp(G_last - a_I) could underflow in the second factor); staged
     one half at a time beside g; after the scores k exp(G) = Rk exp(a_I) in place, then
     w = (Ai diag beta)(k exp G), u = (Ai diag beta) v with Ai diag(beta) as hi + lo bf16.
 """
