@@ -109,8 +109,9 @@ def _mm_blocks(products, m_s, dt, a_s=None):
         tail = pl.ds(c0 * SUB, C - c0 * SUB)
         _split_store(jnp.concatenate(Y[c0:], axis=1), m_s.at[2 * i, :, tail], m_s.at[2 * i + 1, :, tail], dt,
                      truncated_parts)
-    x_parts = [{J: truncated_parts(X[J], dt) for J in used} for X, used in zip(xs, read_x)]
-    if a_s is not None:
+    if a_s is None:
+        x_parts = [{J: truncated_parts(X[J], dt) for J in used} for X, used in zip(xs, read_x)]
+    else:
         for i, (X, used) in enumerate(zip(xs, read_x)):
             tail = pl.ds(used[0] * SUB, C - used[0] * SUB)
             _split_store(jnp.concatenate(X[used[0]:], axis=1), a_s.at[2 * i, :, tail], a_s.at[2 * i + 1, :, tail], dt,
