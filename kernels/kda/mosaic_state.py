@@ -46,6 +46,21 @@ BUFFERS_CHOICES = ("double", "single")
 BUFFERS = "double"
 
 
+# How a step of `state_output` issues its four products: "joint" (v' = u - W S alone, then
+# qg S, A v' and kg^T v' together, all read at once) or "split" (qg S beside W S, so the tensor
+# cores run it while v' is stored; then kg^T v' and A v'). Same values. Set with
+# `chunk.settings(state_issue=...)`; read while tracing.
+ISSUE_CHOICES = ("joint", "split")
+ISSUE = "joint"
+
+
+def issue_order() -> str:
+    """ISSUE, checked (read while tracing)."""
+    if ISSUE not in ISSUE_CHOICES:
+        raise ValueError(f"mosaic_state.ISSUE={ISSUE!r}; expected one of {ISSUE_CHOICES}")
+    return ISSUE
+
+
 def buffers() -> str:
     """BUFFERS, checked (read while tracing)."""
     if BUFFERS not in BUFFERS_CHOICES:
@@ -144,7 +159,7 @@ def _mm(fn, shape):
 
 
 def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, with_states, heads,
-          chunk_major, a_transposed, with_vn=False, w_negated=True, single=False, BH=None, zero_h0=False):
+          chunk_major, a_transposed, with_vn=False, w_negated=True, single=False, split=False, BH=None, zero_h0=False):
     h0_ref, rest = (None, rest) if zero_h0 else (rest[0], rest[1:])
     o_ref, ht_ref, *rest = rest
     st_ref, rest = (rest[0], rest[1:]) if with_states else (None, rest)
@@ -203,37 +218,56 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, wit
             plgpu.copy_smem_to_gmem(s_s, st_ref.at[first + n, bh, :, vs])
 
         u = plgpu.load(buf("u", slot), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+        a_op = buf("a", slot)
+        a_op = a_op.transpose((1, 0)) if a_transposed else a_op
 
-        def vnew_mm(acc):
-            plgpu.wgmma(acc, wn_s.at[slot], s_s)
-            return acc[...]
-
-        # A negated W costs XLA a pass over it; a subtraction here costs nothing
-        vnew = u + _mm(vnew_mm, (C, BV)) if w_negated else u - _mm(vnew_mm, (C, BV))
-        if single:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's o (over v') is read
-        vn_s[...] = vnew.astype(dt)
-        plgpu.commit_smem()
-        if with_vn:  # like the states: read by TMA before the wait below, so before the next step's write
-            plgpu.copy_smem_to_gmem(vn_s, vn_ref.at[first + n, bh, :, vs])
-
-        def out_state_mm(acc_o, acc_s):
-            # Both products are issued before either is read, so they overlap on the tensor cores.
-            a_op = buf("a", slot)
-            plgpu.wgmma(acc_o, buf("qg", slot), s_s)
-            plgpu.wgmma(acc_o, a_op.transpose((1, 0)) if a_transposed else a_op, vn_s)
-            plgpu.wgmma(acc_s, buf("kg", slot).transpose((1, 0)), vn_s)
-            return acc_o[...], acc_s[...]
+        def store_vn(vnew):
+            if single:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's o (over v') is read
+            vn_s[...] = vnew.astype(dt)
+            plgpu.commit_smem()
+            if with_vn:  # like the states: read by TMA before the wait below, so before the next step's write
+                plgpu.copy_smem_to_gmem(vn_s, vn_ref.at[first + n, bh, :, vs])
 
         d = plgpu.load(d_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
-        S = S * lax.broadcast_in_dim(d, S.shape, [0])
-        o, dS = pl.run_scoped(out_state_mm, plgpu.ACC((C, BV), jnp.float32), plgpu.ACC((K, BV), jnp.float32))
+        if split:
+            # The chain S_n -> v' -> S_{n+1} waits on two products, not four: qg S runs while v' is
+            # stored, A v' after kg^T v' (S_{n+1} is read with A v' still on the tensor cores).
+            def chain_mm(acc_v, acc_o, acc_s):
+                plgpu.wgmma(acc_v, wn_s.at[slot], s_s)
+                plgpu.wgmma(acc_o, buf("qg", slot), s_s)
+                # A negated W costs XLA a pass over it; a subtraction here costs nothing
+                vw = plgpu.wgmma_accumulator_load(acc_v, wait_n=1)
+                store_vn(u + vw if w_negated else u - vw)
+                plgpu.wgmma(acc_s, buf("kg", slot).transpose((1, 0)), vn_s)
+                plgpu.wgmma(acc_o, a_op, vn_s)
+                S_next = S * lax.broadcast_in_dim(d, S.shape, [0]) + plgpu.wgmma_accumulator_load(acc_s, wait_n=1)
+                return S_next, acc_o[...]
+
+            S, o = pl.run_scoped(chain_mm, *[plgpu.ACC(sh, jnp.float32) for sh in ((C, BV), (C, BV), (K, BV))])
+        else:
+            def vnew_mm(acc):
+                plgpu.wgmma(acc, wn_s.at[slot], s_s)
+                return acc[...]
+
+            vw = _mm(vnew_mm, (C, BV))
+            store_vn(u + vw if w_negated else u - vw)
+
+            def out_state_mm(acc_o, acc_s):
+                # Both products are issued before either is read, so they overlap on the tensor cores.
+                plgpu.wgmma(acc_o, buf("qg", slot), s_s)
+                plgpu.wgmma(acc_o, a_op, vn_s)
+                plgpu.wgmma(acc_s, buf("kg", slot).transpose((1, 0)), vn_s)
+                return acc_o[...], acc_s[...]
+
+            S = S * lax.broadcast_in_dim(d, S.shape, [0])
+            o, dS = pl.run_scoped(out_state_mm, plgpu.ACC((C, BV), jnp.float32), plgpu.ACC((K, BV), jnp.float32))
+            S = S + dS
         if single:
             @pl.when(n + 1 < NT)
             def _load_next():  # the products have read qg, kg, A; u went to registers before a commit
                 issue_sgl(n + 1)
 
-        S = S + dS
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_s (with `single` v') free again
         o_s[...] = o.astype(o_s.dtype)
         plgpu.commit_smem()
@@ -282,13 +316,13 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
     return _state_output(qg, wn, kg, u, a, d, h0, out_dtype=jnp.dtype(out_dtype), interpret=interpret,
                          with_states=with_states, heads=heads, chunk_major=chunk_major, a_transposed=a_transposed,
                          BV=BV, with_vn=with_vn, w_negated=bool(w_negated), single=buffers() == "single",
-                         segments=int(segments))
+                         split=issue_order() == "split", segments=int(segments))
 
 
 @lowered_once("out_dtype", "interpret", "with_states", "heads", "chunk_major", "a_transposed", "BV", "with_vn",
-              "w_negated", "single", "segments")
+              "w_negated", "single", "split", "segments")
 def _state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret, with_states, heads, chunk_major, a_transposed,
-                  BV, with_vn, w_negated, single, segments):
+                  BV, with_vn, w_negated, single, split, segments):
     NT, BH, Cc, K = qg.shape if chunk_major else (qg.shape[1], qg.shape[0], *qg.shape[2:])
     V = u.shape[-1]
     if Cc != C or K % 64 or V % 64:
@@ -331,6 +365,6 @@ def _state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret, with_states,
         out_type += (jax.ShapeDtypeStruct((NT, BH, C, V), dt),)
     body = functools.partial(_body, NT=NT // segments, K=K, BV=BV, dt=dt, with_states=with_states, heads=heads,
                              chunk_major=chunk_major, a_transposed=a_transposed, with_vn=with_vn,
-                             w_negated=w_negated, single=single, BH=BH, zero_h0=h0 is None)
+                             w_negated=w_negated, single=single, split=split, BH=BH, zero_h0=h0 is None)
     args = (qg, wn, kg, u, a, d) + (() if h0 is None else (h0,))
     return launch_bh_v(body, out_type, scratch, args, BH=segments * BH, V=V, BV=BV, interpret=interpret)

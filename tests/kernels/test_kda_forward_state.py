@@ -74,7 +74,9 @@ def test_state_output_writes_the_corrected_values(rng):
 ])
 def test_single_buffers_match_double(rng, layout):
     """BUFFERS "single" (qg, kg, A, u single-buffered, the carried tile and o over other buffers)
-    runs the same products in the same order as "double": equal outputs, bit for bit."""
+    runs the same products in the same order as "double", and ISSUE "split" (the step's products
+    in two groups) as "joint": equal outputs, bit for bit
+    in the interpreter."""
     N, BH, K, V = 3, 4, 64, 128
     f = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.bfloat16)  # noqa: E731
     lead = (N, BH) if layout.get("chunk_major") else (BH, N)
@@ -83,12 +85,15 @@ def test_single_buffers_match_double(rng, layout):
     h0 = jnp.asarray(rng.standard_normal((BH, K, V)), jnp.float32)
     outs = {}
     for buffers in mosaic_state.BUFFERS_CHOICES:
-        with chunk.settings(state_buffers=buffers):
-            outs[buffers] = mosaic_state.state_output(qg, wn, kg, u, a, d, h0, out_dtype=jnp.bfloat16,
-                                                      interpret=True, **layout)
-    assert len(outs["single"]) == 2 + layout.get("with_states", False) + layout.get("with_vn", False)
-    for x, y in zip(outs["double"], outs["single"]):
-        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+        for issue in mosaic_state.ISSUE_CHOICES:
+            with chunk.settings(state_buffers=buffers, state_issue=issue):
+                outs[buffers, issue] = mosaic_state.state_output(qg, wn, kg, u, a, d, h0, out_dtype=jnp.bfloat16,
+                                                                 interpret=True, **layout)
+    base = outs["double", "joint"]
+    for key, out in outs.items():
+        assert len(out) == 2 + layout.get("with_states", False) + layout.get("with_vn", False), key
+        for x, y in zip(base, out):
+            np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32), err_msg=str(key))
 
 
 def _zero_state_pairs(rng, N, BH, interpret, **layout):
