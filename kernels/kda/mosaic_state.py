@@ -33,6 +33,7 @@ C = 64  # chunk length (rows of every wgmma's M side except the state update)
 # would stop at 65535 chunks (4,194,240 tokens). Kernels with a program per chunk use one x axis.
 MAX_PROGRAMS = 2**31 - 1
 MAX_Y = 65535
+SMEM_LIMIT = 227 * 1024  # shared memory one program may take on Hopper
 
 # How `state_output` buffers its chunk operands (`chunk.settings(state_buffers=...)`; read while
 # tracing): "double" (every operand double-buffered, chunk n + 1 loading while n computes: 193 KiB
@@ -42,7 +43,10 @@ MAX_Y = 65535
 # two programs per SM, so 256 programs run as one wave instead of two). On an H100 "single" was
 # slower forward at 2,16384,16,128 and 4,8192,32,128 (1.78 / 2.92 ms against 1.56 / 2.69,
 # kda-levers-both-h100-20261206T0529.json): "double" stays.
-BUFFERS_CHOICES = ("double", "single")
+# "triple": every operand triple-buffered, chunks n + 1 and n + 2 loading while n computes (the
+# carried tile over S's operand copy, v' and o, which no step holds then): 226 KiB at K = 128,
+# BV = 64 with bf16 o, near the SM's 227; a float32 o does not fit (an error names "double").
+BUFFERS_CHOICES = ("double", "single", "triple")
 BUFFERS = "double"
 
 
@@ -159,13 +163,16 @@ def _mm(fn, shape):
 
 
 def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, with_states, heads,
-          chunk_major, a_transposed, with_vn=False, w_negated=True, single=False, split=False, BH=None, zero_h0=False):
+          chunk_major, a_transposed, with_vn=False, w_negated=True, single=False, split=False, stages=2, BH=None,
+          zero_h0=False):
     h0_ref, rest = (None, rest) if zero_h0 else (rest[0], rest[1:])
     o_ref, ht_ref, *rest = rest
     st_ref, rest = (rest[0], rest[1:]) if with_states else (None, rest)
     vn_ref, rest = (rest[0], rest[1:]) if with_vn else (None, rest)
     if single:  # BUFFERS "single": the scratch `_state_output` lays out
         wn_s, d_s, (h_s, (qg_s, kg_s)), a_s, u_s, s_s, (vn_s, o_s), bars, sbars, h_bar = rest
+    elif stages == 3:  # BUFFERS "triple": the carried tile over s_s, vn_s, o_s
+        qg_s, wn_s, kg_s, u_s, a_s, d_s, (h_s, (s_s, vn_s, o_s)), bars, h_bar = rest
     else:
         qg_s, wn_s, kg_s, u_s, a_s, d_s, s_s, vn_s, o_s, h_s, bars, h_bar = rest
     p = lax.axis_index("bh")  # (segment, batch * head): segment p // BH runs chunks first .. first + NT - 1
@@ -186,7 +193,7 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, wit
 
     def issue(n, slot):
         for i, x in enumerate(dbl):
-            plgpu.copy_gmem_to_smem(chunk_src(x, n), ops[x][1].at[slot], bars.at[2 * i + slot])
+            plgpu.copy_gmem_to_smem(chunk_src(x, n), ops[x][1].at[slot], bars.at[stages * i + slot])
 
     def issue_sgl(n):
         for i, x in enumerate(sgl):
@@ -198,18 +205,20 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, wit
         S = plgpu.layout_cast(jnp.zeros((K, BV), jnp.float32), plgpu.Layout.WGMMA)
     else:
         S = load_carried(0, issue, h0_ref.at[p, :, vs], h_s, h_bar.at[0], carried_first=single)
+    for n in range(1, min(stages - 1, NT)):  # "triple": chunk 1 as well
+        issue(n, n)
     if single:
         issue_sgl(0)
 
     def step(n, S):
-        slot = lax.rem(n, 2)
+        slot = lax.rem(n, stages)
 
-        @pl.when(n + 1 < NT)
-        def _prefetch():
-            issue(n + 1, 1 - slot)
+        @pl.when(n + stages - 1 < NT)
+        def _prefetch():  # into the slot chunk n - 1 used: its products are done
+            issue(n + stages - 1, lax.rem(n + stages - 1, stages))
 
         for i in range(len(dbl)):
-            plgpu.barrier_wait(bars.at[2 * i + slot])
+            plgpu.barrier_wait(bars.at[stages * i + slot])
         for i in range(len(sgl)):
             plgpu.barrier_wait(sbars.at[i])
         s_s[...] = S.astype(dt)
@@ -279,7 +288,9 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, wit
         return S
 
     S = lax.fori_loop(0, NT, step, S)
-    h_s[...] = S  # with `single`, no load is in flight: the last step issued none
+    if stages == 3:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last o (and states, v') read: h_s is over them
+    h_s[...] = S  # no load is in flight: the last steps issued none
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(h_s, ht_ref.at[p, :, vs])
     plgpu.wait_smem_to_gmem(0)
@@ -315,21 +326,33 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
     BV = chunk_segments.block_v(block_v, programs64=segments * BH * max(u.shape[-1] // 64, 1))  # read while tracing
     return _state_output(qg, wn, kg, u, a, d, h0, out_dtype=jnp.dtype(out_dtype), interpret=interpret,
                          with_states=with_states, heads=heads, chunk_major=chunk_major, a_transposed=a_transposed,
-                         BV=BV, with_vn=with_vn, w_negated=bool(w_negated), single=buffers() == "single",
+                         BV=BV, with_vn=with_vn, w_negated=bool(w_negated), buffering=buffers(),
                          split=issue_order() == "split", segments=int(segments))
 
 
 @lowered_once("out_dtype", "interpret", "with_states", "heads", "chunk_major", "a_transposed", "BV", "with_vn",
-              "w_negated", "single", "split", "segments")
+              "w_negated", "buffering", "split", "segments")
 def _state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret, with_states, heads, chunk_major, a_transposed,
-                  BV, with_vn, w_negated, single, split, segments):
+                  BV, with_vn, w_negated, buffering, split, segments):
     NT, BH, Cc, K = qg.shape if chunk_major else (qg.shape[1], qg.shape[0], *qg.shape[2:])
     V = u.shape[-1]
     if Cc != C or K % 64 or V % 64:
         raise ValueError(f"state_output needs C={C} and K, V multiples of 64; got C={Cc}, K={K}, V={V}")
     dt = qg.dtype
     _smem_ = functools.partial(_smem, BV=BV)
-    if single:  # wn, d double; (h | qg, kg), A, u single; S's operand copy; (v' | o)
+    single, stages = buffering == "single", 3 if buffering == "triple" else 2
+    if stages == 3:
+        scratch = [_smem_((3, C, K), dt), _smem_((3, C, K), dt), _smem_((3, C, K), dt), _smem_((3, C, BV), dt),
+                   _smem_((3, C, C), dt), plgpu.SMEM((3, K), jnp.float32),
+                   plgpu.RefUnion(_smem_((K, BV), jnp.float32),
+                                  (_smem_((K, BV), dt), _smem_((C, BV), dt), _smem_((C, BV), out_dtype))),
+                   plgpu.Barrier(num_barriers=6 * 3, num_arrivals=1), plgpu.Barrier(num_barriers=1)]
+        size = sum(3 * C * x * dt.itemsize for x in (K, K, K, BV, C)) + 3 * K * 4 + max(
+            K * BV * 4, K * BV * dt.itemsize + C * BV * (dt.itemsize + jnp.dtype(out_dtype).itemsize))
+        if size > SMEM_LIMIT:
+            raise ValueError(f"state_output with BUFFERS='triple' needs {size // 1024} KiB of SMEM at K={K}, BV={BV}, "
+                             f"o in {jnp.dtype(out_dtype).name} (limit {SMEM_LIMIT // 1024}); use 'double'")
+    elif single:  # wn, d double; (h | qg, kg), A, u single; S's operand copy; (v' | o)
         scratch = [
             _smem_((2, C, K), dt),
             plgpu.SMEM((2, K), jnp.float32),
@@ -365,6 +388,7 @@ def _state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret, with_states,
         out_type += (jax.ShapeDtypeStruct((NT, BH, C, V), dt),)
     body = functools.partial(_body, NT=NT // segments, K=K, BV=BV, dt=dt, with_states=with_states, heads=heads,
                              chunk_major=chunk_major, a_transposed=a_transposed, with_vn=with_vn,
-                             w_negated=w_negated, single=single, split=split, BH=BH, zero_h0=h0 is None)
+                             w_negated=w_negated, single=single, split=split, stages=stages, BH=BH,
+                             zero_h0=h0 is None)
     args = (qg, wn, kg, u, a, d) + (() if h0 is None else (h0,))
     return launch_bh_v(body, out_type, scratch, args, BH=segments * BH, V=V, BV=BV, interpret=interpret)
