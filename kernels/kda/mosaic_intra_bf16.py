@@ -16,7 +16,7 @@ H100: 6.7 of 12.8 cycles per issued instruction stalled on "no instruction").
   * The gates enter in base-2 units (g log2(e)), so each exponential is one ex2 instruction.
     D = G - a_I, the block-local cumsum (a_I = G at the last row of 16-row block I - 1, a_0 = 0),
     is BlockTri (g_hi + g_lo) on the tensor cores (split bf16, about 2^-16 relative; both column
-    halves in one round trip, their parts beside g, not over it), formed here, not by XLA (no second and third pass over g: 0.59 of the forward's 2.68 GB at
+    halves in one round trip), formed here, not by XLA (no second and third pass over g: 0.59 of the forward's 2.68 GB at
     8,4096,16,128 by the compiled HLO's count). The anchors follow from D's last rows,
     a_{I+1} = a_I + D[16 I + 15] (a_NB = G_last), read back as vectors, where a product of 0/1
     selector rows with g's parts gave them before. G itself as Tri (g_hi + g_lo) in D's round
@@ -187,8 +187,8 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
     if a_s:  # the interpreter takes wgmma operands from SMEM only (see _mm_blocks)
         a_s[0].at[0][...] = bt
         bt = a_s[0].at[0]
-    # Half j's g parts go beside g, not over it: a warp's store over g could land before another
-    # warp has read those rows. After the products, D over g and half j's D rows unswizzled.
+    # Half j's g parts in st_s / kl_s (free until the row side), both halves' products in one round
+    # trip; then D over g and half j's D rows unswizzled.
     part_refs, rows_refs = (st_s, kl_s), (d_rows, kl_rows)
     for j in range(KH):
         _split_store(plgpu.load(g_s.at[j], layout=_W) * LOG2E, part_refs[j].at[0], part_refs[j].at[1], dt,
