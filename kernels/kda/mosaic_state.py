@@ -46,7 +46,8 @@ SMEM_LIMIT = 227 * 1024  # shared memory one program may take on Hopper
 # "triple": every operand triple-buffered, chunks n + 1 and n + 2 loading while n computes (the
 # carried tile over S's operand copy, v' and o, which no step holds then): 226 KiB at K = 128,
 # BV = 64 with bf16 o, near the SM's 227; a float32 o does not fit (an error names "double").
-BUFFERS_CHOICES = ("double", "single", "triple")
+# "auto": "triple" where it fits, else "double".
+BUFFERS_CHOICES = ("double", "single", "triple", "auto")
 BUFFERS = "double"
 
 
@@ -63,6 +64,12 @@ def issue_order() -> str:
     if ISSUE not in ISSUE_CHOICES:
         raise ValueError(f"mosaic_state.ISSUE={ISSUE!r}; expected one of {ISSUE_CHOICES}")
     return ISSUE
+
+
+def triple_smem(K: int, BV: int, dt, out_dtype) -> int:
+    """Bytes of SMEM `state_output` takes with BUFFERS "triple"."""
+    b, ob = jnp.dtype(dt).itemsize, jnp.dtype(out_dtype).itemsize
+    return 3 * C * b * (3 * K + BV + C) + 3 * K * 4 + max(K * BV * 4, K * BV * b + C * BV * (b + ob))
 
 
 def buffers() -> str:
@@ -324,9 +331,13 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
     if h0 is not None:
         check_segments(NT, segments, h0, BH)
     BV = chunk_segments.block_v(block_v, programs64=segments * BH * max(u.shape[-1] // 64, 1))  # read while tracing
+    buffering = buffers()
+    if buffering == "auto":
+        fits = triple_smem(qg.shape[-1], BV, qg.dtype, out_dtype) <= SMEM_LIMIT
+        buffering = "triple" if fits else "double"
     return _state_output(qg, wn, kg, u, a, d, h0, out_dtype=jnp.dtype(out_dtype), interpret=interpret,
                          with_states=with_states, heads=heads, chunk_major=chunk_major, a_transposed=a_transposed,
-                         BV=BV, with_vn=with_vn, w_negated=bool(w_negated), buffering=buffers(),
+                         BV=BV, with_vn=with_vn, w_negated=bool(w_negated), buffering=buffering,
                          split=issue_order() == "split", segments=int(segments))
 
 
@@ -347,8 +358,7 @@ def _state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret, with_states,
                    plgpu.RefUnion(_smem_((K, BV), jnp.float32),
                                   (_smem_((K, BV), dt), _smem_((C, BV), dt), _smem_((C, BV), out_dtype))),
                    plgpu.Barrier(num_barriers=6 * 3, num_arrivals=1), plgpu.Barrier(num_barriers=1)]
-        size = sum(3 * C * x * dt.itemsize for x in (K, K, K, BV, C)) + 3 * K * 4 + max(
-            K * BV * 4, K * BV * dt.itemsize + C * BV * (dt.itemsize + jnp.dtype(out_dtype).itemsize))
+        size = triple_smem(K, BV, dt, out_dtype)
         if size > SMEM_LIMIT:
             raise ValueError(f"state_output with BUFFERS='triple' needs {size // 1024} KiB of SMEM at K={K}, BV={BV}, "
                              f"o in {jnp.dtype(out_dtype).name} (limit {SMEM_LIMIT // 1024}); use 'double'")
