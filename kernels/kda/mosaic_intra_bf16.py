@@ -15,8 +15,8 @@ H100: 6.7 of 12.8 cycles per issued instruction stalled on "no instruction").
 
   * The gates enter in base-2 units (g log2(e)), so each exponential is one ex2 instruction.
     D = G - a_I, the block-local cumsum (a_I = G at the last row of 16-row block I - 1, a_0 = 0),
-    is BlockTri (g_hi + g_lo) on the tensor cores (split bf16, about 2^-16 relative; both column
-    halves in one round trip), formed here, not by XLA (no second and third pass over g: 0.59 of the forward's 2.68 GB at
+    is BlockTri (g_hi + g_lo) on the tensor cores (split bf16, about 2^-16 relative), formed
+    here, not by XLA (no second and third pass over g: 0.59 of the forward's 2.68 GB at
     8,4096,16,128 by the compiled HLO's count). The anchors follow from D's last rows,
     a_{I+1} = a_I + D[16 I + 15] (a_NB = G_last), read back as vectors, where a product of 0/1
     selector rows with g's parts gave them before. G itself as Tri (g_hi + g_lo) in D's round
@@ -145,8 +145,8 @@ def _blocks_op(op, X, Y):
 def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, H, KH, VH, scale, dt,
           grid, pieces):
     ai_ref, kx_ref = rest[:2] if pieces else (None, None)
-    q_s, k_s, (kl_s, kl_rows), an_s, b_s, a_o, union, bars, *a_s = rest[2:] if pieces else rest
-    (g_s, st_s), kc_s, (v_s, m_s), (_, d_rows), (_, m32_s) = union
+    q_s, k_s, kl_s, an_s, b_s, a_o, union, bars, *a_s = rest[2:] if pieces else rest
+    (g_s, st_s), parts, kc_s, (v_s, m_s), (_, d_rows), (_, m32_s) = union
     phase = profiling.phases()  # named profiler ranges (kernels.profiling), free when not profiling
     phase("load")
     n, bh = grid_indices(grid)
@@ -181,36 +181,30 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
     phase("cumsum")
     # D = G - a_I, the block-local cumsum: BlockTri (g_hi + g_lo), BlockTri[r, s] = 1 for s in
     # r's block up to r, so a_I is G at the last row of block I - 1 (a_0 = 0). BlockTri is the
-    # product's register operand. D goes to g's own memory (g is read by then), and the
+    # product's register operand. D goes to g's own memory (its parts are read by then), and the
     # anchors come from its rows: a_{I+1} = a_I + D[16 I + 15], a_NB = G_last.
     bt = jnp.where(same_block() & (cols() <= rows()), 1.0, 0.0).astype(dt)
     if a_s:  # the interpreter takes wgmma operands from SMEM only (see _mm_blocks)
         a_s[0].at[0][...] = bt
         bt = a_s[0].at[0]
-    # Half j's g parts in st_s / kl_s (free until the row side), both halves' products in one round
-    # trip; then D over g and half j's D rows unswizzled.
-    part_refs, rows_refs = (st_s, kl_s), (d_rows, kl_rows)
-    for j in range(KH):
-        _split_store(plgpu.load(g_s.at[j], layout=_W) * LOG2E, part_refs[j].at[0], part_refs[j].at[1], dt,
-                     truncated_parts)
-    plgpu.commit_smem()
-
-    def cumsum(*accs):  # both halves in one round trip
-        for j, acc in enumerate(accs):
-            for part in range(2):
-                plgpu.wgmma(acc, bt, part_refs[j].at[part])
-        return tuple(acc[...] for acc in accs)
-
-    Ds = pl.run_scoped(cumsum, *[plgpu.ACC((C, HW), f32)] * KH)
-    for j in range(KH):
-        g_s.at[j][...] = Ds[j]  # over g: read before the products' commit
-        rows_refs[j][...] = Ds[j]
-    plgpu.commit_smem()
     for j in range(KH):  # unrolled: a store into an_s takes no loop index
+        g_j = plgpu.load(g_s.at[j], layout=_W) * LOG2E
+        _split_store(g_j, parts.at[j, 0], parts.at[j, 1], dt, truncated_parts)
+        plgpu.commit_smem()
+
+        def cumsum(acc_d):
+            for part in range(2):
+                plgpu.wgmma(acc_d, bt, parts.at[j, part])
+            return acc_d[...]
+
+        D = pl.run_scoped(cumsum, plgpu.ACC((C, HW), f32))
+        g_s.at[j][...] = D  # over parts j: its products are done
+        d_rows[...] = D
+        plgpu.commit_smem()
         an_s.at[j, 0][...] = plgpu.layout_cast(jnp.zeros((HW,), f32), _W.reduce(0))
         a = None
         for I in range(NB):
-            d = plgpu.load(rows_refs[j].at[I * SUB + SUB - 1], layout=_W.reduce(0))
+            d = plgpu.load(d_rows.at[I * SUB + SUB - 1], layout=_W.reduce(0))
             a = d if a is None else a + d
             an_s.at[j, I + 1][...] = a
         an_s.at[j, NB + 1][...] = jnp.exp2(a)  # the chunk decay exp(G_last)
@@ -368,7 +362,7 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
     for j in range(VH):
         plgpu.copy_smem_to_gmem(v_s.at[j], out(u_ref, slice(None), half(j)))
     phase("store")
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM read out; the writes land before the kernel ends
+    plgpu.wait_smem_to_gmem(0)
     phase(None)
 
 
@@ -407,15 +401,16 @@ def _intra_bf16(q, k, v, g, beta_t, *, scale, interpret, pieces):
     half = lambda n, dtype: _smem((n, C, HW), dtype)  # noqa: E731
     union = plgpu.RefUnion(
         (half(KH, f32), half(2, dt)),  # g; one half's qg, kg staged
+        _smem((KH, 2, C, HW), dt),  # g as hi + lo (half j's over g's half j), then D over them (g_s)
         half(2, dt),  # column operand of the scores, two buffers (the interpreter's; on a GPU it is in registers)
         (half(VH, dt), _smem((4, C, C), dt)),  # v -> u; split operands of the inverse, then Ai diag(beta), -w
-        (half(KH, f32), plgpu.SMEM((C, HW), f32)),  # half 0's D unswizzled (its rows read as vectors), in st_s's place
+        (half(KH, f32), plgpu.SMEM((C, HW), f32)),  # one half's D unswizzled (its rows read as vectors), in st_s's place
         (half(VH, dt), _smem16((4, C, C), dt)),  # m_s's memory as the inverse's 16x16-block operands
     )
     scratch = [
         half(KH, dt),  # q -> Rq -> qg
         half(KH, dt),  # k -> Rk -> k exp(G)
-        plgpu.RefUnion(half(KH, dt), plgpu.SMEM((C, HW), f32)),  # Kl; before it half 1's g parts and D rows
+        half(KH, dt),  # Kl -> kg
         plgpu.SMEM((KH, 2 * NB + 2, HW), f32),  # anchors a_0..a_3, G_last, the decay exp(G_last), exp(a_0..a_3)
         plgpu.SMEM((C,), f32),  # beta
         _smem((C, C), dt),  # a^T

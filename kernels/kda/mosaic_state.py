@@ -33,7 +33,6 @@ C = 64  # chunk length (rows of every wgmma's M side except the state update)
 # would stop at 65535 chunks (4,194,240 tokens). Kernels with a program per chunk use one x axis.
 MAX_PROGRAMS = 2**31 - 1
 MAX_Y = 65535
-SMEM_LIMIT = 227 * 1024  # shared memory one program may take on Hopper
 
 # How `state_output` buffers its chunk operands (`chunk.settings(state_buffers=...)`; read while
 # tracing): "double" (every operand double-buffered, chunk n + 1 loading while n computes: 193 KiB
@@ -43,33 +42,8 @@ SMEM_LIMIT = 227 * 1024  # shared memory one program may take on Hopper
 # two programs per SM, so 256 programs run as one wave instead of two). On an H100 "single" was
 # slower forward at 2,16384,16,128 and 4,8192,32,128 (1.78 / 2.92 ms against 1.56 / 2.69,
 # kda-levers-both-h100-20261206T0529.json): "double" stays.
-# "triple": every operand triple-buffered, chunks n + 1 and n + 2 loading while n computes (the
-# carried tile over S's operand copy, v' and o, which no step holds then): 226 KiB at K = 128,
-# BV = 64 with bf16 o, near the SM's 227; a float32 o does not fit (an error names "double").
-# "auto": "triple" where it fits, else "double".
-BUFFERS_CHOICES = ("double", "single", "triple", "auto")
+BUFFERS_CHOICES = ("double", "single")
 BUFFERS = "double"
-
-
-# How a step of `state_output` issues its four products: "joint" (v' = u - W S alone, then
-# qg S, A v' and kg^T v' together, all read at once) or "split" (qg S beside W S, so the tensor
-# cores run it while v' is stored; then kg^T v' and A v'). Same values. Set with
-# `chunk.settings(state_issue=...)`; read while tracing.
-ISSUE_CHOICES = ("joint", "split")
-ISSUE = "joint"
-
-
-def issue_order() -> str:
-    """ISSUE, checked (read while tracing)."""
-    if ISSUE not in ISSUE_CHOICES:
-        raise ValueError(f"mosaic_state.ISSUE={ISSUE!r}; expected one of {ISSUE_CHOICES}")
-    return ISSUE
-
-
-def triple_smem(K: int, BV: int, dt, out_dtype) -> int:
-    """Bytes of SMEM `state_output` takes with BUFFERS "triple"."""
-    b, ob = jnp.dtype(dt).itemsize, jnp.dtype(out_dtype).itemsize
-    return 3 * C * b * (3 * K + BV + C) + 3 * K * 4 + max(K * BV * 4, K * BV * b + C * BV * (b + ob))
 
 
 def buffers() -> str:
@@ -170,16 +144,13 @@ def _mm(fn, shape):
 
 
 def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, with_states, heads,
-          chunk_major, a_transposed, with_vn=False, w_negated=True, single=False, split=False, stages=2, BH=None,
-          zero_h0=False):
+          chunk_major, a_transposed, with_vn=False, w_negated=True, single=False, BH=None, zero_h0=False):
     h0_ref, rest = (None, rest) if zero_h0 else (rest[0], rest[1:])
     o_ref, ht_ref, *rest = rest
     st_ref, rest = (rest[0], rest[1:]) if with_states else (None, rest)
     vn_ref, rest = (rest[0], rest[1:]) if with_vn else (None, rest)
     if single:  # BUFFERS "single": the scratch `_state_output` lays out
         wn_s, d_s, (h_s, (qg_s, kg_s)), a_s, u_s, s_s, (vn_s, o_s), bars, sbars, h_bar = rest
-    elif stages == 3:  # BUFFERS "triple": the carried tile over s_s, vn_s, o_s
-        qg_s, wn_s, kg_s, u_s, a_s, d_s, (h_s, (s_s, vn_s, o_s)), bars, h_bar = rest
     else:
         qg_s, wn_s, kg_s, u_s, a_s, d_s, s_s, vn_s, o_s, h_s, bars, h_bar = rest
     p = lax.axis_index("bh")  # (segment, batch * head): segment p // BH runs chunks first .. first + NT - 1
@@ -200,7 +171,7 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, wit
 
     def issue(n, slot):
         for i, x in enumerate(dbl):
-            plgpu.copy_gmem_to_smem(chunk_src(x, n), ops[x][1].at[slot], bars.at[stages * i + slot])
+            plgpu.copy_gmem_to_smem(chunk_src(x, n), ops[x][1].at[slot], bars.at[2 * i + slot])
 
     def issue_sgl(n):
         for i, x in enumerate(sgl):
@@ -212,20 +183,18 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, wit
         S = plgpu.layout_cast(jnp.zeros((K, BV), jnp.float32), plgpu.Layout.WGMMA)
     else:
         S = load_carried(0, issue, h0_ref.at[p, :, vs], h_s, h_bar.at[0], carried_first=single)
-    for n in range(1, min(stages - 1, NT)):  # "triple": chunk 1 as well
-        issue(n, n)
     if single:
         issue_sgl(0)
 
     def step(n, S):
-        slot = lax.rem(n, stages)
+        slot = lax.rem(n, 2)
 
-        @pl.when(n + stages - 1 < NT)
-        def _prefetch():  # into the slot chunk n - 1 used: its products are done
-            issue(n + stages - 1, lax.rem(n + stages - 1, stages))
+        @pl.when(n + 1 < NT)
+        def _prefetch():
+            issue(n + 1, 1 - slot)
 
         for i in range(len(dbl)):
-            plgpu.barrier_wait(bars.at[stages * i + slot])
+            plgpu.barrier_wait(bars.at[2 * i + slot])
         for i in range(len(sgl)):
             plgpu.barrier_wait(sbars.at[i])
         s_s[...] = S.astype(dt)
@@ -234,56 +203,37 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, wit
             plgpu.copy_smem_to_gmem(s_s, st_ref.at[first + n, bh, :, vs])
 
         u = plgpu.load(buf("u", slot), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-        a_op = buf("a", slot)
-        a_op = a_op.transpose((1, 0)) if a_transposed else a_op
 
-        def store_vn(vnew):
-            if single:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's o (over v') is read
-            vn_s[...] = vnew.astype(dt)
-            plgpu.commit_smem()
-            if with_vn:  # like the states: read by TMA before the wait below, so before the next step's write
-                plgpu.copy_smem_to_gmem(vn_s, vn_ref.at[first + n, bh, :, vs])
+        def vnew_mm(acc):
+            plgpu.wgmma(acc, wn_s.at[slot], s_s)
+            return acc[...]
+
+        # A negated W costs XLA a pass over it; a subtraction here costs nothing
+        vnew = u + _mm(vnew_mm, (C, BV)) if w_negated else u - _mm(vnew_mm, (C, BV))
+        if single:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's o (over v') is read
+        vn_s[...] = vnew.astype(dt)
+        plgpu.commit_smem()
+        if with_vn:  # like the states: read by TMA before the wait below, so before the next step's write
+            plgpu.copy_smem_to_gmem(vn_s, vn_ref.at[first + n, bh, :, vs])
+
+        def out_state_mm(acc_o, acc_s):
+            # Both products are issued before either is read, so they overlap on the tensor cores.
+            a_op = buf("a", slot)
+            plgpu.wgmma(acc_o, buf("qg", slot), s_s)
+            plgpu.wgmma(acc_o, a_op.transpose((1, 0)) if a_transposed else a_op, vn_s)
+            plgpu.wgmma(acc_s, buf("kg", slot).transpose((1, 0)), vn_s)
+            return acc_o[...], acc_s[...]
 
         d = plgpu.load(d_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
-        if split:
-            # The chain S_n -> v' -> S_{n+1} waits on two products, not four: qg S runs while v' is
-            # stored, A v' after kg^T v' (S_{n+1} is read with A v' still on the tensor cores).
-            def chain_mm(acc_v, acc_o, acc_s):
-                plgpu.wgmma(acc_v, wn_s.at[slot], s_s)
-                plgpu.wgmma(acc_o, buf("qg", slot), s_s)
-                # A negated W costs XLA a pass over it; a subtraction here costs nothing
-                vw = plgpu.wgmma_accumulator_load(acc_v, wait_n=1)
-                store_vn(u + vw if w_negated else u - vw)
-                plgpu.wgmma(acc_s, buf("kg", slot).transpose((1, 0)), vn_s)
-                plgpu.wgmma(acc_o, a_op, vn_s)
-                S_next = S * lax.broadcast_in_dim(d, S.shape, [0]) + plgpu.wgmma_accumulator_load(acc_s, wait_n=1)
-                return S_next, acc_o[...]
-
-            S, o = pl.run_scoped(chain_mm, *[plgpu.ACC(sh, jnp.float32) for sh in ((C, BV), (C, BV), (K, BV))])
-        else:
-            def vnew_mm(acc):
-                plgpu.wgmma(acc, wn_s.at[slot], s_s)
-                return acc[...]
-
-            vw = _mm(vnew_mm, (C, BV))
-            store_vn(u + vw if w_negated else u - vw)
-
-            def out_state_mm(acc_o, acc_s):
-                # Both products are issued before either is read, so they overlap on the tensor cores.
-                plgpu.wgmma(acc_o, buf("qg", slot), s_s)
-                plgpu.wgmma(acc_o, a_op, vn_s)
-                plgpu.wgmma(acc_s, buf("kg", slot).transpose((1, 0)), vn_s)
-                return acc_o[...], acc_s[...]
-
-            S = S * lax.broadcast_in_dim(d, S.shape, [0])
-            o, dS = pl.run_scoped(out_state_mm, plgpu.ACC((C, BV), jnp.float32), plgpu.ACC((K, BV), jnp.float32))
-            S = S + dS
+        S = S * lax.broadcast_in_dim(d, S.shape, [0])
+        o, dS = pl.run_scoped(out_state_mm, plgpu.ACC((C, BV), jnp.float32), plgpu.ACC((K, BV), jnp.float32))
         if single:
             @pl.when(n + 1 < NT)
             def _load_next():  # the products have read qg, kg, A; u went to registers before a commit
                 issue_sgl(n + 1)
 
+        S = S + dS
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_s (with `single` v') free again
         o_s[...] = o.astype(o_s.dtype)
         plgpu.commit_smem()
@@ -295,9 +245,7 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, wit
         return S
 
     S = lax.fori_loop(0, NT, step, S)
-    if stages == 3:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last o (and states, v') read: h_s is over them
-    h_s[...] = S  # no load is in flight: the last steps issued none
+    h_s[...] = S  # with `single`, no load is in flight: the last step issued none
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(h_s, ht_ref.at[p, :, vs])
     plgpu.wait_smem_to_gmem(0)
@@ -331,38 +279,23 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
     if h0 is not None:
         check_segments(NT, segments, h0, BH)
     BV = chunk_segments.block_v(block_v, programs64=segments * BH * max(u.shape[-1] // 64, 1))  # read while tracing
-    buffering = buffers()
-    if buffering == "auto":
-        fits = triple_smem(qg.shape[-1], BV, qg.dtype, out_dtype) <= SMEM_LIMIT
-        buffering = "triple" if fits else "double"
     return _state_output(qg, wn, kg, u, a, d, h0, out_dtype=jnp.dtype(out_dtype), interpret=interpret,
                          with_states=with_states, heads=heads, chunk_major=chunk_major, a_transposed=a_transposed,
-                         BV=BV, with_vn=with_vn, w_negated=bool(w_negated), buffering=buffering,
-                         split=issue_order() == "split", segments=int(segments))
+                         BV=BV, with_vn=with_vn, w_negated=bool(w_negated), single=buffers() == "single",
+                         segments=int(segments))
 
 
 @lowered_once("out_dtype", "interpret", "with_states", "heads", "chunk_major", "a_transposed", "BV", "with_vn",
-              "w_negated", "buffering", "split", "segments")
+              "w_negated", "single", "segments")
 def _state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret, with_states, heads, chunk_major, a_transposed,
-                  BV, with_vn, w_negated, buffering, split, segments):
+                  BV, with_vn, w_negated, single, segments):
     NT, BH, Cc, K = qg.shape if chunk_major else (qg.shape[1], qg.shape[0], *qg.shape[2:])
     V = u.shape[-1]
     if Cc != C or K % 64 or V % 64:
         raise ValueError(f"state_output needs C={C} and K, V multiples of 64; got C={Cc}, K={K}, V={V}")
     dt = qg.dtype
     _smem_ = functools.partial(_smem, BV=BV)
-    single, stages = buffering == "single", 3 if buffering == "triple" else 2
-    if stages == 3:
-        scratch = [_smem_((3, C, K), dt), _smem_((3, C, K), dt), _smem_((3, C, K), dt), _smem_((3, C, BV), dt),
-                   _smem_((3, C, C), dt), plgpu.SMEM((3, K), jnp.float32),
-                   plgpu.RefUnion(_smem_((K, BV), jnp.float32),
-                                  (_smem_((K, BV), dt), _smem_((C, BV), dt), _smem_((C, BV), out_dtype))),
-                   plgpu.Barrier(num_barriers=6 * 3, num_arrivals=1), plgpu.Barrier(num_barriers=1)]
-        size = triple_smem(K, BV, dt, out_dtype)
-        if size > SMEM_LIMIT:
-            raise ValueError(f"state_output with BUFFERS='triple' needs {size // 1024} KiB of SMEM at K={K}, BV={BV}, "
-                             f"o in {jnp.dtype(out_dtype).name} (limit {SMEM_LIMIT // 1024}); use 'double'")
-    elif single:  # wn, d double; (h | qg, kg), A, u single; S's operand copy; (v' | o)
+    if single:  # wn, d double; (h | qg, kg), A, u single; S's operand copy; (v' | o)
         scratch = [
             _smem_((2, C, K), dt),
             plgpu.SMEM((2, K), jnp.float32),
@@ -398,7 +331,6 @@ def _state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret, with_states,
         out_type += (jax.ShapeDtypeStruct((NT, BH, C, V), dt),)
     body = functools.partial(_body, NT=NT // segments, K=K, BV=BV, dt=dt, with_states=with_states, heads=heads,
                              chunk_major=chunk_major, a_transposed=a_transposed, with_vn=with_vn,
-                             w_negated=w_negated, single=single, split=split, stages=stages, BH=BH,
-                             zero_h0=h0 is None)
+                             w_negated=w_negated, single=single, BH=BH, zero_h0=h0 is None)
     args = (qg, wn, kg, u, a, d) + (() if h0 is None else (h0,))
     return launch_bh_v(body, out_type, scratch, args, BH=segments * BH, V=V, BV=BV, interpret=interpret)
