@@ -56,6 +56,8 @@ FORWARD_SEGMENTS = "auto"
 # 32 22.73, 16 23.47 (`kda-t65536-levers-h200-20261205T0233.json`); within runs' spread, 64 stays.
 # Forward-only calls on an H100 (30 calls, `kda-fwd-blockv-h100-20261206T0605.json`): 2,16384,16,128
 # 64 1.44 ms, 32 1.41, 16 2.12; 1,65536,16,128 (with its forward segments) 64 3.08, 32 3.44, 16 4.12.
+# On an H200 (kda-fwd-stream-statebuf-h200-20261207T0609.json): 8,4096,16,128 64 0.86, 32 1.03;
+# 2,16384,16,128 64 1.04, 32 1.03.
 BLOCK_V_CHOICES = (64, 32, 16, "auto")
 BLOCK_V = 64
 # When the Mosaic reverse pass issues qg_n^T do_n, the one product of a step that does not wait on

@@ -41,7 +41,8 @@ MAX_Y = 65535
 # the step's products have read them, the final state's tile over qg and kg, o's over v': 105 KiB,
 # two programs per SM, so 256 programs run as one wave instead of two). On an H100 "single" was
 # slower forward at 2,16384,16,128 and 4,8192,32,128 (1.78 / 2.92 ms against 1.56 / 2.69,
-# kda-levers-both-h100-20261206T0529.json): "double" stays.
+# kda-levers-both-h100-20261206T0529.json); on an H200 0.84 against 0.86 ms at 8,4096,16,128 and
+# 1.15 against 1.04 at 2,16384,16,128 (kda-fwd-stream-statebuf-h200-20261207T0609.json): "double" stays.
 BUFFERS_CHOICES = ("double", "single")
 BUFFERS = "double"
 
