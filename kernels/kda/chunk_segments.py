@@ -47,6 +47,10 @@ SEGMENTS = 1
 # (kda-fwd-segments-h100-20261206T0540.json, kda-fwd-segments-t16384-h100-20261206T0542.json).
 # "auto" (`auto_forward_segments`) is the default: 3.39 / 3.29 ms against 3.72 at 1,65536,16,128,
 # one segment (the same program) at the three other shapes (kda-fwd-auto-h100-20261206T0549.json).
+# With today's kernels, forward device time at 1,65536,16,128 on an H100: 2 segments 2.68 ms, 4 2.25,
+# 8 2.33, 16 (then "auto") 2.44 (kda-fwd-segments-t65536-h100-20261207T0849.json; 4 again 2.26 against
+# 2.43 in kda-fwd-stream-segments-single-h100-20261207T0839.json), so "auto" now takes one program
+# per SM (FORWARD_WAVES = 1: 4 segments there).
 FORWARD_SEGMENTS = "auto"
 # V columns per program of the Mosaic GPU passes (`mosaic_scan`; the XLA passes ignore it): at
 # V = 128, 64 gives two chains per (batch * head), 32 four, 16 eight, each step a product of width
@@ -165,15 +169,16 @@ def auto_segments(num_chunks: int, programs: int, per_sm: int = PROGRAMS_PER_SM)
 
 
 # The forward-only state pass takes segments only when its plain programs fill at most a quarter of
-# the SMs, and then up to FORWARD_WAVES programs per SM (the timings at FORWARD_SEGMENTS).
-FORWARD_WAVES = 4
+# the SMs, and then up to FORWARD_WAVES programs per SM (the timings at FORWARD_SEGMENTS: pass 1's
+# and pass 3's extra bytes cost more than a second program per SM gains).
+FORWARD_WAVES = 1
 
 
 def auto_forward_segments(num_chunks: int, programs: int) -> int:
     """The forward-only state pass's "auto": 1 when its `programs` plain programs cover more than a
     quarter of the SMs, else the largest power of two s (up to 64) with programs * s <=
     FORWARD_WAVES * SMs and num_chunks / s >= MIN_CHUNKS. At V = 128 on 132 SMs: 1,65536,16,128
-    (32 programs, 1024 chunks) 16; 2,16384,16,128 (64 programs) 1."""
+    (32 programs, 1024 chunks) 4; 2,16384,16,128 (64 programs) 1."""
     if 4 * programs > _num_sms():
         return 1
     return auto_segments(num_chunks, programs, per_sm=FORWARD_WAVES)

@@ -107,11 +107,11 @@ def test_segments_setting_is_checked_and_reduced_with_a_log(caplog, monkeypatch)
     assert chunk_segments.effective_segments(64, "auto", 256) == 1
     assert chunk_segments.effective_segments(24, "auto", 2) == 1
     assert chunk_segments.effective_segments(256, "auto", 2) == 16
-    # The forward-only pass's "auto": segments only below a quarter of the SMs, up to 4 programs per SM.
+    # The forward-only pass's "auto": segments only below a quarter of the SMs, up to one program per SM.
     fwd = functools.partial(chunk_segments.effective_segments, auto=chunk_segments.auto_forward_segments)
-    assert fwd(1024, "auto", 32) == 16  # 1 x 65536 x 16 heads: 512 programs
+    assert fwd(1024, "auto", 32) == 4  # 1 x 65536 x 16 heads: 128 programs
     assert fwd(256, "auto", 64) == 1  # 2 x 16384 x 16 heads: more than 33 programs already
-    assert fwd(64, "auto", 256) == 1 and fwd(2048, "auto", 4) == 64 and fwd(24, "auto", 2) == 1
+    assert fwd(64, "auto", 256) == 1 and fwd(2048, "auto", 4) == 32 and fwd(24, "auto", 2) == 1
     assert fwd(1024, 8, 32) == 8  # a number is taken as it is
     kg = jnp.zeros((6, 2, 64, 64), jnp.float32)
     with pytest.raises(ValueError, match="segments need"):  # 6 chunks, 4 segments
