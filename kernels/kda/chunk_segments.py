@@ -47,7 +47,7 @@ SEGMENTS = 1
 # (kda-fwd-segments-h100-20261206T0540.json, kda-fwd-segments-t16384-h100-20261206T0542.json).
 # "auto" (`auto_forward_segments`) is the default: 3.39 / 3.29 ms against 3.72 at 1,65536,16,128,
 # one segment (the same program) at the three other shapes (kda-fwd-auto-h100-20261206T0549.json).
-# With today's kernels, forward device time at 1,65536,16,128 on an H100: 2 segments 2.68 ms, 4 2.25,
+# With the kernels of 2026-12-07, forward device time at 1,65536,16,128 on an H100: 2 segments 2.68 ms, 4 2.25,
 # 8 2.33, 16 (then "auto") 2.44 (kda-fwd-segments-t65536-h100-20261207T0849.json; 4 again 2.26 against
 # 2.43 in kda-fwd-stream-segments-single-h100-20261207T0839.json), so "auto" now takes one program
 # per SM (FORWARD_WAVES = 1: 4 segments there).
@@ -169,8 +169,7 @@ def auto_segments(num_chunks: int, programs: int, per_sm: int = PROGRAMS_PER_SM)
 
 
 # The forward-only state pass takes segments only when its plain programs fill at most a quarter of
-# the SMs, and then up to FORWARD_WAVES programs per SM (the timings at FORWARD_SEGMENTS: pass 1's
-# and pass 3's extra bytes cost more than a second program per SM gains).
+# the SMs, and then up to FORWARD_WAVES programs per SM (the timings at FORWARD_SEGMENTS).
 FORWARD_WAVES = 1
 
 
