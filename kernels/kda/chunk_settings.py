@@ -45,6 +45,7 @@ def _settings_table(keys=None):
              "wy_form": lambda: (chunk_wy, "WY_FORM", chunk_wy.WY_FORMS),
              "wy_state": lambda: (chunk_wy, "WY_STATE", chunk_wy.WY_STATES),
              "state_buffers": _state_buffers_setting,
+             "state_chain": _state_chain_setting,
              "prep_bwd": lambda: (chunk_prep_bwd, "PREP_BWD", chunk_prep_bwd.PREP_BWD_CHOICES),
              "train_intra": _train_intra_setting,
              "prep_bwd_cumsum": lambda: (chunk_prep_bwd, "PREP_BWD_CUMSUM", chunk_prep_bwd.PREP_BWD_CUMSUM_CHOICES)}
@@ -66,7 +67,7 @@ def traced_key() -> tuple:
                                             chunk_segments.GRAD_ISSUE, chunk_segments.grad_intra(),
                                             chunk_segments.SCAN_FORM, ck.COTANGENTS, ck.RESIDUALS,
                                             chunk_output.FORWARD_STATE, ms.FORWARD_ONLY if ms else None,
-                                            mst.buffers() if mst else None,
+                                            mst.buffers() if mst else None, mst.CHAIN if mst else None,
                                             *chunk_wy.wy_bwd_setting(),
                                             *chunk_prep_bwd.prep_bwd_setting(), pg.TRAIN_INTRA if pg else None)
 
@@ -75,6 +76,12 @@ def _state_buffers_setting():
     from kernels.kda import mosaic_state  # Mosaic GPU is only imported when a kernel setting is asked for
 
     return mosaic_state, "BUFFERS", mosaic_state.BUFFERS_CHOICES
+
+
+def _state_chain_setting():
+    from kernels.kda import mosaic_state  # Mosaic GPU is only imported when a kernel setting is asked for
+
+    return mosaic_state, "CHAIN", mosaic_state.CHAIN_CHOICES
 
 
 def _train_intra_setting():
@@ -92,7 +99,7 @@ def _forward_only_setting():
 SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse", "diag_stack", "offdiag_stack",
             "forward_only", "segments", "block_v", "grad_issue", "grad_intra", "scan_form", "cotangents",
             "residuals", "forward_state", "wy_bwd", "wy_form", "wy_state", "state_buffers", "forward_segments",
-            "prep_bwd", "train_intra", "prep_bwd_cumsum")
+            "prep_bwd", "train_intra", "prep_bwd_cumsum", "state_chain")
 
 
 def setting_values(key: str) -> tuple:
@@ -105,7 +112,8 @@ def settings(**values):
     """Within the block, trace with these module settings (diag=, rows=, scores=, cumsum=,
     scores_bwd=, inverse=, diag_stack=, offdiag_stack=, forward_only=, segments=, block_v=,
     grad_issue=, grad_intra=, scan_form=, cotangents=, residuals=, forward_state=, wy_bwd=,
-    wy_form=, wy_state=, state_buffers=, forward_segments=, prep_bwd=, train_intra=, prep_bwd_cumsum=; see SETTINGS),
+    wy_form=, wy_state=, state_buffers=, forward_segments=, prep_bwd=, train_intra=, prep_bwd_cumsum=,
+    state_chain=; see SETTINGS),
     restored afterwards; an unknown key or value raises."""
     table = _settings_table(values)
     for key, value in values.items():

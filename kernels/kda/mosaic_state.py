@@ -54,6 +54,30 @@ def buffers() -> str:
     return BUFFERS
 
 
+# How a pass with no per-chunk outputs (the forward-only call's; `chunk.settings(state_chain=...)`,
+# read while tracing) carries its state from chunk to chunk: "smem" (`_body`: S and v' stored to
+# SMEM and fenced before the products that read them) or "regs" (`mosaic_state_regs`: S^T and v'^T
+# as wgmma's register operands, no store or fence on the chain; 64 V columns per program, double
+# buffers). "auto": "regs" where it applies (BV = 64, BUFFERS "double"). Passes that write the chunk
+# states or v' (a training forward's) run "smem" whatever this says.
+CHAIN_CHOICES = ("auto", "smem", "regs")
+CHAIN = "smem"
+
+
+def chain(BV: int, per_chunk_outputs: bool) -> str:
+    """The form CHAIN gives a pass of BV columns per program (see CHAIN); raises where "regs" is asked
+    for a pass it cannot run."""
+    if CHAIN not in CHAIN_CHOICES:
+        raise ValueError(f"mosaic_state.CHAIN={CHAIN!r}; expected one of {CHAIN_CHOICES}")
+    if per_chunk_outputs or CHAIN == "smem":
+        return "smem"
+    fits = BV == 64 and buffers() == "double"
+    if CHAIN == "regs" and not fits:
+        raise ValueError(f"state_chain='regs' runs 64 V columns per program with double buffers; this pass has "
+                         f"BV={BV}, state_buffers={buffers()!r} (use state_chain='auto' or 'smem')")
+    return "regs" if fits else "smem"
+
+
 def launch_bh_v(body, out_type, scratch, args, *, BH, V, BV, interpret):
     """One program per (batch*head, V-block of BV): the chunk-walking kernels and the decode step.
     The body runs in one named scope (its function's name: a profiler range, `kernels.profiling`).
@@ -283,17 +307,25 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
     return _state_output(qg, wn, kg, u, a, d, h0, out_dtype=jnp.dtype(out_dtype), interpret=interpret,
                          with_states=with_states, heads=heads, chunk_major=chunk_major, a_transposed=a_transposed,
                          BV=BV, with_vn=with_vn, w_negated=bool(w_negated), single=buffers() == "single",
-                         segments=int(segments))
+                         segments=int(segments), form=chain(BV, with_states or with_vn))
 
 
 @lowered_once("out_dtype", "interpret", "with_states", "heads", "chunk_major", "a_transposed", "BV", "with_vn",
-              "w_negated", "single", "segments")
+              "w_negated", "single", "segments", "form")
 def _state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret, with_states, heads, chunk_major, a_transposed,
-                  BV, with_vn, w_negated, single, segments):
+                  BV, with_vn, w_negated, single, segments, form):
     NT, BH, Cc, K = qg.shape if chunk_major else (qg.shape[1], qg.shape[0], *qg.shape[2:])
     V = u.shape[-1]
     if Cc != C or K % 64 or V % 64:
         raise ValueError(f"state_output needs C={C} and K, V multiples of 64; got C={Cc}, K={K}, V={V}")
+    if form == "regs":  # the starting and final states cross in transposed form ([P, V, K])
+        from kernels.kda import mosaic_state_regs
+
+        o, ht = mosaic_state_regs.state_output_regs(
+            qg, wn, kg, u, a, d, None if h0 is None else jnp.swapaxes(h0, 1, 2), out_dtype=out_dtype,
+            interpret=interpret, heads=heads, chunk_major=chunk_major, a_transposed=a_transposed,
+            w_negated=w_negated, segments=segments, launch=launch_bh_v, smem=_smem)
+        return o, jnp.swapaxes(ht, 1, 2)
     dt = qg.dtype
     _smem_ = functools.partial(_smem, BV=BV)
     if single:  # wn, d double; (h | qg, kg), A, u single; S's operand copy; (v' | o)
