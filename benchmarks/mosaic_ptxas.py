@@ -8,7 +8,8 @@ when asked. Each case compiles and runs the ops that launch our kernels (at the 
 `benchmarks/kda.py`, `benchmarks/short_conv.py` and `benchmarks/moe.py`) with
 `MOSAIC_GPU_DUMP_PTXAS=1` and `MOSAIC_GPU_DUMP_TO` a temporary folder, where Mosaic GPU's compiler
 writes ptxas's verbose report for each kernel; the reports are parsed into one row per compiled
-kernel (registers per thread, spill stores and loads, stack frame). The
+kernel (registers per thread, spill stores and loads, stack frame, and whether ptxas serialized its
+wgmmas for want of registers: its C7511 note, which makes overlapping products run one by one). The
 JSON (default benchmarks/results/mosaic-ptxas-<time>.json) keeps the raw report too.
 
 Each row also gives the kernel's machine code size (`sass_bytes`, 16 bytes an instruction), from
@@ -55,20 +56,30 @@ from benchmarks.common import environment, markdown_table, write_json  # noqa: E
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers")
+# "(C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due to ... in the
+# function 'NAME'": ptxas waits for each wgmma before the next one issues (a kernel near the register
+# limit with register operands or accumulators live across products), so products that were meant to
+# overlap run one after another. Printed before the function's own lines.
+_SERIALIZED = re.compile(r"\(C7511\).*serialized.*function '([^']+)'")
 
 
 def parse_ptxas(text: str) -> list[dict]:
-    """ptxas -v report -> [{function, arch, registers, stack_frame, spill_stores, spill_loads}] in
-    the order the entry functions were compiled (fields a report lacks stay None)."""
-    rows = []
+    """ptxas -v report -> [{function, arch, registers, stack_frame, spill_stores, spill_loads,
+    wgmma_serialized}] in the order the entry functions were compiled (fields a report lacks stay
+    None; wgmma_serialized: whether ptxas said it serialized the function's wgmmas)."""
+    rows, serialized = [], set()
     for line in text.splitlines():
-        if m := _ENTRY.search(line):
+        if m := _SERIALIZED.search(line):
+            serialized.add(m.group(1))
+        elif m := _ENTRY.search(line):
             rows.append(dict(function=m.group(1), arch=m.group(2), registers=None, stack_frame=None,
                              spill_stores=None, spill_loads=None))
         elif rows and (m := _FRAME.search(line)):
             rows[-1].update(stack_frame=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
         elif rows and (m := _USED.search(line)):
             rows[-1]["registers"] = int(m.group(1))
+    for row in rows:
+        row["wgmma_serialized"] = row["function"] in serialized
     return rows
 
 
@@ -342,12 +353,13 @@ def markdown(results: list[dict]) -> str:
     for r in results:
         for i, k in enumerate(r["kernels"]):
             rows.append([r["case"], f"{i}: {k['function']}", str(k["registers"]), str(k["spill_stores"]),
-                         str(k["spill_loads"]), str(k["stack_frame"]), str(k.get("sass_bytes"))])
+                         str(k["spill_loads"]), str(k["stack_frame"]), str(k.get("sass_bytes")),
+                         "yes" if k.get("wgmma_serialized") else "no"])
         if not r["kernels"]:
             why = r.get("error") or f"none among {len(r.get('report', ''))} captured characters: kernels cached or not compiled here"
-            rows.append([r["case"], f"no ptxas report ({why})", "", "", "", "", ""])
-    return markdown_table(["case", "kernel", "registers", "spill stores B", "spill loads B", "stack frame B", "SASS B"],
-                          rows)
+            rows.append([r["case"], f"no ptxas report ({why})", "", "", "", "", "", ""])
+    return markdown_table(["case", "kernel", "registers", "spill stores B", "spill loads B", "stack frame B", "SASS B",
+                           "wgmma serialized"], rows)
 
 
 def run_cases(parser, cases: str, run, markdown_of, tool: str, why: str) -> list[dict]:

@@ -13,6 +13,8 @@ bench = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(bench)
 
 REPORT = """\
+ptxas info    : (C7517) warpgroup.wait is injected in around line 1338 by compiler to allow use of registers defined by GMMA in function 'state_kernel'
+ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the wgmma pipeline in the function 'state_kernel'
 ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function 'intra_kernel' for 'sm_90a'
 ptxas info    : Function properties for intra_kernel
@@ -28,12 +30,15 @@ ptxas info    : Used 90 registers, used 1 barriers, 528 bytes cmem[0]
 def test_parse_ptxas_rows_in_compile_order():
     rows = bench.parse_ptxas(REPORT)
     assert rows == [
-        dict(function="intra_kernel", arch="sm_90a", registers=168, stack_frame=96, spill_stores=120, spill_loads=88),
-        dict(function="state_kernel", arch="sm_90a", registers=90, stack_frame=0, spill_stores=0, spill_loads=0),
+        dict(function="intra_kernel", arch="sm_90a", registers=168, stack_frame=96, spill_stores=120, spill_loads=88,
+             wgmma_serialized=False),
+        dict(function="state_kernel", arch="sm_90a", registers=90, stack_frame=0, spill_stores=0, spill_loads=0,
+             wgmma_serialized=True),
     ]
     assert bench.parse_ptxas("no report here\n") == []
     md = bench.markdown([dict(case="kda_fwd", kernels=rows), dict(case="gmm", kernels=[], error="boom")])
-    assert "| kda_fwd | 0: intra_kernel | 168 | 120 | 88 | 96 | None |" in md and "boom" in md
+    assert "| kda_fwd | 0: intra_kernel | 168 | 120 | 88 | 96 | None | no |" in md and "boom" in md
+    assert "| kda_fwd | 1: state_kernel | 90 | 0 | 0 | 0 | None | yes |" in md
 
 
 def _elf(sections):

@@ -11,9 +11,12 @@ operands in registers. With S^T [BV, K] float32 held as a value (BV = 64 rows: w
 
 `mosaic_state._body` stores S and V' to SMEM and fences before each chained product reads them:
 two stores, two fences and two product round trips per chunk, one chunk after another. Here the
-stores and fences that O needs sit beside products in flight, and O_n is stored and sent while
-chunk n + 1's first product runs. The initial and final states travel transposed ([P, V, K]);
-`mosaic_state.state_output` transposes them in XLA (K * V floats per sequence-head).
+stores and the fence that O needs sit beside the products in flight. S^T Diag(d) starts the
+accumulator that V'^T KG adds to, so S^T and its update never hold registers side by side: at 250
+registers (S^T and dS^T apart, O carried into the next step) ptxas serialized every wgmma (its
+C7511 note; `benchmarks/mosaic_ptxas.py` reports it), and this form takes 191. The initial and
+final states travel transposed ([P, V, K]); `mosaic_state.state_output` transposes them in XLA
+(K * V floats per sequence-head).
 """
 
 from __future__ import annotations
@@ -68,8 +71,7 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, hea
         plgpu.barrier_wait(h_bar.at[0])
         St = plgpu.load(h_s, layout=_W)
 
-    def step(n, carry):
-        St, O_prev = carry
+    def step(n, St):
         slot = lax.rem(n, 2)
 
         @pl.when(n + 1 < NT)
@@ -79,52 +81,47 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, hea
         for i in range(len(ops)):
             plgpu.barrier_wait(bars.at[2 * i + slot])
         Sb = (St if w_negated else -St).astype(dt)  # V'^T = S^T Wneg^T + U^T, or U^T - S^T W^T
-        Sp = St.astype(dt) if not w_negated else Sb  # S^T for O's product
         if interpret:
             sa_s[...] = Sb
             plgpu.commit_smem()
-        s_op = sa_s if interpret else Sb
 
         def vt_mm(acc):
-            plgpu.wgmma(acc, s_op, wn_s.at[slot].transpose((1, 0)))
+            plgpu.wgmma(acc, sa_s if interpret else Sb, wn_s.at[slot].transpose((1, 0)))
             plgpu.wgmma(acc, eye, u_s.at[slot].transpose((1, 0)))
-            # while they run: S^T for O, and chunk n - 1's O out
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_s and st_s are read (last O's TMA, products)
-            st_s[...] = Sp
-            o_s[...] = O_prev.astype(o_s.dtype)
-            plgpu.commit_smem()
-
-            @pl.when(n > 0)
-            def _send():
-                send_o(n - 1)
-
+            st_s[...] = Sb if w_negated else St.astype(dt)  # S^T for O, while they run (O's last product is done)
             return acc[...]
 
         Vt = pl.run_scoped(vt_mm, plgpu.ACC((BV, C), f32)).astype(dt)
-        d = lax.broadcast_in_dim(plgpu.load(d_s.at[slot], layout=_W.reduce(0)), (BV, K), [1])
+        St_d = St * lax.broadcast_in_dim(plgpu.load(d_s.at[slot], layout=_W.reduce(0)), (BV, K), [1])
 
-        def rest_mm(acc_s, acc_o):
+        def rest_mm(accs):  # S^T Diag(d) + V'^T KG in the accumulator that holds S^T Diag(d); O beside it
+            acc_s, acc_o = accs
             if interpret:
                 va_s[...] = Vt
                 plgpu.commit_smem()
-            plgpu.wgmma(acc_s, va_s if interpret else Vt, kg_s.at[slot])  # V'^T KG, the chain's second product
+            plgpu.wgmma(acc_s, va_s if interpret else Vt, kg_s.at[slot])
             vt_s[...] = Vt
             plgpu.commit_smem()
             a_op = a_s.at[slot].transpose((1, 0)) if a_transposed else a_s.at[slot]
             plgpu.wgmma(acc_o, qg_s.at[slot], st_s.transpose((1, 0)))
             plgpu.wgmma(acc_o, a_op, vt_s.transpose((1, 0)))
-            St_next = St * d + plgpu.wgmma_accumulator_load(acc_s, wait_n=2)  # O's two may still run
-            return St_next, acc_o[...]
 
-        return pl.run_scoped(rest_mm, plgpu.ACC((BV, K), f32), plgpu.ACC((C, BV), f32))
+        if interpret:  # the interpreter does not take initialised accumulators: S^T Diag(d) added after
+            St, O = pl.run_scoped(lambda *accs: rest_mm(accs) or tuple(acc[...] for acc in accs),
+                                  plgpu.ACC((BV, K), f32), plgpu.ACC((C, BV), f32))
+            St = St + St_d
+        else:
+            O0 = plgpu.layout_cast(jnp.zeros((C, BV), f32), _W)
+            St, O = pl.run_state(rest_mm)((plgpu.ACC.init(St_d), plgpu.ACC.init(O0)))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's o_s is read
+        o_s[...] = O.astype(o_s.dtype)
+        plgpu.commit_smem()
+        send_o(n)
+        return St
 
-    O0 = plgpu.layout_cast(jnp.zeros((C, BV), f32), _W)
-    St, O = lax.fori_loop(0, NT, step, (St, O0))
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    o_s[...] = O.astype(o_s.dtype)
+    St = lax.fori_loop(0, NT, step, St)
     h_s[...] = St
     plgpu.commit_smem()
-    send_o(NT - 1)
     plgpu.copy_smem_to_gmem(h_s, ht_ref.at[p, vs])
     plgpu.wait_smem_to_gmem(0)
 

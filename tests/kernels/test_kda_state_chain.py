@@ -15,10 +15,11 @@ from tests.kernels.test_kda_chunk import BF16_TOL
 from tests.kernels.test_kda_pallas_gpu import _check_parity
 
 
-def _operands(rng, N, BH, K, V, chunk_major, segments=1, h0=True):
-    f = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.bfloat16)  # noqa: E731
+def _operands(rng, N, BH, K, V, chunk_major, segments=1, h0=True, wk=0.3):
+    """Random chunk operands; `wk` scales w and kg, whose product sets how fast S grows per chunk."""
+    f = lambda *s, x=0.3: jnp.asarray(rng.standard_normal(s) * x, jnp.bfloat16)  # noqa: E731
     lead = (N, BH) if chunk_major else (BH, N)
-    ops = (f(*lead, 64, K), f(*lead, 64, K), f(*lead, 64, K), f(*lead, 64, V), f(*lead, 64, 64),
+    ops = (f(*lead, 64, K), f(*lead, 64, K, x=wk), f(*lead, 64, K, x=wk), f(*lead, 64, V), f(*lead, 64, 64),
            jnp.asarray(rng.uniform(0.5, 1.0, (*lead, K)), jnp.float32))
     return ops + (jnp.asarray(rng.standard_normal((segments * BH, K, V)), jnp.float32) if h0 else None,)
 
@@ -124,7 +125,7 @@ def test_regs_chain_runs_the_kda_forward(rng, n_docs):
 def test_gpu_regs_chain_matches_smem(rng, h0):
     """The compiled kernels at the forward's layout, 64 chunks of 64 heads: "regs" against "smem"
     and both against the float64 recurrence."""
-    ops = _operands(rng, 64, 64, 128, 128, False, 1, h0)
+    ops = _operands(rng, 64, 64, 128, 128, False, 1, h0, wk=0.03)  # S stays finite over 64 chunks
     outs = {}
     for form in ("smem", "regs"):
         with chunk.settings(state_chain=form):
