@@ -4,7 +4,8 @@ Same products as `mosaic_state._body` for a call that writes no per-chunk output
 one program per (segment, batch*head, 64 V columns), but the chain from chunk to chunk keeps its
 operands in registers. With S^T [BV, K] float32 held as a value (BV = 64 rows: wgmma's M):
 
-    V'^T = S^T Wneg^T + I U^T          [BV, C]   S^T (bf16) is wgmma's register A operand
+    V'^T = S^T Wneg^T + U^T            [BV, C]   S^T (bf16) is wgmma's register A operand, U^T a
+                                                 transposed load from SMEM while the product runs
     S^T <- S^T Diag(d) + V'^T KG       [BV, K]   so is V'^T
     O    = QG S + A V'                 [C, BV]   from S^T and V'^T stored to SMEM, read as the
                                                  transposed B operands: off the chain
@@ -55,13 +56,8 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, hea
         else:  # straight into [B, T, H, V]
             plgpu.copy_smem_to_gmem(o_s, o_ref.at[lax.div(bh, heads), pl.ds((first + n) * C, C), lax.rem(bh, heads), vs])
 
-    r = plgpu.broadcasted_iota(jnp.int32, (BV, BV), 0, layout=_W)
-    c = plgpu.broadcasted_iota(jnp.int32, (BV, BV), 1, layout=_W)
-    eye = jnp.where(r == c, 1.0, 0.0).astype(dt)  # I U^T: U's transpose through the tensor cores
-    if interpret:  # the interpreter takes wgmma operands from SMEM only: I, S^T and V'^T go there
-        eye_s, sa_s, va_s = a_ops
-        eye_s[...] = eye
-        eye = eye_s
+    if interpret:  # the interpreter takes wgmma operands from SMEM only: S^T and V'^T go there
+        sa_s, va_s = a_ops
     if zero_h0:  # no initial state: zeros in registers
         issue(0, 0)
         St = plgpu.layout_cast(jnp.zeros((BV, K), f32), _W)
@@ -87,9 +83,9 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, hea
 
         def vt_mm(acc):
             plgpu.wgmma(acc, sa_s if interpret else Sb, wn_s.at[slot].transpose((1, 0)))
-            plgpu.wgmma(acc, eye, u_s.at[slot].transpose((1, 0)))
-            st_s[...] = Sb if w_negated else St.astype(dt)  # S^T for O, while they run (O's last product is done)
-            return acc[...]
+            Ut = plgpu.load(u_s.at[slot].transpose((1, 0)), layout=_W).astype(f32)  # while it runs
+            st_s[...] = Sb if w_negated else St.astype(dt)  # S^T for O (O's last product is done)
+            return acc[...] + Ut
 
         Vt = pl.run_scoped(vt_mm, plgpu.ACC((BV, C), f32)).astype(dt)
         St_d = St * lax.broadcast_in_dim(plgpu.load(d_s.at[slot], layout=_W.reduce(0)), (BV, K), [1])
@@ -150,8 +146,8 @@ def state_output_regs(qg, wn, kg, u, a, d, h0t, *, out_dtype, interpret, heads, 
         plgpu.Barrier(num_barriers=6 * 2, num_arrivals=1),
         plgpu.Barrier(num_barriers=1),
     ]
-    if interpret:  # I, S^T and V'^T as the interpreter's SMEM A operands
-        scratch += [sm((BV, BV), dt), sm((BV, K), dt), sm((BV, C), dt)]
+    if interpret:  # S^T and V'^T as the interpreter's SMEM A operands
+        scratch += [sm((BV, K), dt), sm((BV, C), dt)]
     o_shape = (BH, NT, C, V) if heads is None else (BH // heads, NT * C, heads, V)
     out_type = (jax.ShapeDtypeStruct(o_shape, out_dtype), jax.ShapeDtypeStruct((segments * BH, V, K), jnp.float32))
     body = functools.partial(_body, NT=NT // segments, K=K, BV=BV, dt=dt, heads=heads, chunk_major=chunk_major,
