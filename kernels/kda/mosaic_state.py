@@ -324,7 +324,7 @@ def _state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret, with_states,
         o, ht = mosaic_state_regs.state_output_regs(
             qg, wn, kg, u, a, d, None if h0 is None else jnp.swapaxes(h0, 1, 2), out_dtype=out_dtype,
             interpret=interpret, heads=heads, chunk_major=chunk_major, a_transposed=a_transposed,
-            w_negated=w_negated, segments=segments, launch=launch_bh_v, smem=_smem)
+            w_negated=w_negated, segments=segments)
         return o, jnp.swapaxes(ht, 1, 2)
     dt = qg.dtype
     _smem_ = functools.partial(_smem, BV=BV)

@@ -15,7 +15,7 @@ two stores, two fences and two product round trips per chunk, one chunk after an
 stores and the fence that O needs sit beside the products in flight. S^T Diag(d) starts the
 accumulator that V'^T KG adds to, so S^T and its update never hold registers side by side: at 250
 registers (S^T and dS^T apart, O carried into the next step) ptxas serialized every wgmma (its
-C7511 note; `benchmarks/mosaic_ptxas.py` reports it), and this form takes 191. The initial and
+C7511 note; `benchmarks/mosaic_ptxas.py` reports it), and this form takes 195. The initial and
 final states travel transposed ([P, V, K]); `mosaic_state.state_output` transposes them in XLA
 (K * V floats per sequence-head).
 """
@@ -30,7 +30,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-C = 64  # chunk length; also the only BV this form takes (the register operand's 64 rows)
+from kernels.kda.mosaic_state import C, _smem, launch_bh_v
+
+assert C == 64, "the chunk length is also the only BV this form takes (the register operand's 64 rows)"
 _W = plgpu.Layout.WGMMA
 
 
@@ -54,7 +56,8 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, hea
         if heads is None:
             plgpu.copy_smem_to_gmem(o_s, o_ref.at[bh, first + n, :, vs])
         else:  # straight into [B, T, H, V]
-            plgpu.copy_smem_to_gmem(o_s, o_ref.at[lax.div(bh, heads), pl.ds((first + n) * C, C), lax.rem(bh, heads), vs])
+            rows = pl.ds((first + n) * C, C)
+            plgpu.copy_smem_to_gmem(o_s, o_ref.at[lax.div(bh, heads), rows, lax.rem(bh, heads), vs])
 
     if interpret:  # the interpreter takes wgmma operands from SMEM only: S^T and V'^T go there
         sa_s, va_s = a_ops
@@ -123,15 +126,15 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, hea
 
 
 def state_output_regs(qg, wn, kg, u, a, d, h0t, *, out_dtype, interpret, heads, chunk_major, a_transposed,
-                      w_negated, segments, launch, smem):
+                      w_negated, segments):
     """`mosaic_state.state_output` in this form (BV = 64): h0t [segments * BH, V, K] float32 (the
     starting states transposed) or None for zeros; returns (o, final states transposed
-    [segments * BH, V, K]). `launch` and `smem` are mosaic_state's launcher and SMEM tile maker."""
+    [segments * BH, V, K])."""
     NT, BH, Cc, K = qg.shape if chunk_major else (qg.shape[1], qg.shape[0], *qg.shape[2:])
     V = u.shape[-1]
     BV = C
     dt = qg.dtype
-    sm = functools.partial(smem, BV=BV)
+    sm = functools.partial(_smem, BV=BV)
     scratch = [
         sm((2, C, K), dt),  # qg
         sm((2, C, K), dt),  # -w (or w)
@@ -154,4 +157,4 @@ def state_output_regs(qg, wn, kg, u, a, d, h0t, *, out_dtype, interpret, heads, 
                              a_transposed=a_transposed, w_negated=w_negated, BH=BH, zero_h0=h0t is None,
                              interpret=interpret)
     args = (qg, wn, kg, u, a, d) + (() if h0t is None else (h0t,))
-    return launch(body, out_type, scratch, args, BH=segments * BH, V=V, BV=BV, interpret=interpret)
+    return launch_bh_v(body, out_type, scratch, args, BH=segments * BH, V=V, BV=BV, interpret=interpret)
