@@ -61,11 +61,10 @@ def _body(qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, NT, K, BV, dt, hea
 
     if interpret:  # the interpreter takes wgmma operands from SMEM only: S^T and V'^T go there
         sa_s, va_s = a_ops
+    issue(0, 0)
     if zero_h0:  # no initial state: zeros in registers
-        issue(0, 0)
         St = plgpu.layout_cast(jnp.zeros((BV, K), f32), _W)
     else:
-        issue(0, 0)
         plgpu.copy_gmem_to_smem(h0_ref.at[p, vs], h_s, h_bar.at[0])
         plgpu.barrier_wait(h_bar.at[0])
         St = plgpu.load(h_s, layout=_W)
