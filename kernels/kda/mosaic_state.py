@@ -24,6 +24,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import profiling
 from kernels.kda import chunk_segments
+from kernels.kda.hopper import num_sms
 from kernels.lowering import lowered_once
 
 C = 64  # chunk length (rows of every wgmma's M side except the state update)
@@ -58,24 +59,36 @@ def buffers() -> str:
 # read while tracing) carries its state from chunk to chunk: "smem" (`_body`: S and v' stored to
 # SMEM and fenced before the products that read them) or "regs" (`mosaic_state_regs`: S^T and v'^T
 # as wgmma's register operands, no store or fence on the chain; 64 V columns per program, double
-# buffers). "auto": "regs" where it applies (BV = 64, BUFFERS "double"). Passes that write the chunk
-# states or v' (a training forward's) run "smem" whatever this says.
+# buffers). "auto": "regs" where it applies (BV = 64, BUFFERS "double") and the pass has no more
+# programs than the GPU has SMs, so each walks its chunks alone on an SM and the chain's latency is
+# the pass's time; "smem" past that, where the passes overlap and bandwidth bounds them. The state
+# pass alone on an H100 (`state-pass-chain-h100-20261207T1305.json`), smem / regs, us per chunk
+# step: 1.66 / 1.52 at 2,16384,16,128 (64 programs); 4.11 / 4.21 at 8,4096,16,128 and 3.94 / 4.00
+# at 4,8192,32,128 (256 and 512). Passes that write the chunk states or v' (a training forward's)
+# run "smem" whatever this says.
 CHAIN_CHOICES = ("auto", "smem", "regs")
-CHAIN = "smem"
+CHAIN = "auto"
 
 
-def chain(BV: int, per_chunk_outputs: bool) -> str:
-    """The form CHAIN gives a pass of BV columns per program (see CHAIN); raises where "regs" is asked
-    for a pass it cannot run."""
+def chain(BV: int, per_chunk_outputs: bool, programs: int | None = None) -> str:
+    """The form CHAIN gives a pass of BV columns per program and `programs` programs (see CHAIN;
+    "auto" needs the count); raises where "regs" is asked for a pass it cannot run."""
     if CHAIN not in CHAIN_CHOICES:
         raise ValueError(f"mosaic_state.CHAIN={CHAIN!r}; expected one of {CHAIN_CHOICES}")
     if per_chunk_outputs or CHAIN == "smem":
         return "smem"
     fits = BV == 64 and buffers() == "double"
-    if CHAIN == "regs" and not fits:
-        raise ValueError(f"state_chain='regs' runs 64 V columns per program with double buffers; this pass has "
-                         f"BV={BV}, state_buffers={buffers()!r} (use state_chain='auto' or 'smem')")
-    return "regs" if fits else "smem"
+    if CHAIN == "regs":
+        if not fits:
+            raise ValueError(f"state_chain='regs' runs 64 V columns per program with double buffers; this pass has "
+                             f"BV={BV}, state_buffers={buffers()!r} (use state_chain='auto' or 'smem')")
+        return "regs"
+    if programs is None:
+        raise ValueError("state_chain='auto' needs the pass's program count")
+    return "regs" if fits and programs <= _num_sms() else "smem"
+
+
+_num_sms = num_sms  # module seam the tests patch
 
 
 def launch_bh_v(body, out_type, scratch, args, *, BH, V, BV, interpret):
@@ -307,7 +320,7 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
     return _state_output(qg, wn, kg, u, a, d, h0, out_dtype=jnp.dtype(out_dtype), interpret=interpret,
                          with_states=with_states, heads=heads, chunk_major=chunk_major, a_transposed=a_transposed,
                          BV=BV, with_vn=with_vn, w_negated=bool(w_negated), single=buffers() == "single",
-                         segments=int(segments), form=chain(BV, with_states or with_vn))
+                         segments=int(segments), form=chain(BV, with_states or with_vn, segments * BH * (u.shape[-1] // BV)))
 
 
 @lowered_once("out_dtype", "interpret", "with_states", "heads", "chunk_major", "a_transposed", "BV", "with_vn",

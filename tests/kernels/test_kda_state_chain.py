@@ -85,15 +85,21 @@ def test_regs_chain_matches_smem_and_the_recurrence(rng, K, V, segments, h0, lay
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-6, atol=1e-6 * float(jnp.abs(x).max()))
 
 
-def test_chain_choice():
-    """"auto" takes "regs" where it runs (64 columns, double buffers, no per-chunk outputs); "regs"
-    asked for where it cannot run raises; passes with per-chunk outputs run "smem"."""
+def test_chain_choice(monkeypatch):
+    """"auto" takes "regs" where it runs (64 columns, double buffers, no per-chunk outputs) and the
+    pass has no more programs than SMs; "regs" asked for where it cannot run raises; passes with
+    per-chunk outputs run "smem"."""
+    monkeypatch.setattr(mosaic_state, "_num_sms", lambda: 132)
     with chunk.settings(state_chain="auto"):
-        assert mosaic_state.chain(64, False) == "regs"
-        assert mosaic_state.chain(32, False) == "smem"
-        assert mosaic_state.chain(64, True) == "smem"
+        assert mosaic_state.chain(64, False, 64) == "regs"
+        assert mosaic_state.chain(64, False, 132) == "regs"
+        assert mosaic_state.chain(64, False, 133) == "smem"
+        assert mosaic_state.chain(32, False, 64) == "smem"
+        assert mosaic_state.chain(64, True, 64) == "smem"
         with chunk.settings(state_buffers="single"):
-            assert mosaic_state.chain(64, False) == "smem"
+            assert mosaic_state.chain(64, False, 64) == "smem"
+        with pytest.raises(ValueError, match="program count"):
+            mosaic_state.chain(64, False)
     with chunk.settings(state_chain="regs"):
         assert mosaic_state.chain(64, True) == "smem"
         with pytest.raises(ValueError, match="64 V columns per program"):
@@ -131,11 +137,17 @@ def test_gpu_regs_chain_matches_smem(rng, h0):
         with chunk.settings(state_chain=form):
             outs[form] = jax.jit(lambda *x: mosaic_state.state_output(*x, out_dtype=jnp.float32))(*ops)
     o_ref, s_ref = _recurrence(*ops, chunk_major=False, a_transposed=False, w_negated=True, segments=1)
+    rel = lambda x, ref: float(np.sqrt(np.mean((np.asarray(x, np.float64) - ref) ** 2) / np.mean(ref ** 2)))  # noqa: E731
+    errs = {form: (rel(o, o_ref), rel(S, s_ref)) for form, (o, S) in outs.items()}
+    print("relative RMS error against float64 (o, final state):", errs)
     for form, (o, S) in outs.items():
         assert np.abs(np.asarray(o, np.float64) - o_ref).max() <= 0.02 * np.abs(o_ref).max(), form
         assert np.abs(np.asarray(S, np.float64) - s_ref).max() <= 0.02 * np.abs(s_ref).max(), form
-    for x, y in zip(outs["smem"], outs["regs"]):
-        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=1e-4 * float(jnp.abs(x).max()))
+    # Compiled, the two forms' products sum in different orders (S^T W^T against W S), and where
+    # v' or S round to bf16 differently the chunks after carry it: not equal as in the
+    # interpreter, but no further from the float64 recurrence.
+    for smem, regs in zip(errs["smem"], errs["regs"]):
+        assert regs <= 1.5 * smem + 1e-5, errs
 
 
 @pytest.mark.gpu
