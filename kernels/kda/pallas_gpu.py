@@ -192,7 +192,7 @@ def _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, inte
     dt = q.dtype if jnp.dtype(q.dtype).itemsize == 2 else jnp.float32
     if pieces and intra != "mosaic_bf16":
         raise ValueError(f"the training pieces come from intra='mosaic_bf16', not {intra!r}")
-    if intra == "mosaic_bf16" and not (pieces or with_states) and forward_pipeline.pieces() > 1:
+    if intra == "mosaic_bf16" and not (pieces or with_states) and _pipelines(T, B * H, V):
         return _pipelined_forward(q.astype(dt), k.astype(dt), v.astype(dt), g, beta, h0, scale, interpret, v.dtype)
     extra = ()
     if intra in ("mosaic", "mosaic_bf16"):
@@ -239,13 +239,31 @@ def _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, inte
     return res
 
 
+def _pipelines(T, BH, V) -> bool:
+    """Whether the bounded forward-only call runs `forward_pipeline` (PIECES > 1): its state passes
+    run piece after piece, so not where forward segments are asked for (raises) or where
+    forward_segments="auto" splits the pass (then segments, logged once)."""
+    p = forward_pipeline.pieces()
+    if p == 1:
+        return False
+    asked = chunk_segments.forward_segments()
+    if asked != "auto" and asked > 1:
+        raise ValueError(f"forward_pipeline={p} runs the state pass piece after piece; it does not take "
+                         f"forward_segments={asked} (choose one)")
+    NT = -(-T // mosaic_state.C)
+    segments = chunk_segments.effective_segments(NT, asked, chunk_segments.pass_programs(BH, V),
+                                                 auto=chunk_segments.auto_forward_segments)
+    if segments > 1 and ("forward_pipeline", segments) not in _warned:
+        _warned.add(("forward_pipeline", segments))
+        log.warning("KDA forward: forward_segments='auto' runs %d segments here; forward_pipeline=%d is not used",
+                    segments, p)
+    return segments == 1
+
+
 def _pipelined_forward(q, k, v, g, beta, h0, scale, interpret, out_dtype):
     """`forward_pipeline.forward` for `_kernel_forward`: (o [B, T, H, V], S [B, H, K, V])."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    if chunk_segments.forward_segments() != "auto" and chunk_segments.forward_segments() > 1:
-        raise ValueError(f"forward_pipeline={forward_pipeline.pieces()} runs the state pass piece after piece; "
-                         f"it does not take forward_segments={chunk_segments.forward_segments()} (choose one)")
     C = mosaic_state.C
     pad = lambda x: jnp.pad(x, [(0, 0), (0, -T % C)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
     q, k, v, g, beta = (pad(x) for x in (q, k, v, g, beta))

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.kda import chunk, forward_pipeline, kda, mosaic_intra_bf16, pallas_gpu
+from kernels.kda import chunk, chunk_segments, forward_pipeline, kda, mosaic_intra_bf16, pallas_gpu
 from kernels.testing import assert_close
 from tests.kernels.test_kda_chunk import BF16_TOL
 from tests.kernels.test_kda_pallas_gpu import _inputs
@@ -58,6 +58,20 @@ def test_pipeline_refuses_explicit_segments(rng, monkeypatch):
     inputs = _inputs(rng, 1, 256, 1, 64, 64, "channel", jnp.bfloat16)
     with pytest.raises(ValueError, match="forward_segments=2"):
         _forward(inputs, 2, forward_segments=2)
+
+
+def test_auto_segments_take_precedence(rng, monkeypatch, caplog):
+    """Where forward_segments="auto" splits the state pass, the call runs segments, not the
+    pipeline, and says so."""
+    monkeypatch.setattr(pallas_gpu, "DEFAULT_INTRA", "mosaic_bf16")
+    monkeypatch.setattr(chunk_segments, "auto_forward_segments", lambda num_chunks, programs: 2)
+    calls, intra = [], mosaic_intra_bf16.intra_bf16
+    monkeypatch.setattr(mosaic_intra_bf16, "intra_bf16", lambda *a, **kw: calls.append(kw.get("chunks")) or intra(*a, **kw))
+    inputs = _inputs(rng, 1, 256, 1, 64, 64, "channel", jnp.bfloat16)
+    with caplog.at_level("WARNING"):
+        _forward(inputs, 2)
+    assert calls == [None]
+    assert "forward_pipeline=2 is not used" in caplog.text
 
 
 def test_intra_chunks_out_of_range(rng):
