@@ -19,10 +19,14 @@ writes its piece of o, joined along T at the end (one copy of o). Outputs equal 
 
 from __future__ import annotations
 
+import contextlib
+
 import jax.numpy as jnp
 from jax._src import core as jax_core
 from jax.experimental.compute_on import compute_on
+from jax.experimental.xla_metadata import set_xla_metadata
 
+from kernels import lowering
 from kernels.kda import mosaic_intra_bf16, mosaic_state
 
 # Runs of chunks the forward-only bounded call pipelines (`chunk.settings(forward_pipeline=...)`,
@@ -58,15 +62,25 @@ def forward(q, k, v, g, beta_t, h0, *, scale, p, interpret=False):
     (Tp a multiple of 64); h0 [B * H, K, V] float32 or None (zeros)."""
     B, Tp, H, _ = q.shape
     NT = Tp // mosaic_state.C
-    state = lambda ops, h: mosaic_state.state_output(  # noqa: E731
-        *ops, h, out_dtype=v.dtype, interpret=interpret, heads=H, a_transposed=True)
-    if not interpret:  # the interpreter runs on the CPU, whose compiler has no streams
-        state = compute_on(compute_type=STREAM, out_memory_spaces=jax_core.MemorySpace.Device)(state)
-    outs, h = [], h0
-    for first, count in piece_bounds(NT, p):
-        ops = mosaic_intra_bf16.intra_bf16(q, k, v, g, beta_t, scale=scale, interpret=interpret,
-                                           chunks=(first, count))
-        o, h = state(ops, h)
+    def state(ops, h, group):
+        with lowering.inline():  # no jit of its own: XLA refuses annotated calls nested in the stream's
+            if interpret:  # the interpreter runs on the CPU, whose compiler has no streams
+                return mosaic_state.state_output(*ops, h, out_dtype=v.dtype, interpret=True, heads=H,
+                                                 a_transposed=True)
+            with set_xla_metadata(_xla_stream_annotation=STREAM.split(":")[1], **group):
+                return mosaic_state.state_output(*ops, h, out_dtype=v.dtype, heads=H, a_transposed=True)
+
+    intra = lambda chunks: mosaic_intra_bf16.intra_bf16(q, k, v, g, beta_t, scale=scale,  # noqa: E731
+                                                        interpret=interpret, chunks=chunks)
+    bounds = piece_bounds(NT, p)
+    outs, h, ops = [], h0, intra(bounds[0])
+    for i in range(len(bounds)):
+        # state(i) and intra(i + 1) in one scheduling group: XLA overlaps their streams
+        group = dict(_scheduling_group_id=str(i)) if i + 1 < len(bounds) else {}
+        o, h = state(ops, h, group)
+        if i + 1 < len(bounds):
+            with set_xla_metadata(**group), lowering.inline():  # on the kernel's own custom call
+                ops = intra(bounds[i + 1])
         outs.append(o)
     return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0], h
 
