@@ -14,32 +14,16 @@ Inside `jax.shard_map` the outputs carry the mesh axes the inputs vary over (`ke
 
 Calls with `interpret=True` (the Mosaic GPU interpreter, CPU tests) run the launcher plainly:
 the interpreter's callbacks dispatch JAX operations of their own, and inside an eagerly
-dispatched jit they can wait on work the caller queued behind it (a deadlock seen on CPU). So do
-calls inside `inline()`: a computation XLA runs on a second stream (`compute_on("gpu_stream:N")`)
-annotates every call within it, and XLA refuses an annotated call nested in another one.
+dispatched jit they can wait on work the caller queued behind it (a deadlock seen on CPU).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
 
 from kernels import profiling, vma
-
-
-_INLINE = [False]
-
-
-@contextlib.contextmanager
-def inline():
-    """Within the block, launchers run plainly (no jit of their own): see the module's docstring."""
-    old, _INLINE[0] = _INLINE[0], True
-    try:
-        yield
-    finally:
-        _INLINE[0] = old
 
 
 def lowered_once(*static_argnames: str):
@@ -57,7 +41,7 @@ def lowered_once(*static_argnames: str):
 
         @functools.wraps(fn)
         def launch(*args, **kwargs):
-            if kwargs.get("interpret") or _INLINE[0]:
+            if kwargs.get("interpret"):
                 out = fn(*args, **kwargs)
             else:
                 out = jitted(*args, profiler_state=profiling.active(), **kwargs)

@@ -46,7 +46,6 @@ def _settings_table(keys=None):
              "wy_state": lambda: (chunk_wy, "WY_STATE", chunk_wy.WY_STATES),
              "state_buffers": _state_buffers_setting,
              "state_chain": _state_chain_setting,
-             "forward_pipeline": _forward_pipeline_setting,
              "prep_bwd": lambda: (chunk_prep_bwd, "PREP_BWD", chunk_prep_bwd.PREP_BWD_CHOICES),
              "train_intra": _train_intra_setting,
              "prep_bwd_cumsum": lambda: (chunk_prep_bwd, "PREP_BWD_CUMSUM", chunk_prep_bwd.PREP_BWD_CUMSUM_CHOICES)}
@@ -63,7 +62,6 @@ def traced_key() -> tuple:
     ms = sys.modules.get("kernels.kda.chunk_mosaic")  # "forward_only" exists once the impl is imported
     mst = sys.modules.get("kernels.kda.mosaic_state")
     pg = sys.modules.get("kernels.kda.pallas_gpu")
-    fp = sys.modules.get("kernels.kda.forward_pipeline")
     return chunk_intra.traced_settings() + (ck.DEFAULT_SCORES, chunk_segments.SEGMENTS,
                                             chunk_segments.forward_segments(), chunk_segments.BLOCK_V,
                                             chunk_segments.GRAD_ISSUE, chunk_segments.grad_intra(),
@@ -71,8 +69,7 @@ def traced_key() -> tuple:
                                             chunk_output.FORWARD_STATE, ms.FORWARD_ONLY if ms else None,
                                             mst.buffers() if mst else None, mst.CHAIN if mst else None,
                                             *chunk_wy.wy_bwd_setting(),
-                                            *chunk_prep_bwd.prep_bwd_setting(), pg.TRAIN_INTRA if pg else None,
-                                            fp.PIECES if fp else None)
+                                            *chunk_prep_bwd.prep_bwd_setting(), pg.TRAIN_INTRA if pg else None)
 
 
 def _state_buffers_setting():
@@ -85,12 +82,6 @@ def _state_chain_setting():
     from kernels.kda import mosaic_state  # Mosaic GPU is only imported when a kernel setting is asked for
 
     return mosaic_state, "CHAIN", mosaic_state.CHAIN_CHOICES
-
-
-def _forward_pipeline_setting():
-    from kernels.kda import forward_pipeline  # Mosaic GPU is only imported when a kernel setting is asked for
-
-    return forward_pipeline, "PIECES", forward_pipeline.PIECE_CHOICES
 
 
 def _train_intra_setting():
@@ -108,7 +99,7 @@ def _forward_only_setting():
 SETTINGS = ("diag", "rows", "scores", "cumsum", "scores_bwd", "inverse", "diag_stack", "offdiag_stack",
             "forward_only", "segments", "block_v", "grad_issue", "grad_intra", "scan_form", "cotangents",
             "residuals", "forward_state", "wy_bwd", "wy_form", "wy_state", "state_buffers", "forward_segments",
-            "prep_bwd", "train_intra", "prep_bwd_cumsum", "state_chain", "forward_pipeline")
+            "prep_bwd", "train_intra", "prep_bwd_cumsum", "state_chain")
 
 
 def setting_values(key: str) -> tuple:
@@ -122,7 +113,7 @@ def settings(**values):
     scores_bwd=, inverse=, diag_stack=, offdiag_stack=, forward_only=, segments=, block_v=,
     grad_issue=, grad_intra=, scan_form=, cotangents=, residuals=, forward_state=, wy_bwd=,
     wy_form=, wy_state=, state_buffers=, forward_segments=, prep_bwd=, train_intra=, prep_bwd_cumsum=,
-    state_chain=, forward_pipeline=; see SETTINGS),
+    state_chain=; see SETTINGS),
     restored afterwards; an unknown key or value raises."""
     table = _settings_table(values)
     for key, value in values.items():

@@ -143,7 +143,7 @@ def _blocks_op(op, X, Y):
 
 
 def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_ref, d_ref, *rest, H, KH, VH, scale, dt,
-          grid, pieces, first=0):
+          grid, pieces):
     ai_ref, kx_ref = rest[:2] if pieces else (None, None)
     q_s, k_s, kl_s, an_s, b_s, a_o, union, bars, *a_s = rest[2:] if pieces else rest
     (g_s, st_s), parts, kc_s, (v_s, m_s), (_, d_rows), (_, m32_s) = union
@@ -152,7 +152,7 @@ def _body(q_ref, k_ref, v_ref, g_ref, b_ref, qg_ref, wn_ref, kg_ref, u_ref, a_re
     n, bh = grid_indices(grid)
     b, h = lax.div(bh, H), lax.rem(bh, H)
     out = lambda ref, *idx: ref.at[(n, bh, *idx) if pieces else (bh, n, *idx)]  # noqa: E731 - this chunk-head's output
-    rows_t = pl.ds(((first + n) if first else n) * C, C)  # the inputs' rows (the outputs hold chunks first ..)
+    rows_t = pl.ds(n * C, C)
     half = lambda j: pl.ds(j * HW, HW)  # noqa: E731
     loads = [(g_ref.at[b, rows_t, h, half(j)], g_s.at[j]) for j in range(KH)]
     loads += [(q_ref.at[b, rows_t, h, half(j)], q_s.at[j]) for j in range(KH)]
@@ -371,7 +371,7 @@ def _smem16(shape, dtype):
     return plgpu.SMEM(shape, dtype, transforms=smem_transforms(SUB, dtype))
 
 
-def intra_bf16(q, k, v, g, beta_t, *, scale, interpret=False, pieces=False, chunks=None):
+def intra_bf16(q, k, v, g, beta_t, *, scale, interpret=False, pieces=False):
     """Intra-chunk stage for bounded gates (every g >= -5), no segment resets.
 
     q, k [B, Tp, H, K] and v [B, Tp, H, V] (bf16, Tp a multiple of 64, K and V in {64, 128});
@@ -384,24 +384,17 @@ def intra_bf16(q, k, v, g, beta_t, *, scale, interpret=False, pieces=False, chun
     chunk-major ([NT, BH, ...], `state_output(..., chunk_major=True)`) and w itself instead of -w:
     (qg, w, kg, u, a^T, d, Ai^T [NT, BH, C, C], k exp(G) [NT, BH, C, K]) with Ai = (I + L)^{-1}
     (bf16, its operand dtype there), G the chunk-local cumsum of g.
-    `chunks` = (first, count): only chunks first .. first + count - 1 (NT = count in the outputs),
-    read in place from the whole inputs (`pallas_gpu`'s pipelined forward).
     """
-    Tp = q.shape[1]
-    first, count = (0, Tp // C) if chunks is None else (int(chunks[0]), int(chunks[1]))
-    if first < 0 or count < 1 or (first + count) * C > Tp:
-        raise ValueError(f"chunks={chunks} lies outside the {Tp // C} chunks of T={Tp}")
-    return _intra_bf16(q, k, v, g, beta_t, scale=float(scale), interpret=interpret, pieces=bool(pieces),
-                       first=first, count=count)
+    return _intra_bf16(q, k, v, g, beta_t, scale=float(scale), interpret=interpret, pieces=bool(pieces))
 
 
-@lowered_once("scale", "interpret", "pieces", "first", "count")
-def _intra_bf16(q, k, v, g, beta_t, *, scale, interpret, pieces, first, count):
+@lowered_once("scale", "interpret", "pieces")
+def _intra_bf16(q, k, v, g, beta_t, *, scale, interpret, pieces):
     B, Tp, H, K = q.shape
     V = v.shape[-1]
     if K % HW or V % HW or K > 2 * HW or V > 2 * HW or Tp % C:
         raise ValueError(f"intra_bf16 takes K, V in (64, 128) and T a multiple of {C}; got K={K}, V={V}, T={Tp}")
-    NT = count
+    NT = Tp // C
     KH, VH = K // HW, V // HW
     dt = q.dtype
     f32 = jnp.float32
@@ -431,8 +424,7 @@ def _intra_bf16(q, k, v, g, beta_t, *, scale, interpret, pieces, first, count):
     out_type = (sds(C, K), sds(C, K), sds(C, K), sds(C, V), sds(C, C), sds(K, dtype=f32))
     if pieces:
         out_type += (sds(C, C), sds(C, K))
-    body = functools.partial(_body, H=H, KH=KH, VH=VH, scale=float(scale), dt=dt, grid=(NT, B * H), pieces=pieces,
-                             first=first)
+    body = functools.partial(_body, H=H, KH=KH, VH=VH, scale=float(scale), dt=dt, grid=(NT, B * H), pieces=pieces)
     return plgpu.kernel(
         body,
         out_type=out_type,

@@ -54,8 +54,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from kernels.kda import (chunk_segments, forward_pipeline, hopper, mosaic_decode, mosaic_intra, mosaic_intra_bf16,
-                         mosaic_state)
+from kernels.kda import chunk_segments, hopper, mosaic_decode, mosaic_intra, mosaic_intra_bf16, mosaic_state
 from kernels.kda.hopper import device_kind as _device_kind, per_shard
 from kernels.kda.pallas_gpu_prep import chunked_reference, prepare
 
@@ -192,8 +191,6 @@ def _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, inte
     dt = q.dtype if jnp.dtype(q.dtype).itemsize == 2 else jnp.float32
     if pieces and intra != "mosaic_bf16":
         raise ValueError(f"the training pieces come from intra='mosaic_bf16', not {intra!r}")
-    if intra == "mosaic_bf16" and not (pieces or with_states) and _pipelines(T, B * H, V):
-        return _pipelined_forward(q.astype(dt), k.astype(dt), v.astype(dt), g, beta, h0, scale, interpret, v.dtype)
     extra = ()
     if intra in ("mosaic", "mosaic_bf16"):
         ops = _bounded_operands(q.astype(dt), k.astype(dt), v.astype(dt), g, beta, scale, interpret, intra, pieces)
@@ -237,40 +234,6 @@ def _kernel_forward(q, k, v, g, beta, h0, seg, scale, intra, chunk_bounded, inte
         kept = dict(qg=qg, w=w, kg=kg, decay=d, AqkT=a_t, AiT=extra[0], kexp=extra[1])
         res += (chunks(out[3]), {key: chunks(x) for key, x in kept.items()})
     return res
-
-
-def _pipelines(T, BH, V) -> bool:
-    """Whether the bounded forward-only call runs `forward_pipeline` (PIECES > 1): its state passes
-    run piece after piece, so not where forward segments are asked for (raises) or where
-    forward_segments="auto" splits the pass (then segments, logged once)."""
-    p = forward_pipeline.pieces()
-    if p == 1:
-        return False
-    asked = chunk_segments.forward_segments()
-    if asked != "auto" and asked > 1:
-        raise ValueError(f"forward_pipeline={p} runs the state pass piece after piece; it does not take "
-                         f"forward_segments={asked} (choose one)")
-    NT = -(-T // mosaic_state.C)
-    segments = chunk_segments.effective_segments(NT, asked, chunk_segments.pass_programs(BH, V),
-                                                 auto=chunk_segments.auto_forward_segments)
-    if segments > 1 and ("forward_pipeline", segments) not in _warned:
-        _warned.add(("forward_pipeline", segments))
-        log.warning("KDA forward: forward_segments='auto' runs %d segments here; forward_pipeline=%d is not used",
-                    segments, p)
-    return segments == 1
-
-
-def _pipelined_forward(q, k, v, g, beta, h0, scale, interpret, out_dtype):
-    """`forward_pipeline.forward` for `_kernel_forward`: (o [B, T, H, V], S [B, H, K, V])."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    C = mosaic_state.C
-    pad = lambda x: jnp.pad(x, [(0, 0), (0, -T % C)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
-    q, k, v, g, beta = (pad(x) for x in (q, k, v, g, beta))
-    h0 = None if h0 is None else h0.reshape(B * H, K, V)
-    o, S = forward_pipeline.forward(q, k, v, g, jnp.moveaxis(beta, 1, 2), h0, scale=scale,
-                                    p=forward_pipeline.pieces(), interpret=interpret)
-    return o[:, :T].astype(out_dtype), S.reshape(B, H, K, V)
 
 
 # The forward that runs under differentiation (`train_forward`): "kernels", the primal's own
