@@ -52,8 +52,9 @@ def _mxfp4(x, w, sizes):
 
 M, D, F, G = 256, 64, 64, 2
 CASES = {
+    # state_chain="auto" runs the register chain here: a few programs, fewer than the SMs
     "kda forward": (lambda *a: kda(*a, lower_bound=-5.0, impl="chunk_mosaic")[0], _kda_args(),
-                    {"kda_intra_bf16", "kda_mosaic_state_body"}),
+                    {"kda_intra_bf16", "kda_mosaic_state_regs_body"}),
     "kda intra bf16": (lambda q, k, v, g, b: mosaic_intra_bf16.intra_bf16(q, k, v, g, jnp.moveaxis(b, 1, 2), scale=0.125),
                        _kda_args(), {"kda_intra_bf16"}),
     # the forward pass that forms o (chunk_output.FORWARD_STATE "output") is the state kernel
