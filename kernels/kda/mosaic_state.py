@@ -320,7 +320,8 @@ def state_output(qg, wn, kg, u, a, d, h0, *, out_dtype, interpret=False, with_st
     return _state_output(qg, wn, kg, u, a, d, h0, out_dtype=jnp.dtype(out_dtype), interpret=interpret,
                          with_states=with_states, heads=heads, chunk_major=chunk_major, a_transposed=a_transposed,
                          BV=BV, with_vn=with_vn, w_negated=bool(w_negated), single=buffers() == "single",
-                         segments=int(segments), form=chain(BV, with_states or with_vn, segments * BH * (u.shape[-1] // BV)))
+                         segments=int(segments),
+                         form=chain(BV, with_states or with_vn, segments * BH * (u.shape[-1] // BV)))
 
 
 @lowered_once("out_dtype", "interpret", "with_states", "heads", "chunk_major", "a_transposed", "BV", "with_vn",

@@ -137,7 +137,9 @@ def test_gpu_regs_chain_matches_smem(rng, h0):
         with chunk.settings(state_chain=form):
             outs[form] = jax.jit(lambda *x: mosaic_state.state_output(*x, out_dtype=jnp.float32))(*ops)
     o_ref, s_ref = _recurrence(*ops, chunk_major=False, a_transposed=False, w_negated=True, segments=1)
-    rel = lambda x, ref: float(np.sqrt(np.mean((np.asarray(x, np.float64) - ref) ** 2) / np.mean(ref ** 2)))  # noqa: E731
+    def rel(x, ref):  # relative RMS error
+        return float(np.sqrt(np.mean((np.asarray(x, np.float64) - ref) ** 2) / np.mean(ref ** 2)))
+
     errs = {form: (rel(o, o_ref), rel(S, s_ref)) for form, (o, S) in outs.items()}
     print("relative RMS error against float64 (o, final state):", errs)
     for form, (o, S) in outs.items():
