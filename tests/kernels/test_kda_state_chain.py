@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kernels.kda import chunk, mosaic_state, mosaic_state_regs
+from kernels.testing import rel_rms
 from tests.kernels.test_kda_chunk import BF16_TOL
 from tests.kernels.test_kda_pallas_gpu import _check_parity
 
@@ -137,10 +138,7 @@ def test_gpu_regs_chain_matches_smem(rng, h0):
         with chunk.settings(state_chain=form):
             outs[form] = jax.jit(lambda *x: mosaic_state.state_output(*x, out_dtype=jnp.float32))(*ops)
     o_ref, s_ref = _recurrence(*ops, chunk_major=False, a_transposed=False, w_negated=True, segments=1)
-    def rel(x, ref):  # relative RMS error
-        return float(np.sqrt(np.mean((np.asarray(x, np.float64) - ref) ** 2) / np.mean(ref ** 2)))
-
-    errs = {form: (rel(o, o_ref), rel(S, s_ref)) for form, (o, S) in outs.items()}
+    errs = {form: (rel_rms(o_ref, o), rel_rms(s_ref, S)) for form, (o, S) in outs.items()}
     print("relative RMS error against float64 (o, final state):", errs)
     for form, (o, S) in outs.items():
         assert np.abs(np.asarray(o, np.float64) - o_ref).max() <= 0.02 * np.abs(o_ref).max(), form
